@@ -26,6 +26,14 @@ SCHEMAS: dict[str, str] = {
     "normalize_uint8_into": "normalize_uint8_into(Tensor x, Tensor(a!)[] out) -> ()",
 }
 
+# ---- cache decode ops (gather) -------------------------------------------------------------
+# (issue 4 adds its schemas here with SCHEMAS.update({...}))
+
+
+# ---- replay ops (cotangent scatter) --------------------------------------------------------
+# (issue 6 adds its schemas here with SCHEMAS.update({...}))
+
+
 for _schema in SCHEMAS.values():
     LIB.define(_schema)
 
@@ -60,6 +68,13 @@ def compiled_kernel_registered(op: str, dispatch_key: str) -> bool:
 @torch.library.register_fake("latentfast::normalize_uint8_into")
 def _normalize_uint8_into_fake(x, out):
     return None
+
+
+# ---- cache decode fake kernels (issue 4) ----------------------------------------------------
+
+
+# ---- replay fake kernels (issue 6) ----------------------------------------------------------
+
 
 
 # ---------------------------------------------------------------------------------------------

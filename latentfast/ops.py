@@ -84,3 +84,9 @@ def normalize_uint8(
     if x.numel():
         fn(x, outputs)
     return outputs[0] if num_views == 1 else outputs
+
+
+# ---- cache decode (issue 4) -----------------------------------------------------------------
+
+
+# ---- replay (issue 6) -----------------------------------------------------------------------

@@ -17,3 +17,9 @@ def normalize_uint8_into(x: torch.Tensor, out: list[torch.Tensor]) -> None:
     for view, target in enumerate(out):
         part = x.narrow(-3, view * frames, frames)
         target.copy_(part.to(torch.float32).div_(127.5).sub_(1.0))
+
+
+# ---- cache decode (issue 4) -----------------------------------------------------------------
+
+
+# ---- replay (issue 6) -----------------------------------------------------------------------
