@@ -1,0 +1,70 @@
+"""Shared timing and table helpers for the benchmark suites (pytest-benchmark + `run_report`)."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def sync(device: str | torch.device | None = None) -> None:
+    """Wait for the device so a timed function measures finished work."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 2, device=None, min_time: float = 0.0) -> float:
+    """Median wall time of ``fn()`` over ``repeat`` runs (after ``warmup``), synchronizing ``device``.
+
+    Short functions are looped so one sample lasts at least ``min_time`` seconds."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    inner = 1
+    if min_time > 0:
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        once = max(time.perf_counter() - start, 1e-9)
+        inner = max(1, int(min_time / once))
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync(device)
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def format_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table; floats printed with 3 significant digits."""
+
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
+        return str(value)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def machine_summary() -> dict:
+    import os
+    import platform
+
+    info = {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
