@@ -61,9 +61,25 @@ def test_build_inspect_verify(tmp_path, capsys):
     assert "shorter than the meta implies" in capsys.readouterr().err
 
 
-def test_build_requires_a_source(tmp_path):
+def test_build_requires_a_source_and_a_known_encoder(tmp_path):
     with pytest.raises(SystemExit):
         run_cli("build", "--out", str(tmp_path))
+    with pytest.raises(SystemExit, match="--encoder must be 'toy' or 'module:factory', got 'vae'"):
+        run_cli("build", "--images", str(tmp_path), "--out", str(tmp_path), "--encoder", "vae")
+
+
+def test_encoder_factory(tmp_path):
+    make_lines(str(tmp_path), n=5)
+    args = ["--images", str(tmp_path / "img"), "--line-height", "16", "--max-line-width", "96", "--quiet"]
+    assert run_cli("build", *args, "--out", str(tmp_path / "a"), "--toy-seed", "4") == 0
+    assert run_cli("build", *args, "--out", str(tmp_path / "b"), "--encoder", "test_cache_cli:seed4_toy") == 0
+    assert cache_files(str(tmp_path / "a")) == cache_files(str(tmp_path / "b"))
+
+
+def seed4_toy():
+    from latentfast.toy import ToyVAE
+
+    return ToyVAE(seed=4)
 
 
 @pytest.mark.slow

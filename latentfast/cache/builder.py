@@ -294,9 +294,12 @@ def build_latent_cache(
             "skipped": skipped,
             "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_rows": fmt.block_row_count(stamp)},
         }
-        fingerprint = hashlib.sha256(
-            json.dumps({"meta": meta, "lines": [(x.line, x.path, x.width) for x in lines], "white": white.tobytes().hex()}, sort_keys=True).encode()
-        ).hexdigest()
+        # What the bytes depend on: a rerun resumes only a build with the same fingerprint.
+        digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+        digest.update(white.tobytes())
+        for x in lines:
+            digest.update(f"{x.line}\t{x.path}\t{x.width}\n".encode())
+        fingerprint = digest.hexdigest()
         meta["build_fingerprint"] = fingerprint
         meta["complete"] = True
 

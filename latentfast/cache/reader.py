@@ -1,6 +1,7 @@
 """Open, read, inspect and verify a latent cache (see :mod:`latentfast.cache.format`)."""
 from __future__ import annotations
 
+import operator
 import os
 import time
 import warnings
@@ -60,8 +61,15 @@ class LatentCache:
         self._data_path = fmt.cache_path(self.cache_dir, split, "data")
         self._load_index()
         self.white_column = self._resolve_white(white_column)
-        self._mm: np.memmap | None = None
+        self._mm: np.ndarray | None = None
         self._data: torch.Tensor | None = None
+        self._set_geometry()
+
+    def _set_geometry(self) -> None:
+        """Plain ints for the per-row hot path."""
+        self._row_shape = (self.channels, self.latent_h, self.w_max)
+        self._line_elements = self.channels * self.latent_h
+        self._row_elements = self._line_elements * self.w_max
 
     # -- opening and validation -------------------------------------------------------------
     def _load_index(self) -> None:
@@ -147,24 +155,25 @@ class LatentCache:
             if self.row_starts[-1] == 0:
                 self._mm = np.zeros(0, dtype=np.float16)
             else:
-                self._mm = np.memmap(self._data_path, dtype=np.float16, mode="r", shape=(int(self.row_starts[-1]),))
+                mm = np.memmap(self._data_path, dtype=np.float16, mode="r", shape=(int(self.row_starts[-1]),))
+                self._mm = mm.view(np.ndarray)  # plain-array slicing is cheaper; the view keeps the map open
         return self._mm
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        n = len(self)
-        i = int(i)
-        if not -n <= i < n:
+        n = self.meta["n"]
+        i = operator.index(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
             raise IndexError(f"latent cache index {i} out of range for {n} rows")
-        i %= n
         w = int(self.widths[i])
-        C, h = self.channels, self.latent_h
         start = int(self.row_starts[i])
-        flat = self._memmap()[start : int(self.row_starts[i + 1])]
-        if self.layout == "ragged":
-            row = flat.reshape(C, h, w)
+        data = self._mm if self._mm is not None else self._memmap()
+        if self.meta.get("layout") == "ragged":
+            row = data[start : start + self._line_elements * w].reshape(self._row_shape[0], self._row_shape[1], w)
         else:
-            row = flat.reshape(C, h, self.w_max)[:, :, :w]
-        return torch.from_numpy(np.array(row, dtype=np.float16, order="C"))
+            row = data[start : start + self._row_elements].reshape(self._row_shape)[:, :, :w]
+        return torch.from_numpy(row.copy())  # a copy: never hand out a view of the map
 
     def gather_source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(data, row_offsets, widths, pitch)`` for batch gathers.
@@ -202,6 +211,7 @@ class LatentCache:
             self.row_starts = np.arange(len(self) + 1, dtype=np.int64) * fmt.row_elements(self.meta)
         self._mm = None
         self._data = None
+        self._set_geometry()
 
 
 def _load_npy(path: str, what: str) -> np.ndarray:
