@@ -13,6 +13,7 @@ import time
 import pytest
 
 from latentfast.cache import IncompleteCacheError, LatentCache, cache_path
+from latentfast.toy import ToyVAE
 from test_cache import build, cache_files, make_lines
 
 # The same command each time; its encoder is the toy VAE slowed down so the kill lands mid-build.
@@ -141,3 +142,53 @@ def test_crash_at_every_step_of_finalize(tmp_path, monkeypatch, start_from):
         build(manifest, out, layout="ragged")
         assert cache_files(out) == cache_files(refs["ragged"])
     assert step > 6
+
+
+class _FailAfter(ToyVAE):
+    """Raises (a stand-in crash) once ``batches`` line batches have been encoded."""
+
+    def __init__(self, batches: int):
+        super().__init__()
+        self.left = batches + 1  # + the white-column probe
+        self.calls = 0
+
+    def encode(self, images):
+        self.calls += 1
+        self.left -= 1
+        if self.left < 0:
+            raise _Crash
+        return super().encode(images)
+
+
+def test_resume_repairs_its_log_and_restarts_on_lost_data(tmp_path):
+    manifest = make_lines(str(tmp_path), n=12, seed=4)  # 6 batches of 2
+    reference = str(tmp_path / "reference")
+    build(manifest, reference, batch_size=2)
+    out = str(tmp_path / "out")
+    progress = cache_path(out, "train", "progress")
+
+    with pytest.raises(_Crash):
+        build(manifest, out, batch_size=2, encoder=_FailAfter(3))
+    with open(progress, "ab") as fh:
+        fh.write(b"4")  # a torn append: dropped, not trusted
+    with pytest.raises(_Crash):
+        build(manifest, out, batch_size=2, encoder=_FailAfter(1))
+    assert _logged_batches(progress) == 4
+
+    os.truncate(cache_path(out, "train", "data") + ".partial", 100)  # the data file lost: start over
+    with pytest.raises(_Crash):
+        build(manifest, out, batch_size=2, encoder=_FailAfter(1))
+    assert _logged_batches(progress) == 1  # the old batches are forgotten, not claimed for new data
+
+    encoder, stats = _FailAfter(100), {}
+    build(manifest, out, batch_size=2, encoder=encoder, stats=stats)
+    assert stats["resumed"] and encoder.calls == 1 + 5
+    assert cache_files(out) == cache_files(reference)
+
+    stale = str(tmp_path / "stale")  # a log from another build (other batch size) is not resumed
+    with pytest.raises(_Crash):
+        build(manifest, stale, batch_size=3, encoder=_FailAfter(2))
+    encoder, stats = _FailAfter(100), {}
+    build(manifest, stale, batch_size=2, encoder=encoder, stats=stats)
+    assert not stats["resumed"] and encoder.calls == 1 + 6
+    assert cache_files(stale) == cache_files(reference)

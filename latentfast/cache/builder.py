@@ -192,26 +192,35 @@ class _Progress:
 
     def __init__(self, path: str, fingerprint: str):
         self.path = path
-        header = json.dumps({"fingerprint": fingerprint}) + "\n"
+        self.header = (json.dumps({"fingerprint": fingerprint}) + "\n").encode()
         self.done: set[int] = set()
-        resumed = False
+        self.resumed = False
         if os.path.exists(path):
             with open(path, "rb") as fh:
                 text = fh.read()
-            complete = text[: text.rfind(b"\n") + 1].decode("utf-8", "replace").splitlines(keepends=True)
-            if complete and complete[0] == header:
-                self.done = {int(x) for x in complete[1:]}
-                resumed = True
-                with open(path, "r+b") as fh:  # drop a torn tail before appending
-                    fh.truncate(sum(len(x.encode()) for x in complete))
-        if not resumed:
-            with open(path, "wb") as fh:
-                fh.write(header.encode())
-                fh.flush()
-                os.fsync(fh.fileno())
-            fmt.fsync_dir(os.path.dirname(path) or ".")
-        self.resumed = resumed
+            text = text[: text.rfind(b"\n") + 1]
+            if text.startswith(self.header) and all(x.isdigit() for x in text[len(self.header):].split()):
+                self.done = {int(x) for x in text[len(self.header):].split()}
+                self.resumed = True
+                os.truncate(path, len(text))  # drop a torn tail before appending
+        if not self.resumed:
+            self._write_header()
         self._fh = open(path, "ab")
+
+    def _write_header(self) -> None:
+        with open(self.path, "wb") as fh:
+            fh.write(self.header)
+            fh.flush()
+            os.fsync(fh.fileno())
+        fmt.fsync_dir(os.path.dirname(self.path) or ".")
+
+    def restart(self) -> None:
+        """Forget every batch (durably, before the data file is recreated)."""
+        self._fh.close()
+        self._write_header()
+        self._fh = open(self.path, "ab")
+        self.done.clear()
+        self.resumed = False
 
     def mark(self, batch: int) -> None:
         self._fh.write(f"{batch}\n".encode())
@@ -312,9 +321,10 @@ def build_latent_cache(
         finished = len(progress.done) == len(batches)
         renamed = finished and not os.path.exists(partial) and _size(paths["data"]) == data_bytes
         if not renamed and (not progress.resumed or _size(partial) != data_bytes):
-            progress.done.clear()  # nothing to resume: start the data file over
+            progress.restart()  # nothing to resume: the log forgets first, then the data starts over
             with open(partial, "wb") as fh:
                 fh.truncate(data_bytes)
+        resumed = progress.resumed
         timings = {"decode_s": 0.0, "encode_s": 0.0, "write_s": 0.0}
         try:
             if not renamed:
@@ -327,7 +337,7 @@ def build_latent_cache(
             progress.close()
         _finalize(paths, partial if not renamed else paths["data"], meta, widths, row_starts, white, layout)
     if stats is not None:
-        stats.update(timings, wall_s=time.perf_counter() - wall_start, rows=len(lines), resumed=progress.resumed)
+        stats.update(timings, wall_s=time.perf_counter() - wall_start, rows=len(lines), resumed=resumed)
     return paths["data"]
 
 
