@@ -356,16 +356,19 @@ def _already_built(meta_path: str, fingerprint: str) -> bool:
     return meta.get("complete") is True and meta.get("build_fingerprint") == fingerprint
 
 
-def _plan_lines(pool, entries, line_height, max_line_width, skip_bad_images):
-    futures = [pool.submit(_probe, e, line_height, max_line_width, skip_bad_images) for e in entries]
+def _plan_lines(pool, entries, line_height, max_line_width, skip_bad_images, chunk=4096):
+    """Probe every image on the pool, a chunk at a time (bounded memory for huge manifests)."""
     lines, skipped = [], []
-    for (number, path), fut in zip(entries, futures):
-        try:
-            lines.append(fut.result())
-        except ImageError as exc:
-            if not skip_bad_images:
-                raise
-            skipped.append({"line": number, "path": path, "error": str(exc)})
+    for start in range(0, len(entries), chunk):
+        part = entries[start : start + chunk]
+        futures = [pool.submit(_probe, e, line_height, max_line_width, skip_bad_images) for e in part]
+        for (number, path), fut in zip(part, futures):
+            try:
+                lines.append(fut.result())
+            except ImageError as exc:
+                if not skip_bad_images:
+                    raise
+                skipped.append({"line": number, "path": path, "error": str(exc)})
     return lines, skipped
 
 

@@ -90,11 +90,11 @@ class LatentCache:
             offsets = _load_npy(opath, "offsets")
             if offsets.shape != (n + 1,):
                 raise ValueError(f"latent cache offsets {opath} must have n + 1 = {n + 1} entries, got shape {offsets.shape}")
-            if not np.array_equal(offsets, fmt.ragged_offsets(self.widths, C, h)):
+            self.row_starts = self._row_starts_from_widths()
+            if not np.array_equal(offsets, self.row_starts):
                 raise ValueError(f"latent cache offsets {opath} disagree with the widths (row i must span C*h*w_i elements, back to back)")
-            self.row_starts = offsets.astype(np.int64, copy=False)
         else:
-            self.row_starts = np.arange(n + 1, dtype=np.int64) * (C * h * w_max)
+            self.row_starts = self._row_starts_from_widths()
         expected_bytes = int(self.row_starts[-1]) * 2
         try:
             actual = os.path.getsize(self._data_path)
@@ -199,19 +199,21 @@ class LatentCache:
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_mm", "_data", "_row_offsets", "_widths_t"):
-            state.pop(key, None)
-        if self.layout == "padded":
-            state.pop("row_starts")  # recomputed; only the ragged offsets carry information
+        for key in ("_mm", "_data", "_row_offsets", "_widths_t", "row_starts"):
+            state.pop(key, None)  # row_starts: recomputed from the widths (validated equal on open)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        if "row_starts" not in state:
-            self.row_starts = np.arange(len(self) + 1, dtype=np.int64) * fmt.row_elements(self.meta)
+        self.row_starts = self._row_starts_from_widths()
         self._mm = None
         self._data = None
         self._set_geometry()
+
+    def _row_starts_from_widths(self) -> np.ndarray:
+        if self.layout == "ragged":
+            return fmt.ragged_offsets(self.widths, self.channels, self.latent_h)
+        return np.arange(len(self) + 1, dtype=np.int64) * fmt.row_elements(self.meta)
 
 
 def _load_npy(path: str, what: str) -> np.ndarray:
