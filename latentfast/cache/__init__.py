@@ -1,1 +1,39 @@
-"""(filled by its issue)"""
+"""Offline VAE latent cache: format, builder, reader (and, from the decode issue, the fast batch path)."""
+from __future__ import annotations
+
+from .builder import ImageError, build_latent_cache, cache_meta_for, list_source
+from .format import (
+    FORMAT_VERSION,
+    LAYOUTS,
+    SEED_FIELDS,
+    block_checksums,
+    cache_path,
+    ragged_offsets,
+    read_meta,
+    stamp_differences,
+)
+from .reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
+
+__all__ = [
+    # format
+    "FORMAT_VERSION",
+    "LAYOUTS",
+    "SEED_FIELDS",
+    "block_checksums",
+    "cache_path",
+    "ragged_offsets",
+    "read_meta",
+    "stamp_differences",
+    # builder
+    "ImageError",
+    "build_latent_cache",
+    "cache_meta_for",
+    "list_source",
+    # reader
+    "CacheCorruptError",
+    "IncompleteCacheError",
+    "LatentCache",
+    "inspect_cache",
+    "verify_cache",
+    # decode (issue 4) adds its names here at merge time
+]

@@ -1,0 +1,206 @@
+"""On-disk format of the latent cache: file names, the meta stamp, layouts, checksums.
+
+A cache for ``split`` in ``cache_dir`` is these files:
+
+- ``{split}.latents.f16.dat``      float16 latents. ``padded`` layout: ``[N, C, h, w_max]``, the
+  columns past a row's width are zero. ``ragged`` layout: rows ``[C, h, w_i]`` back to back.
+- ``{split}.latents.widths.npy``   int32 ``[N]``, each row's real latent width in ``[1, w_max]``.
+- ``{split}.latents.meta.json``    the stamp. The nine fields of the original format
+  (:data:`SEED_FIELDS`) and, from our writer, ``format_version``, ``layout``, ``dtype``,
+  ``encoder`` (identity dict), ``checksum`` and ``complete`` (the completion mark).
+- ``{split}.latents.offsets.npy``  ragged only: int64 ``[N + 1]``, element offset of each row.
+- ``{split}.latents.white.npy``    float16 ``[C, h, 1]``, the encoder's latent of white paper.
+- ``{split}.latents.crc32.npy``    uint32, one CRC-32 per block of ``checksum.block_rows`` rows.
+
+A cache written by other code with only the first three files and the nine fields opens as a
+padded cache. The meta file is written last, with an atomic rename: a cache without it is not
+a cache (and if build leftovers are present, the error says to re-run the build to resume it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any, Mapping
+
+import numpy as np
+
+FORMAT_VERSION = 1
+LAYOUTS = ("padded", "ragged")
+SEED_FIELDS = (
+    "n",
+    "channels",
+    "latent_h",
+    "w_max",
+    "pretrained",
+    "subfolder",
+    "line_height",
+    "max_line_width",
+    "downscale_factor",
+)
+# Fields a stamp check compares by default: what determines the latents' values and geometry.
+STAMP_FIELDS = SEED_FIELDS + ("encoder",)
+CHECKSUM_ALGORITHM = "crc32"
+CHECKSUM_BLOCK_BYTES = 4 << 20  # a block small enough to stay in cache while verify checks it twice
+
+_SUFFIXES = {
+    "data": "latents.f16.dat",
+    "widths": "latents.widths.npy",
+    "meta": "latents.meta.json",
+    "offsets": "latents.offsets.npy",
+    "white": "latents.white.npy",
+    "checksums": "latents.crc32.npy",
+    "progress": "latents.progress",
+}
+PARTIAL_SUFFIX = ".partial"
+
+
+def cache_path(cache_dir: str | os.PathLike, split: str, kind: str) -> str:
+    """Path of one of the cache's files; ``kind`` is data, widths, meta, offsets, white,
+    checksums or progress."""
+    if kind not in _SUFFIXES:
+        raise ValueError(f"kind must be one of {sorted(_SUFFIXES)}, got {kind!r}")
+    return os.path.join(os.fspath(cache_dir), f"{split}.{_SUFFIXES[kind]}")
+
+
+def partial_path(path: str) -> str:
+    """The temporary name a file is built under before the final rename."""
+    return path + PARTIAL_SUFFIX
+
+
+def build_in_progress(cache_dir: str | os.PathLike, split: str) -> bool:
+    """Whether a build of this split was started and has not finished (its leftovers exist)."""
+    return os.path.exists(cache_path(cache_dir, split, "progress"))
+
+
+def row_elements(meta: Mapping[str, Any]) -> int:
+    """Elements of one padded row, ``C * h * w_max``."""
+    return int(meta["channels"]) * int(meta["latent_h"]) * int(meta["w_max"])
+
+
+def ragged_offsets(widths: np.ndarray, channels: int, latent_h: int) -> np.ndarray:
+    """int64 ``[N + 1]`` element offsets of rows stored back to back, ``[C, h, w_i]`` each."""
+    offsets = np.zeros(len(widths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(widths, dtype=np.int64) * (int(channels) * int(latent_h)), out=offsets[1:])
+    return offsets
+
+
+def block_row_count(meta: Mapping[str, Any]) -> int:
+    """Rows per checksum block: about :data:`CHECKSUM_BLOCK_BYTES` of padded rows."""
+    return max(1, CHECKSUM_BLOCK_BYTES // (2 * row_elements(meta)))
+
+
+def block_bounds(row_starts: np.ndarray, n: int, block_rows: int):
+    """Yield ``(block, first_row, end_row, first_element, end_element)`` over the data file.
+
+    ``row_starts`` is int64 ``[N + 1]`` (element offset of each row, then the end)."""
+    for b, r0 in enumerate(range(0, n, block_rows)):
+        r1 = min(n, r0 + block_rows)
+        yield b, r0, r1, int(row_starts[r0]), int(row_starts[r1])
+
+
+def block_checksums(data: np.ndarray, row_starts: np.ndarray, block_rows: int) -> np.ndarray:
+    """CRC-32 of each block of ``block_rows`` rows of the flat float16 ``data``; uint32 ``[blocks]``."""
+    n = len(row_starts) - 1
+    sums = [zlib.crc32(data[e0:e1]) for _, _, _, e0, e1 in block_bounds(row_starts, n, block_rows)]
+    return np.asarray(sums, dtype=np.uint32)
+
+
+def first_nonfinite(block: np.ndarray, scratch: np.ndarray | None = None) -> int:
+    """Index of the first non-finite value of a flat float16 array, or -1.
+
+    A float16 is inf/NaN exactly when its five exponent bits are all ones; testing the bit
+    pattern is several times faster than ``np.isfinite`` on float16."""
+    bits = block.view(np.uint16)
+    masked = np.bitwise_and(bits, 0x7C00, out=None if scratch is None else scratch[: bits.size])
+    if masked.max(initial=0) != 0x7C00:
+        return -1
+    return int(np.argmax(masked == 0x7C00))
+
+
+def read_meta(path: str) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        try:
+            meta = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"latent cache meta {path} is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"latent cache meta {path} must hold a JSON object, got {type(meta).__name__}")
+    missing = [f for f in SEED_FIELDS if f not in meta]
+    if missing:
+        raise ValueError(f"latent cache meta {path} lacks the fields {missing}")
+    for f in ("n", "channels", "latent_h", "w_max"):
+        if not isinstance(meta[f], int) or isinstance(meta[f], bool) or meta[f] < (0 if f == "n" else 1):
+            raise ValueError(f"latent cache meta {path}: {f} must be a {'non-negative' if f == 'n' else 'positive'} integer, got {meta[f]!r}")
+    layout = meta.get("layout", "padded")
+    if layout not in LAYOUTS:
+        raise ValueError(f"latent cache meta {path}: layout must be one of {LAYOUTS}, got {layout!r}")
+    dtype = meta.get("dtype", "float16")
+    if dtype != "float16":
+        raise ValueError(f"latent cache meta {path}: dtype must be 'float16', got {dtype!r}")
+    return meta
+
+
+def write_bytes_durably(path: str, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` through a temporary name, fsync, atomic rename, fsync the folder."""
+    tmp = partial_path(path)
+    with open(tmp, "wb") as fh:
+        fh.write(payload)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_meta(path: str, meta: Mapping[str, Any]) -> None:
+    write_bytes_durably(path, (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _as_dict(expected: Any) -> dict:
+    if isinstance(expected, Mapping):
+        return dict(expected)
+    for method in ("model_dump", "dict", "_asdict"):  # pydantic v2 / v1 models, namedtuples
+        if hasattr(expected, method):
+            return dict(getattr(expected, method)())
+    raise TypeError(f"expected must be a mapping of meta fields (or a model with model_dump), got {type(expected).__name__}")
+
+
+_MISSING = "<missing>"
+
+
+def stamp_differences(meta: Mapping[str, Any], expected: Any) -> list[tuple[str, Any, Any]]:
+    """``(field, in cache, expected)`` for every field of ``expected`` the cache disagrees with."""
+    diffs = []
+    for key, want in sorted(_as_dict(expected).items()):
+        have = meta.get(key, _MISSING)
+        if have != want:
+            diffs.append((key, have, want))
+    return diffs
+
+
+def rebuild_command(cache_dir: str, split: str, meta: Mapping[str, Any], expected: Mapping[str, Any]) -> str:
+    """The CLI line that rebuilds this cache for the ``expected`` geometry."""
+    want = {**meta, **_as_dict(expected)}
+    source = meta.get("source")
+    src = f"--manifest {source}" if source and not os.path.isdir(source) else f"--images {source or '<images dir>'}"
+    return (
+        f"latentfast cache build {src} --out {cache_dir} --split {split} "
+        f"--line-height {want.get('line_height')} --max-line-width {want.get('max_line_width')} "
+        f"--layout {meta.get('layout', 'padded')} --encoder <the expected encoder>"
+    )
