@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     bench.add_argument("--suite", action="append", help="run only this suite (repeatable)")
     bench.set_defaults(func=_bench)
+
+    from .cache.cli import add_cache_subparsers
+
+    add_cache_subparsers(sub)
     return parser
 
 
