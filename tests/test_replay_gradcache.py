@@ -261,6 +261,7 @@ def test_offload_commit_discard():
     assert not cache.finalized and cache._store is None
 
 
+@pytest.mark.gpu
 def test_offload_from_cuda_leaves_nothing_on_the_device():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -277,6 +278,7 @@ def test_offload_from_cuda_leaves_nothing_on_the_device():
     assert all(t.device.type == "cpu" for t in tensors)
 
 
+@pytest.mark.gpu
 def test_cuda_device_mismatch_rejected():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

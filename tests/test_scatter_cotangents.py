@@ -110,13 +110,26 @@ def test_opcheck(case):
     torch.library.opcheck(torch.ops.latentfast.scatter_cotangents_into.default, (grads, batch_sizes, scale, arena))
 
 
-def test_cuda_matches_reference():
+@pytest.mark.gpu
+def test_cuda_matches_reference_in_one_launch():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    from torch.profiler import ProfilerActivity, profile
+
     for grads, batch_sizes, scale in sample_inputs("cuda"):
         expected = _expected_arena([g.cpu() for g in grads], batch_sizes, scale)
-        result = scatter_cotangents(grads, batch_sizes, scale=scale)
-        torch.testing.assert_close(result.arena.cpu(), expected, rtol=0, atol=0)
+        for backend in runnable_backends(OP, "cuda"):
+            out = poisoned_like(expected.shape, expected.dtype, "cuda")
+            scatter_cotangents(grads, batch_sizes, scale=scale, backend=backend, out=out)
+            torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+    if "cuda" not in runnable_backends(OP, "cuda"):
+        pytest.skip("latentfast._C was built without the CUDA kernel")
+    grads, batch_sizes, scale = sample_inputs("cuda")[-1]  # 3 branches x 8 microbatches
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        scatter_cotangents(grads, batch_sizes, scale=scale, backend="cuda")
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()]
+    assert len(kernels) == 1 and "scatter_cotangents" in kernels[0], kernels
 
 
 def _grads():

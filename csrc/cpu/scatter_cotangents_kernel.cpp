@@ -31,9 +31,10 @@ void scatter_impl(const std::vector<at::Tensor>& grads, const std::vector<RowTas
   scalar_t* out = arena.data_ptr<scalar_t>();
   std::vector<const scalar_t*> base;
   for (const auto& g : grads) base.push_back(g.const_data_ptr<scalar_t>());
+  // ~64K elements per chunk at least: below that, waking a second thread costs more than it saves
   int64_t max_slab = 1;
   for (const auto& g : grads) max_slab = std::max<int64_t>(max_slab, g.size(1) * g.size(2));
-  const int64_t grain = std::max<int64_t>(1, 32768 / max_slab);
+  const int64_t grain = std::max<int64_t>(1, 65536 / max_slab);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const RowTask& task = tasks[t];

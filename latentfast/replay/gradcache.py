@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .scatter import arena_views, scatter_cotangents
+from .scatter import CotangentBlocks, arena_views, scatter_cotangents
 
 
 def _to_cpu(value: Any) -> Any:
@@ -32,6 +32,31 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to_cpu(item) for item in value)
     return value
+
+
+class BranchCotangents(Mapping):
+    """Branch name -> cotangent block of one microbatch (a view into the cotangent arena)."""
+
+    __slots__ = ("_names", "_blocks", "_microbatch")
+
+    def __init__(self, names: tuple[str, ...], blocks: CotangentBlocks, microbatch: int):
+        self._names, self._blocks, self._microbatch = names, blocks, microbatch
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            branch = self._names.index(name)
+        except ValueError:
+            raise KeyError(name) from None
+        return self._blocks[self._microbatch][branch]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return f"BranchCotangents({dict(self)!r})"
 
 
 @dataclass(frozen=True)
@@ -371,8 +396,8 @@ class FeatureGradientReplay:
             grads = torch.autograd.grad(optimized, [leaves[name] for name in self.branch_names], allow_unused=True)
         grads = [torch.zeros_like(leaves[name]) if g is None else g for name, g in zip(self.branch_names, grads)]
         scattered = scatter_cotangents(grads, self._gradient_batch_sizes, scale=float(world_size))
-        local = tuple(dict(zip(self.branch_names, blocks)) for blocks in scattered.local)
-        fsdp = tuple(dict(zip(self.branch_names, blocks)) for blocks in scattered.scaled)
+        local = tuple(BranchCotangents(self.branch_names, scattered.local, m) for m in range(len(scattered.local)))
+        fsdp = tuple(BranchCotangents(self.branch_names, scattered.scaled, m) for m in range(len(scattered.scaled)))
 
         global_samples = self.target_local_samples * world_size
         gradient_global = self.gradient_local_samples * world_size
@@ -439,8 +464,8 @@ class FeatureGradientReplay:
             loss=result.loss.to("cpu"),
             optimized_loss=result.optimized_loss.to("cpu"),
             metadata=_to_cpu(result.metadata),
-            local_cotangents=tuple(dict(zip(self.branch_names, blocks)) for blocks in local),
-            fsdp_cotangents=tuple(dict(zip(self.branch_names, blocks)) for blocks in scaled),
+            local_cotangents=tuple(BranchCotangents(self.branch_names, local, m) for m in range(len(local))),
+            fsdp_cotangents=tuple(BranchCotangents(self.branch_names, scaled, m) for m in range(len(scaled))),
             replay_batch_indices=result.replay_batch_indices,
             replay_sample_ids=result.replay_sample_ids,
             local_samples=result.local_samples,

@@ -9,6 +9,7 @@ arena and returns views into it, so moving the whole set to the CPU is one trans
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -19,40 +20,80 @@ from .. import backends
 SCATTER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-class ScatteredCotangents(NamedTuple):
-    """``local[m][k]`` / ``scaled[m][k]``: ``[batch_sizes[m], N_k, D_k]`` views into ``arena``."""
-
-    local: tuple[tuple[torch.Tensor, ...], ...]
-    scaled: tuple[tuple[torch.Tensor, ...], ...]
-    arena: torch.Tensor
-
-
 def arena_numel(grad_shapes: Sequence[Sequence[int]], batch_sizes: Sequence[int]) -> int:
     """Elements of the arena for branch shapes ``[b_local, N_k, D_k]`` and these microbatches."""
     return 2 * sum(batch_sizes) * sum(int(shape[1]) * int(shape[2]) for shape in grad_shapes)
 
 
+@functools.lru_cache(maxsize=256)
+def _layout(slab_shapes: tuple[tuple[int, int], ...], batch_sizes: tuple[int, ...]):
+    """Per microbatch, per branch: (arena offset of the local block, its shape, its numel)."""
+    layout, offset = [], 0
+    for size in batch_sizes:
+        blocks = []
+        for tokens, channels in slab_shapes:
+            count = size * tokens * channels
+            blocks.append((offset, (size, tokens, channels), count))
+            offset += 2 * count
+        layout.append(tuple(blocks))
+    return tuple(layout)
+
+
+class CotangentBlocks(Sequence):
+    """``blocks[m][k]``: the block of microbatch ``m``, branch ``k`` -- a view into the arena.
+
+    A microbatch's views are made when it is first indexed: creating a tensor view costs about as
+    much as launching a small kernel, and the trainer reaches one microbatch at a time anyway.
+    """
+
+    __slots__ = ("arena", "_layout", "_scaled", "_views")
+
+    def __init__(self, arena: torch.Tensor, layout, scaled: bool):
+        self.arena = arena
+        self._layout = layout
+        self._scaled = scaled
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._layout)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[m] for m in range(*index.indices(len(self))))
+        m = range(len(self._layout))[index]  # IndexError and negative indices as for a tuple
+        views = self._views.get(m)
+        if views is None:
+            base = self.arena.storage_offset()
+            views = tuple(
+                self.arena.as_strided(shape, (shape[1] * shape[2], shape[2], 1), base + offset + (count if self._scaled else 0))
+                for offset, shape, count in self._layout[m]
+            )
+            self._views[m] = views
+        return views
+
+    def __repr__(self) -> str:
+        kind = "scaled" if self._scaled else "local"
+        return f"CotangentBlocks({kind}, microbatches={len(self)}, branches={len(self._layout[0]) if self._layout else 0})"
+
+
 def arena_views(
     arena: torch.Tensor, slab_shapes: Sequence[Sequence[int]], batch_sizes: Sequence[int]
-) -> tuple[tuple[tuple[torch.Tensor, ...], ...], tuple[tuple[torch.Tensor, ...], ...]]:
-    """(local, scaled) views of an arena laid out by :func:`scatter_cotangents`.
+) -> tuple[CotangentBlocks, CotangentBlocks]:
+    """(local, scaled) blocks of an arena laid out by :func:`scatter_cotangents`.
 
     ``slab_shapes[k] = (N_k, D_k)``. Used again after the arena moved (e.g. to the CPU) to rebuild
     the views on the new copy.
     """
-    sizes, shapes = [], []
-    for size in batch_sizes:
-        for tokens, channels in slab_shapes:
-            count = size * tokens * channels
-            sizes += [count, count]
-            shapes += [(size, tokens, channels)] * 2
-    pieces = [piece.view(shape) for piece, shape in zip(arena.split(sizes), shapes)]
-    branches = len(slab_shapes)
-    local = tuple(tuple(pieces[2 * (m * branches + k)] for k in range(branches)) for m in range(len(batch_sizes)))
-    scaled = tuple(
-        tuple(pieces[2 * (m * branches + k) + 1] for k in range(branches)) for m in range(len(batch_sizes))
-    )
-    return local, scaled
+    layout = _layout(tuple((int(n), int(d)) for n, d in slab_shapes), tuple(int(b) for b in batch_sizes))
+    return CotangentBlocks(arena, layout, scaled=False), CotangentBlocks(arena, layout, scaled=True)
+
+
+class ScatteredCotangents(NamedTuple):
+    """``local[m][k]`` / ``scaled[m][k]``: ``[batch_sizes[m], N_k, D_k]`` views into ``arena``."""
+
+    local: CotangentBlocks
+    scaled: CotangentBlocks
+    arena: torch.Tensor
 
 
 def scatter_cotangents(
@@ -75,7 +116,8 @@ def scatter_cotangents(
 
     Returns:
         :class:`ScatteredCotangents` -- ``local[m][k]`` and ``scaled[m][k]`` are contiguous views
-        into ``arena``; segment ``(m, k)`` is ``[local | scaled]``, microbatch-major.
+        into ``arena`` (made on first access); segment ``(m, k)`` is ``[local | scaled]``,
+        microbatch-major.
     """
     if isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence):
         raise TypeError(f"grads must be a sequence of tensors, got {type(grads).__name__}")
