@@ -107,6 +107,10 @@ def test_nystrom_summary_is_an_ema_and_forward_is_pure():
     b = _call(loss, students, [5])[0]
     assert torch.equal(a, b)
     assert set(loss.state_dict()) >= {"landmarks_branch0", "summary_branch1", "whitening_branch0", "bandwidth_branch1"}
+    # a checkpoint resumes the summary in a fresh module
+    resumed = MultiEncoderMMD(SHAPES, mode="nystrom", num_landmarks=5, ema_decay=0.75, landmark_seed=3)
+    resumed.load_state_dict(loss.state_dict())
+    assert torch.equal(_call(resumed, students, [5])[0], a)
 
 
 def test_attraction_term():

@@ -147,6 +147,16 @@ class MultiEncoderMMD(nn.Module):
                 self.register_buffer(f"bandwidth_{key}", None)
                 self.register_buffer(f"summary_{key}", None)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A fresh module holds no Nyström state yet (None buffers are skipped by the loader), so
+        # give each saved buffer a slot of the saved shape before the normal load fills it.
+        for name in self.branch_names if self.mode == "nystrom" else ():
+            for kind in ("landmarks", "whitening", "bandwidth", "summary"):
+                saved = state_dict.get(f"{prefix}{kind}_{self._key(name)}")
+                if saved is not None and self._state(kind, name) is None:
+                    self._set_state(kind, name, torch.empty_like(saved))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _key(self, name: str) -> str:
         return f"branch{self.branch_names.index(name)}"
 

@@ -10,6 +10,7 @@ arena and returns views into it, so moving the whole set to the CPU is one trans
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -146,7 +147,7 @@ def scatter_cotangents(
     for k, grad in enumerate(grads):
         if grad.shape[0] != b_local:
             raise ValueError(f"grads[{k}] has {grad.shape[0]} rows, but batch_sizes {sizes} sum to {b_local}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
 
     numel = arena_numel([g.shape for g in grads], sizes)
