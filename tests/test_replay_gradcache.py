@@ -347,6 +347,18 @@ def test_replay_gradient_equals_plain_backprop(mode, attraction):
     assert max_relative_error(plain, replayed) <= 1e-5
 
 
+@pytest.mark.gpu
+def test_replay_gradient_equals_plain_backprop_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    problem = build_toy_problem(attraction=True, mode="nystrom", device="cuda")
+    plain_step(problem)
+    plain = generator_gradients(problem)
+    result = replay_step(problem, offload=True)
+    assert result.cotangent_arena.device.type == "cpu"  # replay_backward moves each block back
+    assert max_relative_error(plain, generator_gradients(problem)) <= 1e-5
+
+
 def test_replay_without_rng_restore_differs():
     """The equality above depends on ReplayRNG: without it dropout and noise differ."""
     problem = build_toy_problem(attraction=True)

@@ -65,8 +65,10 @@ def build_toy_problem(
     reference_samples: int = 16,
     loss_scale: float = 1.0,
     seed: int = 0,
+    device: str | torch.device = "cpu",
 ) -> ToyReplayProblem:
-    """A deterministic toy problem (same arguments -> same models, data and reference state)."""
+    """A deterministic toy problem (same arguments -> same models, data and reference state),
+    built on the CPU and then moved to ``device``."""
     if local_samples % microbatch or gradient_local_samples % microbatch:
         raise ValueError("local_samples and gradient_local_samples must be multiples of microbatch")
     gen_kwargs = dict(noise_dim=8, cond_dim=4, hidden=16, depth=2, frames=4, height=4, width=4)
@@ -97,6 +99,11 @@ def build_toy_problem(
         Shard(torch.randn(local_samples, generator.cond_dim, generator=data, dtype=dtype), seed=seed + 1000 + r)
         for r in range(num_shards)
     ]
+    for module in (generator, teacher, loss, *encoders.values()):
+        if module is not None:
+            module.to(device)
+    for shard in shards:
+        shard.condition = shard.condition.to(device)
     return ToyReplayProblem(
         generator, teacher, encoders, loss, shards, microbatch, gradient_local_samples, loss_scale, dtype
     )
@@ -104,7 +111,9 @@ def build_toy_problem(
 
 def rollout(problem: ToyReplayProblem, condition: torch.Tensor) -> dict[str, torch.Tensor]:
     """Generator + encoders on one microbatch; the noise is sampled here (the RNG must replay)."""
-    noise = torch.randn(condition.shape[0], problem.generator.noise_dim, dtype=condition.dtype)
+    noise = torch.randn(
+        condition.shape[0], problem.generator.noise_dim, dtype=condition.dtype, device=condition.device
+    )
     clip = problem.generator(noise, condition)
     return {name: encoder(clip) for name, encoder in problem.encoders.items()}
 
@@ -112,7 +121,7 @@ def rollout(problem: ToyReplayProblem, condition: torch.Tensor) -> dict[str, tor
 @torch.no_grad()
 def teacher_features(problem: ToyReplayProblem, condition: torch.Tensor) -> dict[str, torch.Tensor]:
     """The current teacher's features for a microbatch (deterministic: no RNG is drawn)."""
-    noise = torch.zeros(condition.shape[0], problem.teacher.noise_dim, dtype=condition.dtype)
+    noise = torch.zeros(condition.shape[0], problem.teacher.noise_dim, dtype=condition.dtype, device=condition.device)
     clip = problem.teacher(noise, condition)
     return {name: encoder(clip) for name, encoder in problem.encoders.items()}
 
