@@ -32,6 +32,13 @@ SCHEMAS: dict[str, str] = {
 
 # ---- replay ops (cotangent scatter) --------------------------------------------------------
 # (issue 6 adds its schemas here with SCHEMAS.update({...}))
+SCHEMAS.update(
+    {
+        "scatter_cotangents_into": (
+            "scatter_cotangents_into(Tensor[] grads, int[] batch_sizes, float scale, Tensor(a!) arena) -> ()"
+        ),
+    }
+)
 
 
 for _schema in SCHEMAS.values():
@@ -74,6 +81,9 @@ def _normalize_uint8_into_fake(x, out):
 
 
 # ---- replay fake kernels (issue 6) ----------------------------------------------------------
+@torch.library.register_fake("latentfast::scatter_cotangents_into")
+def _scatter_cotangents_into_fake(grads, batch_sizes, scale, arena):
+    return None
 
 
 

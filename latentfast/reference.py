@@ -23,3 +23,22 @@ def normalize_uint8_into(x: torch.Tensor, out: list[torch.Tensor]) -> None:
 
 
 # ---- replay (issue 6) -----------------------------------------------------------------------
+def scatter_cotangents_into(
+    grads: list[torch.Tensor], batch_sizes: list[int], scale: float, arena: torch.Tensor
+) -> None:
+    """Split per-branch leaf gradients into per-microbatch blocks, each stored twice in ``arena``.
+
+    ``grads[k]``: ``[b_local, N_k, D_k]`` (any strides); ``batch_sizes``: the microbatch sizes,
+    summing to ``b_local``; ``arena``: contiguous 1-D of ``2 * b_local * sum_k N_k * D_k``
+    elements. Segment ``(m, k)`` (microbatch-major, branch-minor) holds
+    ``grads[k][rows of m]`` followed by ``grads[k][rows of m] * scale``.
+    """
+    offset, row = 0, 0
+    for size in batch_sizes:
+        for grad in grads:
+            block = grad[row : row + size]
+            count = block.numel()
+            arena[offset : offset + count].view_as(block).copy_(block)
+            torch.mul(block, scale, out=arena[offset + count : offset + 2 * count].view_as(block))
+            offset += 2 * count
+        row += size

@@ -1,0 +1,125 @@
+// Per-branch leaf gradients grads[k] = [b_local, N_k, D_k] (any strides) -> one contiguous arena
+// holding, for every (microbatch m, branch k) in microbatch-major order, the block of m's rows
+// and the same block times `scale`:
+//   arena = [ m0k0 local | m0k0 scaled | m0k1 local | m0k1 scaled | ... | m1k0 local | ... ]
+// One parallel pass: every input element is read once and written twice, instead of the
+// split -> contiguous -> mul sequence (three dispatches and two reads per block).
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace latentfast {
+namespace {
+
+// One (branch, sample row) unit of work: a [N_k, D_k] slab copied to two places.
+struct RowTask {
+  int64_t branch;
+  int64_t row;        // sample index in grads[branch]
+  int64_t local_off;  // arena element offset of this row's local copy
+  int64_t scaled_off; // arena element offset of this row's scaled copy
+};
+
+template <typename scalar_t>
+void scatter_impl(const std::vector<at::Tensor>& grads, const std::vector<RowTask>& tasks, double scale,
+                  at::Tensor& arena) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const opmath_t s = static_cast<opmath_t>(scale);
+  scalar_t* out = arena.data_ptr<scalar_t>();
+  std::vector<const scalar_t*> base;
+  for (const auto& g : grads) base.push_back(g.const_data_ptr<scalar_t>());
+  // ~64K elements per chunk at least: below that, waking a second thread costs more than it saves
+  int64_t max_slab = 1;
+  for (const auto& g : grads) max_slab = std::max<int64_t>(max_slab, g.size(1) * g.size(2));
+  const int64_t grain = std::max<int64_t>(1, 65536 / max_slab);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const RowTask& task = tasks[t];
+      const at::Tensor& g = grads[task.branch];
+      const int64_t N = g.size(1), D = g.size(2);
+      const int64_t s1 = g.stride(1), s2 = g.stride(2);
+      const scalar_t* src = base[task.branch] + task.row * g.stride(0);
+      scalar_t* local = out + task.local_off;
+      scalar_t* scaled = out + task.scaled_off;
+      for (int64_t n = 0; n < N; ++n) {
+        const scalar_t* in = src + n * s1;
+        scalar_t* lo = local + n * D;
+        scalar_t* sc = scaled + n * D;
+        if (s2 == 1) {
+          for (int64_t d = 0; d < D; ++d) {
+            const scalar_t v = in[d];
+            lo[d] = v;
+            sc[d] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            const scalar_t v = in[d * s2];
+            lo[d] = v;
+            sc[d] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
+          }
+        }
+      }
+    }
+  });
+}
+
+void scatter_cotangents_into_cpu(at::TensorList grads_list, at::IntArrayRef batch_sizes, double scale,
+                                 at::Tensor arena) {
+  TORCH_CHECK(!grads_list.empty(), "scatter_cotangents: grads must hold at least one tensor");
+  TORCH_CHECK(!batch_sizes.empty(), "scatter_cotangents: batch_sizes must hold at least one microbatch size");
+  TORCH_CHECK(arena.device().is_cpu(), "scatter_cotangents (cpu kernel): arena must be a CPU tensor, got ",
+              arena.device());
+  TORCH_CHECK(arena.dim() == 1 && arena.is_contiguous(), "scatter_cotangents: arena must be contiguous 1-D, got shape ",
+              arena.sizes(), " strides ", arena.strides());
+  const auto dtype = arena.scalar_type();
+  TORCH_CHECK(at::isFloatingType(dtype), "scatter_cotangents: arena must be floating point, got ", dtype);
+  int64_t b_local = 0;
+  for (size_t m = 0; m < batch_sizes.size(); ++m) {
+    TORCH_CHECK(batch_sizes[m] > 0, "scatter_cotangents: batch_sizes[", m, "] must be positive, got ", batch_sizes[m]);
+    b_local += batch_sizes[m];
+  }
+  std::vector<at::Tensor> grads(grads_list.begin(), grads_list.end());
+  int64_t slab_sum = 0;  // sum_k N_k * D_k
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& g = grads[k];
+    TORCH_CHECK(g.device().is_cpu(), "scatter_cotangents: grads[", k, "] must be a CPU tensor, got ", g.device());
+    TORCH_CHECK(g.dim() == 3, "scatter_cotangents: grads[", k, "] must be [b_local, N, D], got shape ", g.sizes());
+    TORCH_CHECK(g.scalar_type() == dtype, "scatter_cotangents: grads[", k, "] dtype ", g.scalar_type(),
+                " differs from arena dtype ", dtype);
+    TORCH_CHECK(g.size(0) == b_local, "scatter_cotangents: grads[", k, "] has ", g.size(0),
+                " rows but batch_sizes sum to ", b_local);
+    for (int64_t d = 0; d < 3; ++d) {
+      TORCH_CHECK(g.stride(d) >= 0, "scatter_cotangents: grads[", k, "] has a negative stride");
+    }
+    at::assert_no_overlap(arena, g);
+    slab_sum += g.size(1) * g.size(2);
+  }
+  TORCH_CHECK(arena.numel() == 2 * b_local * slab_sum, "scatter_cotangents: arena must hold 2 * b_local * sum(N*D) = ",
+              2 * b_local * slab_sum, " elements, got ", arena.numel());
+
+  std::vector<RowTask> tasks;
+  tasks.reserve(static_cast<size_t>(b_local) * grads.size());
+  int64_t offset = 0, row0 = 0;
+  for (const int64_t size : batch_sizes) {
+    for (size_t k = 0; k < grads.size(); ++k) {
+      const int64_t slab = grads[k].size(1) * grads[k].size(2);
+      for (int64_t j = 0; j < size; ++j) {
+        tasks.push_back({static_cast<int64_t>(k), row0 + j, offset + j * slab, offset + (size + j) * slab});
+      }
+      offset += 2 * size * slab;
+    }
+    row0 += size;
+  }
+  if (offset == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "scatter_cotangents_cpu",
+                                  [&] { scatter_impl<scalar_t>(grads, tasks, scale, arena); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(latentfast, CPU, m) { m.impl("scatter_cotangents_into", &scatter_cotangents_into_cpu); }
+
+}  // namespace latentfast

@@ -1,0 +1,375 @@
+"""FeatureGradientReplay: validation, finalize, offload/commit/discard, and gradient equality of a
+replay step with plain backpropagation (single process; the 2-rank run is in
+test_replay_distributed.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latentfast.replay import (
+    FeatureGradientReplay,
+    FeatureGradientReplayResult,
+    MultiEncoderMMD,
+    MultiRepresentationFreshVideoGradCache,
+    MultiRepresentationFreshVideoGradCacheResult,
+    ReplayRNG,
+    demo_replay_step,
+    replay_backward,
+    selection_correction_factor,
+)
+from latentfast.replay.demo import build_toy_problem, generator_gradients, max_relative_error, plain_step, replay_step
+
+SHAPES = {"a": (3, 4), "b": (2, 5)}
+
+
+def _loss(attraction: bool = False) -> MultiEncoderMMD:
+    loss = MultiEncoderMMD(SHAPES, teacher_attraction_weight=0.5 if attraction else 0.0)
+    generator = torch.Generator().manual_seed(3)
+    loss.update_reference({n: torch.randn(6, *s, generator=generator) for n, s in SHAPES.items()})
+    return loss
+
+
+def _features(rows: int, seed: int = 0, **override) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    features = {n: torch.randn(rows, *s, generator=generator) for n, s in SHAPES.items()}
+    features.update(override)
+    return features
+
+
+def _cache(attraction=False, B=6, b=4, **kwargs) -> FeatureGradientReplay:
+    return FeatureGradientReplay(_loss(attraction), target_local_samples=B, gradient_local_samples=b, **kwargs)
+
+
+def _ids(rows, start=0):
+    return [f"id{i}" for i in range(start, start + rows)]
+
+
+# ---- constructor ---------------------------------------------------------------------------
+def test_alias_names():
+    assert MultiRepresentationFreshVideoGradCache is FeatureGradientReplay
+    assert MultiRepresentationFreshVideoGradCacheResult is FeatureGradientReplayResult
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(loss_module=object()), TypeError, "loss_module must be callable"),
+        (dict(gradient_local_samples=0), ValueError, "0 < gradient_local_samples < target_local_samples"),
+        (dict(gradient_local_samples=6), ValueError, "0 < gradient_local_samples < target_local_samples"),
+        (dict(full_student_partial_gradient=False), ValueError, "full_student_partial_gradient=True"),
+        (dict(feature_dtype=torch.float16), ValueError, "feature_dtype"),
+    ],
+)
+def test_constructor_errors(kwargs, error, message):
+    args = dict(loss_module=_loss(), target_local_samples=6, gradient_local_samples=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        FeatureGradientReplay(args.pop("loss_module"), **args)
+
+
+# ---- add validation --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "features, error, message",
+    [
+        ([torch.randn(2, 3, 4)], TypeError, "must be a mapping"),
+        ({"a": torch.randn(2, 3, 4)}, ValueError, "keys must be"),
+        (_features(2, a=torch.randn(2, 12)), ValueError, r"\['a'\] must be a non-empty floating \[B, N, D\]"),
+        (_features(2, a=torch.ones(2, 3, 4, dtype=torch.int64)), ValueError, "floating"),
+        (_features(2, a=torch.randn(2, 0, 4)), ValueError, "non-empty"),
+        (_features(2, a=[[1.0]]), ValueError, r"\['a'\] must be"),
+        (_features(2, b=torch.randn(2, 5, 2)), ValueError, r"geometry \(5, 2\) != expected \(2, 5\)"),
+        (_features(2, a=torch.full((2, 3, 4), float("nan"))), FloatingPointError, "non-finite"),
+        (_features(2, b=torch.full((2, 2, 5), float("inf"))), FloatingPointError, "non-finite"),
+        (_features(2, b=torch.randn(3, 2, 5)), ValueError, "share batch size and device"),
+    ],
+)
+def test_add_rejects_bad_features(features, error, message):
+    cache = _cache()
+    with pytest.raises(error, match=message):
+        cache.add(features, gradient_selected=False)
+    assert cache.local_samples == 0
+
+
+def test_add_capacity_suffix_and_ids():
+    cache = _cache(B=8, b=4)
+    cache.add(_features(2), gradient_selected=False)
+    with pytest.raises(ValueError, match="exceeds target_local_samples"):
+        cache.add(_features(7), gradient_selected=False)
+    with pytest.raises(ValueError, match="exceeds the gradient suffix"):
+        cache.add(_features(5))
+    with pytest.raises(ValueError, match="one non-empty ID per row"):
+        cache.add(_features(2), sample_ids=["x"])
+    with pytest.raises(ValueError, match="one non-empty ID per row"):
+        cache.add(_features(2), sample_ids=["x", ""])
+    with pytest.raises(ValueError, match="current_teacher_sample_ids were given while"):
+        cache.add(_features(2), current_teacher_sample_ids=_ids(2))
+    with pytest.raises(ValueError, match="only accepted for selected microbatches with teacher attraction on"):
+        cache.add(_features(2), _features(2))
+    assert (cache.local_samples, cache.selected_local_samples) == (2, 0)  # failed adds stored nothing
+    cache.add(_features(2, seed=1), sample_ids=_ids(2))
+    with pytest.raises(ValueError, match="exceeds the gradient suffix"):
+        cache.add(_features(3))
+    with pytest.raises(ValueError, match="must form a suffix"):
+        cache.add(_features(1), gradient_selected=False)
+    assert (cache.local_samples, cache.selected_local_samples) == (4, 2)
+
+
+def test_add_teacher_rules_with_attraction():
+    cache = _cache(attraction=True, B=6, b=4)
+    with pytest.raises(ValueError, match="only accepted for selected microbatches"):
+        cache.add(_features(2), _features(2), gradient_selected=False)
+    cache.add(_features(2), gradient_selected=False)
+    with pytest.raises(ValueError, match="need sample_ids"):
+        cache.add(_features(2), _features(2, seed=1))
+    with pytest.raises(ValueError, match="sample IDs/order differ"):
+        cache.add(_features(2), _features(2, seed=1), sample_ids=_ids(2), current_teacher_sample_ids=_ids(2)[::-1])
+    with pytest.raises(ValueError, match="sample IDs/order differ"):
+        cache.add(_features(2), _features(2, seed=1), sample_ids=_ids(2))
+    with pytest.raises(ValueError, match="need current_teacher_features"):
+        cache.add(_features(2), sample_ids=_ids(2), current_teacher_sample_ids=_ids(2))
+    with pytest.raises(ValueError, match="batch size 3 != generated batch size 2"):
+        cache.add(_features(2), _features(3), sample_ids=_ids(2), current_teacher_sample_ids=_ids(2))
+    with pytest.raises(FloatingPointError, match="current_teacher_features"):
+        bad = _features(2, a=torch.full((2, 3, 4), float("nan")))
+        cache.add(_features(2), bad, sample_ids=_ids(2), current_teacher_sample_ids=_ids(2))
+    assert cache.local_samples == 2
+    # without alignment checks, ids are optional but teacher features are still required
+    relaxed = _cache(attraction=True, B=6, b=4, require_sample_id_alignment=False)
+    relaxed.add(_features(2), gradient_selected=False)
+    relaxed.add(_features(2), _features(2, seed=1))
+    with pytest.raises(ValueError, match="need current_teacher_features"):
+        relaxed.add(_features(2))
+
+
+def test_add_stores_detached_float32_copies():
+    cache = _cache(B=3, b=1)
+    source = {n: torch.randn(2, *s, dtype=torch.float64, requires_grad=True) * 1 for n, s in SHAPES.items()}
+    cache.add(source, gradient_selected=False)
+    cache.add({n: torch.randn(1, *s).to(torch.bfloat16) for n, s in SHAPES.items()})
+    features, _ = cache._store_views(cache._store)
+    assert cache._store.dtype == torch.float32 and not cache._store.requires_grad
+    torch.testing.assert_close(features["a"][:2], source["a"].detach().float())
+    with torch.no_grad():
+        source["a"].add_(1.0)  # the cache holds a copy, not a view
+    assert not torch.equal(features["a"][:2], source["a"].detach().float())
+
+
+# ---- finalize ------------------------------------------------------------------------------
+def _filled(attraction=False, loss_scale=1.0):
+    cache = _cache(attraction=attraction, B=6, b=4, loss_scale=loss_scale)
+    cache.add(_features(2, seed=0), gradient_selected=False)
+    for seed, start in ((1, 2), (2, 4)):
+        teacher = _features(2, seed=seed + 10) if attraction else None
+        ids = _ids(2, start)
+        cache.add(_features(2, seed=seed), teacher, sample_ids=ids, current_teacher_sample_ids=ids if attraction else None)
+    return cache
+
+
+def test_finalize_incomplete_raises():
+    cache = _cache(B=6, b=4)
+    cache.add(_features(2), gradient_selected=False)
+    cache.add(_features(2))
+    with pytest.raises(RuntimeError, match=r"incomplete dual GradCache: \(stored, selected\) = \(4, 2\)"):
+        cache.finalize()
+    with pytest.raises(RuntimeError, match="before finalize"):
+        cache.offload_finalized_to_cpu()
+    with pytest.raises(RuntimeError, match="before finalize"):
+        cache.commit()
+
+
+@pytest.mark.parametrize("attraction", [False, True])
+def test_finalize_cotangents_match_autograd(attraction):
+    cache = _filled(attraction, loss_scale=3.0)
+    result = cache.finalize()
+    assert cache.finalized and cache.finalize() is result
+    with pytest.raises(RuntimeError, match="cannot add after finalize"):
+        cache.add(_features(2))
+    # direct evaluation: the same loss with the last four rows as leaves
+    rows = [_features(2, seed=s) for s in range(3)]
+    everything = {n: torch.cat([r[n] for r in rows]) for n in SHAPES}
+    leaves = {n: everything[n][2:].clone().requires_grad_(True) for n in SHAPES}
+    teacher = (
+        {n: torch.cat([_features(2, seed=11)[n], _features(2, seed=12)[n]]) for n in SHAPES} if attraction else None
+    )
+    loss, _ = cache.loss_module(leaves, everything, teacher, torch.arange(2, 6))
+    (loss * 3.0).backward()
+    torch.testing.assert_close(result.loss, loss.detach())
+    torch.testing.assert_close(result.optimized_loss, 3.0 * loss.detach())
+    assert result.replay_batch_indices == (1, 2)
+    assert result.replay_sample_ids == (tuple(_ids(2, 2)), tuple(_ids(2, 4)))
+    for i, rows_ in enumerate((slice(0, 2), slice(2, 4))):
+        for n in SHAPES:
+            torch.testing.assert_close(result.local_cotangents[i][n], leaves[n].grad[rows_], rtol=1e-6, atol=1e-7)
+            assert torch.equal(result.fsdp_cotangents[i][n], result.local_cotangents[i][n])  # world size 1
+            assert result.local_cotangents[i][n].untyped_storage().data_ptr() == (
+                result.cotangent_arena.untyped_storage().data_ptr()
+            )
+    assert result.local_cotangents[0]["a"].abs().sum() > 0
+    m = result.metadata
+    assert (result.local_samples, result.global_samples, result.gradient_local_samples) == (6, 6, 4)
+    assert result.current_teacher_local_samples == (4 if attraction else 0) and result.world_size == 1
+    for key, value in {
+        "gradcache_local_samples": 6,
+        "gradcache_global_samples": 6,
+        "gradcache_forward_local_samples": 6,
+        "gradcache_forward_global_samples": 6,
+        "gradcache_gradient_local_samples": 4,
+        "gradcache_gradient_global_samples": 4,
+        "gradcache_current_teacher_local_samples": 4 if attraction else 0,
+        "gradcache_current_teacher_global_samples": 4 if attraction else 0,
+        "gradcache_kss_denominator": 36,
+        "gradcache_partial_gradient_enabled": 1,
+        "gradcache_full_student_partial_gradient": 1,
+        "gradcache_world_size": 1,
+        "gradcache_fsdp_cotangent_scale": 1.0,
+        "loss_scale": 3.0,
+    }.items():
+        assert float(m[key]) == value, key
+    assert m["gradcache_branch_names"] == ("a", "b")
+    torch.testing.assert_close(m["raw_loss"], result.loss)
+    assert set(m) >= {"mmd2/a", "mmd2/b", "bandwidth/a", "loss/a", "mmd2"}
+    assert ("attraction/a" in m) == attraction
+    assert selection_correction_factor(result) == 6 / 4
+
+
+def test_offload_commit_discard():
+    cache = _filled()
+    finalized = cache.finalize()
+    result = cache.offload_finalized_to_cpu()
+    assert result is not finalized and cache.finalize() is result
+    arena = result.cotangent_arena
+    assert arena.device.type == "cpu"
+    for part in result.local_cotangents + result.fsdp_cotangents:
+        for n in SHAPES:
+            assert part[n].untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+    for i in range(2):
+        for n in SHAPES:
+            torch.testing.assert_close(result.local_cotangents[i][n], finalized.local_cotangents[i][n])
+    for value in (result.loss, result.optimized_loss, *[v for v in result.metadata.values() if torch.is_tensor(v)]):
+        assert value.device.type == "cpu"
+    assert cache._store.device.type == "cpu"
+    cache.commit()
+    assert not cache.finalized and cache.local_samples == 0 and cache.selected_local_samples == 0
+    assert cache._store is None
+    # reusable after commit; discard works before and after finalize
+    cache.add(_features(2), gradient_selected=False)
+    cache.discard()
+    assert cache.local_samples == 0 and cache._store is None
+    cache = _filled()
+    cache.finalize()
+    cache.discard()
+    assert not cache.finalized and cache._store is None
+
+
+@pytest.mark.gpu
+def test_offload_from_cuda_leaves_nothing_on_the_device():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    loss = MultiEncoderMMD(SHAPES)
+    loss.update_reference({n: torch.randn(6, *s, device="cuda") for n, s in SHAPES.items()})
+    cache = FeatureGradientReplay(loss, target_local_samples=4, gradient_local_samples=2)
+    cache.add({n: v.cuda() for n, v in _features(2).items()}, gradient_selected=False)
+    cache.add({n: v.cuda() for n, v in _features(2, seed=1).items()})
+    assert cache.finalize().cotangent_arena.is_cuda
+    result = cache.offload_finalized_to_cpu()
+    tensors = [cache._store, result.loss, result.optimized_loss, result.cotangent_arena]
+    tensors += [v for v in result.metadata.values() if torch.is_tensor(v)]
+    tensors += [t for part in result.local_cotangents + result.fsdp_cotangents for t in part.values()]
+    assert all(t.device.type == "cpu" for t in tensors)
+
+
+@pytest.mark.gpu
+def test_cuda_device_mismatch_rejected():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cache = _cache()
+    with pytest.raises(ValueError, match="share batch size and device"):
+        cache.add(_features(2, b=torch.randn(2, 2, 5, device="cuda")), gradient_selected=False)
+    cache.add(_features(2), gradient_selected=False)
+    with pytest.raises(ValueError, match="must share a device"):
+        cache.add({n: v.cuda() for n, v in _features(2).items()}, gradient_selected=False)
+
+
+# ---- replay helpers --------------------------------------------------------------------------
+def test_replay_rng_reproduces_and_leaves_the_stream_alone():
+    torch.manual_seed(5)
+    rng = ReplayRNG.capture()
+    first = torch.nn.functional.dropout(torch.ones(64), 0.5) + torch.randn(64)
+    following = torch.randn(3)
+    torch.manual_seed(5)
+    torch.randn(64 + 64)
+    with rng.replay():
+        again = torch.nn.functional.dropout(torch.ones(64), 0.5) + torch.randn(64)
+    assert torch.equal(first, again)
+    torch.manual_seed(5)
+    torch.randn(64 + 64)
+    expected_after = torch.randn(3)
+    torch.manual_seed(5)
+    torch.randn(64 + 64)
+    with rng.replay():
+        torch.randn(1000)
+    assert torch.equal(torch.randn(3), expected_after)  # the outer stream resumed where it was
+    assert not torch.equal(following, expected_after)
+
+
+def test_replay_backward_checks():
+    w = torch.ones(3, requires_grad=True)
+    features = {"a": w * 2}
+    with pytest.raises(ValueError, match="keys"):
+        replay_backward(features, {"b": torch.ones(3)})
+    with pytest.raises(ValueError, match="shape"):
+        replay_backward(features, {"a": torch.ones(4)})
+    with pytest.raises(ValueError, match="no graph"):
+        replay_backward({"a": torch.ones(3)}, {"a": torch.ones(3)})
+    with pytest.raises(TypeError, match="mappings"):
+        replay_backward([w], [w])
+    replay_backward(features, {"a": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)})
+    assert torch.equal(w.grad, torch.tensor([2.0, 4.0, 6.0]))
+
+
+def test_selection_correction_factor():
+    assert selection_correction_factor(32, 4) == 8.0
+    with pytest.raises(ValueError, match="0 < gradient_global_samples <= global_samples"):
+        selection_correction_factor(4, 8)
+
+
+# ---- gradient equality with plain backprop (float64) -----------------------------------------
+@pytest.mark.parametrize("mode", ["exact", "nystrom"])
+@pytest.mark.parametrize("attraction", [False, True])
+def test_replay_gradient_equals_plain_backprop(mode, attraction):
+    problem = build_toy_problem(local_samples=8, gradient_local_samples=4, microbatch=2, attraction=attraction, mode=mode)
+    plain_loss = plain_step(problem)
+    plain = generator_gradients(problem)
+    result = replay_step(problem, offload=(mode == "nystrom"), cotangents="local")
+    replayed = generator_gradients(problem)
+    torch.testing.assert_close(result.loss, plain_loss, rtol=1e-12, atol=0)
+    assert all(g.abs().max() > 0 for g in plain.values())
+    assert max_relative_error(plain, replayed) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_replay_gradient_equals_plain_backprop_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    problem = build_toy_problem(attraction=True, mode="nystrom", device="cuda")
+    plain_step(problem)
+    plain = generator_gradients(problem)
+    result = replay_step(problem, offload=True)
+    assert result.cotangent_arena.device.type == "cpu"  # replay_backward moves each block back
+    assert max_relative_error(plain, generator_gradients(problem)) <= 1e-5
+
+
+def test_replay_without_rng_restore_differs():
+    """The equality above depends on ReplayRNG: without it dropout and noise differ."""
+    problem = build_toy_problem(attraction=True)
+    plain_step(problem)
+    plain = generator_gradients(problem)
+    replay_step(problem, restore_rng=False)
+    assert max_relative_error(plain, generator_gradients(problem)) > 1e-3
+
+
+def test_demo_replay_step():
+    report = demo_replay_step()
+    assert report["max_relative_error"] <= 1e-5
+    assert report["plain_loss"] == pytest.approx(report["replay_loss"], rel=1e-12)
+    assert set(report["timings_s"]) == {"plain_s", "collect_s", "finalize_s", "replay_s"}
