@@ -1,7 +1,6 @@
 """Shared test helpers: which backends can run an op here, and poisoned output buffers."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from latentfast import backends
@@ -23,10 +22,3 @@ def poisoned_like(shape, dtype, device="cpu") -> torch.Tensor:
     return t
 
 
-def cuda_devices() -> list[str]:
-    return ["cuda"] if torch.cuda.is_available() else []
-
-
-@pytest.fixture
-def cpu_backends():
-    return runnable_backends
