@@ -20,7 +20,7 @@ def _expand_rows_kernel(
     BLOCK_W: tl.constexpr,
 ):
     """out[b, c, y, x] = x[offsets[b] + (c*h + y) * widths[b] + x]  if x < widths[b]
-                       = white[c*h + y]                           otherwise   (then cast to out's dtype).
+                       = white[c*h + y]                           otherwise   (cast via float32 to out's dtype).
 
     x: packed float16 rows, row b = [C, h, widths[b]] contiguous from offsets[b] (int64 [B]);
     widths: int32 [B]; white: float16 [C*h]; out: contiguous [B, C, h, W].
@@ -39,7 +39,10 @@ def _expand_rows_kernel(
     values = tl.load(x_ptr + src, mask=real, other=0.0)
     values = tl.where(real, values, white[:, None])
     mask = line_ok[:, None] & (cols < W)[None, :]
-    tl.store(out_ptr + lines[:, None] * W + cols[None, :], values.to(out_ptr.dtype.element_ty), mask=mask)
+    # through float32: one rounding to bfloat16, to nearest even as torch does (on the GPU; Triton's
+    # interpreter truncates instead)
+    values = values.to(tl.float32).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + lines[:, None] * W + cols[None, :], values, mask=mask)
 
 
 def expand_rows_into(

@@ -127,7 +127,8 @@ void gather_rows_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets,
                           const at::Tensor& out) {
   constexpr const char* op = "gather_rows_into";
   TORCH_CHECK(out.device().is_cpu() && out.dim() == 4 && out.is_contiguous(), op,
-              ": out must be a contiguous CPU tensor [B, C, h, W], got ", out.sizes(), " on ", out.device());
+              ": out must be a contiguous CPU tensor [B, C, h, W], got sizes ", out.sizes(), " strides ",
+              out.strides(), " on ", out.device());
   const int64_t B = out.size(0), C = out.size(1), H = out.size(2), W = out.size(3);
   TORCH_CHECK(indices.numel() == B, op, ": out has B=", B, " rows but indices has ", indices.numel());
   if (white.has_value()) {
