@@ -249,3 +249,20 @@ def test_read_batch_cuda_matches_cpu(tmp_path):
                 assert got.is_cuda and got.dtype == dtype
                 torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
                 assert got_widths.tolist() == widths[indices].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_into"))
+def test_cast_of_every_float16_value(backend, dtype):
+    """All 65536 float16 bit patterns (subnormals, inf, NaN, rounding ties) cast like torch casts them."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    data = every.reshape(-1).contiguous()
+    widths = torch.tensor([1024] * 64, dtype=torch.int32)
+    offsets = torch.arange(64, dtype=torch.int64) * 1024
+    out = poisoned_like((64, 1, 1, 1030), dtype)
+    white = torch.tensor([float("nan")], dtype=torch.float16)
+    ops.gather_rows(data, offsets, widths, 1024, torch.arange(64), channels=1, latent_h=1, white=white, width=1030,
+                    dtype=dtype, out=out, backend=backend)
+    expected = every.reshape(64, 1, 1, 1024).to(dtype)
+    torch.testing.assert_close(out[..., :1024], expected, rtol=0, atol=0, equal_nan=True)
+    assert bool(out[..., 1024:].isnan().all())

@@ -21,9 +21,10 @@ import os
 import threading
 import warnings
 
+import numpy as np
 import torch
 
-from .. import ops
+from .. import backends, ops
 
 DEFAULT_RING_ROWS = 64  # rows per slot of a fresh ring (grows if a larger batch arrives)
 RING_SLOTS = 3  # batches that may be in flight (gathering / copying / being expanded)
@@ -47,22 +48,30 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     data, row_offsets, widths, pitch = cache.gather_source()
     pitch = int(pitch)
     index = ops.as_row_indices(indices, len(cache))
-    selected = widths[index]
+    selected_np = np.asarray(cache.widths)[index.numpy()].astype(np.int32, copy=False)
+    selected = torch.from_numpy(selected_np)
     dtype = torch.float16 if dtype is None else dtype
+    if dtype not in ops.GATHER_DTYPES:
+        raise ValueError(f"dtype must be one of {ops.GATHER_DTYPES}, got {dtype}")
     channels, latent_h = int(cache.channels), int(cache.latent_h)
-    W = ops._batch_width(selected, width)
+    widest = int(selected_np.max()) if selected_np.size else 0
+    W = widest if width is None else ops._batch_width(selected, width)
     white = cache.white_column
-    if white is None and bool((selected < W).any()):
+    if white is None and bool((selected_np < W).any()):
         raise ValueError(
             "this batch needs padding but the cache has no white column; pass white_column= when opening the cache"
         )
     device = torch.device(device)
     if device.type == "cpu":
-        latents = ops.gather_rows(
-            data, row_offsets, widths, pitch, index, channels=channels, latent_h=latent_h, white=white,
-            width=W, dtype=dtype, out=out, backend=backend,
-        )
-        return latents, selected
+        shape = (index.numel(), channels, latent_h, W)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        else:
+            ops.check_out_tensor("out", out, shape, dtype, device)
+        flat_white = None if white is None else white.reshape(-1)
+        # straight to the kernel: the source comes from the cache, and the kernel checks every bound
+        _kernel("gather_rows_into", "cpu", backend)(data, row_offsets, widths, pitch, index, flat_white, out)
+        return out, selected
     if device.type != "cuda":
         raise ValueError(f"device must be a CPU or CUDA device, got {device}")
     if device.index is None:
@@ -72,6 +81,17 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         data, row_offsets, widths, pitch, index, selected, white, channels, latent_h, W, dtype, out, backend
     )
     return latents, selected
+
+
+_KERNELS: dict[tuple, object] = {}
+
+
+def _kernel(op: str, device_type: str, backend: str):
+    """backends.kernel, memoized per (op, device, backend, LATENTFAST_BACKEND): it runs every batch."""
+    key = (op, device_type, backend, os.environ.get("LATENTFAST_BACKEND"))
+    if key not in _KERNELS:
+        _KERNELS[key] = backends.kernel(op, device_type, backend)[0]
+    return _KERNELS[key]
 
 
 class PinnedRing:
