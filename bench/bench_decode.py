@@ -147,6 +147,33 @@ def cold_seconds(cache: CacheDouble, fn, batches) -> float | None:
     return total / len(batches)
 
 
+def python_progress_while(fn, batches, seconds: float = 0.3) -> float:
+    """Share of its idle pace that a pure-Python loop keeps while another thread decodes batches with
+    ``fn`` (about 1 when ``fn`` releases the GIL and a core is free, far below when it holds it)."""
+    import threading
+
+    def count_for(duration):
+        n, end = 0, time.perf_counter() + duration
+        while time.perf_counter() < end:
+            n += 1
+        return n
+
+    idle = count_for(seconds)
+    stop = threading.Event()
+
+    def decode():
+        while not stop.is_set():
+            for idx in batches:
+                fn(idx)
+
+    worker = threading.Thread(target=decode)
+    worker.start()
+    busy = count_for(seconds)
+    stop.set()
+    worker.join()
+    return busy / idle
+
+
 def measure_geometry(geometry, cache_bytes: int, n_batches: int, repeats: int, thread_counts) -> dict:
     channels, latent_h, w_max = geometry
     n_rows = cache_bytes // (channels * latent_h * w_max * 2)
@@ -174,7 +201,11 @@ def measure_geometry(geometry, cache_bytes: int, n_batches: int, repeats: int, t
                 seconds[threads][name] = time_per_batch(fn, batches, repeats) * mean_useful / per
         torch.set_num_threads(default_threads)
         cold = {name: cold_seconds(padded, found[name], batches[:4]) for name in ("seed", "latentfast")}
-    return {"geometry": {"channels": channels, "latent_h": latent_h, "w_max": w_max}, "rows": n_rows,
+        torch.set_num_threads(1)  # one decode thread, so a free core is left for the Python loop
+        gil = {name: python_progress_while(found[name], batches) for name in ("seed", "latentfast")}
+        torch.set_num_threads(default_threads)
+    return {"python_progress_while_decoding": gil,
+            "geometry": {"channels": channels, "latent_h": latent_h, "w_max": w_max}, "rows": n_rows,
             "cache_mib": n_rows * channels * latent_h * w_max * 2 / 2**20, "useful_bytes_per_batch": mean_useful,
             "seconds_per_batch": seconds, "cold_seconds_per_batch": cold}
 
@@ -215,6 +246,10 @@ def run_report(quick: bool = False) -> dict:
             if s is not None:
                 print(f"cold page cache (file evicted before each batch): {name} {s * 1e3:.2f} ms/batch "
                       f"({r['useful_bytes_per_batch'] / s / 1e9:.2f} GB/s)")
+        progress = r["python_progress_while_decoding"]
+        print("a Python thread keeps "
+              + ", ".join(f"{share:.0%} of its pace while {name} decodes" for name, share in progress.items())
+              + " (GIL)")
         r["ratios"] = ratios
         results.append(r)
     return {"batch": BATCH, "threads": thread_counts, "results": results}

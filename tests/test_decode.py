@@ -137,7 +137,8 @@ def _opcheck_args(layout, dtype):
 @pytest.mark.parametrize("layout", ["padded", "ragged"])
 def test_opcheck(layout, dtype):
     data, offsets, widths, pitch, indices, white, out = _opcheck_args(layout, dtype)
-    torch.library.opcheck(torch.ops.latentfast.gather_rows_into.default, (data, offsets, widths, pitch, indices, white, out))
+    torch.library.opcheck(torch.ops.latentfast.gather_rows_into.default,
+                          (data, offsets, widths, pitch, indices, white, out))
     packed = torch.empty(4 * 6 * 11, dtype=torch.float16)
     torch.library.opcheck(torch.ops.latentfast.gather_rows_packed_into.default,
                           (data, offsets, widths, pitch, indices, 2, 3, packed))

@@ -8,8 +8,9 @@ CUDA target: the same rows' real columns only are gathered back to back into a s
 ring buffer (allocated once per process and device, reused), copied to the device on a side
 stream (the copy engine; bytes over PCIe = useful bytes), and one device kernel
 (``latentfast::expand_rows_into``) pads with the white column and casts. A slot is rewritten only
-after the copy that read it has finished (a CUDA event per slot). If pinned memory cannot be had,
-the ring falls back to pageable memory with a one-time warning.
+after the copy that read it has finished (a CUDA event per slot) and never by two threads at once
+(a lock per slot). If pinned memory cannot be had, the ring falls back to pageable memory with a
+one-time warning. The ring grows (once) only if a batch larger than any before arrives.
 
 ``cache`` is anything with ``len()``, ``channels``, ``latent_h``, ``w_max``, ``white_column``
 (float16 ``[C, h, 1]`` or None) and ``gather_source() -> (data, row_offsets, widths, pitch)``
@@ -121,6 +122,7 @@ class PinnedRing:
         self.events: list[torch.cuda.Event | None] = [None] * slots
         self.next_slot = 0
         self.lock = threading.Lock()
+        self.slot_locks = [threading.Lock() for _ in range(slots)]  # held while a slot is filled
         self.white: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (host white, its device copy)
 
     def _allocate(self, pin: bool) -> None:
@@ -132,9 +134,12 @@ class PinnedRing:
         return row_elems <= self.row_elems and rows <= self.rows
 
     def _acquire(self) -> int:
+        """A slot this thread may fill: no other thread is filling it and no copy still reads it.
+        The caller releases ``slot_locks[slot]`` once the copy's event is recorded."""
         with self.lock:
             slot = self.next_slot
             self.next_slot = (slot + 1) % self.slots
+        self.slot_locks[slot].acquire()
         if self.events[slot] is not None:
             self.events[slot].synchronize()  # the copy that last read this slot is done
         return slot
@@ -149,8 +154,25 @@ class PinnedRing:
 
     def to_device(self, data, row_offsets, widths, pitch, index, selected, white, channels, latent_h, W, dtype,
                   out, backend):
-        B = index.numel()
         slot = self._acquire()
+        try:
+            packed, offsets_dev, widths_dev = self._stage_and_copy(
+                slot, data, row_offsets, widths, pitch, index, selected, channels, latent_h, backend
+            )
+        finally:
+            self.slot_locks[slot].release()
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        for tensor in (packed, offsets_dev, widths_dev):  # allocated on the side stream, used on current
+            tensor.record_stream(current)
+        return ops.expand_rows(
+            packed, offsets_dev, widths_dev, self._device_white(white), channels=channels, latent_h=latent_h,
+            width=W, dtype=dtype, out=out, backend="auto" if backend in ("cpp", "torch") else backend,
+        )
+
+    def _stage_and_copy(self, slot, data, row_offsets, widths, pitch, index, selected, channels, latent_h, backend):
+        """Gather the real columns into pinned ``slot`` and start their copy to the device on the side stream."""
+        B = index.numel()
         staged = ops.gather_rows_packed(
             data, row_offsets, widths, pitch, index, channels=channels, latent_h=latent_h, out=self.data[slot],
             backend="auto" if backend in ("cuda", "triton") else backend,
@@ -160,7 +182,6 @@ class PinnedRing:
         torch.cumsum(row_sizes, 0, out=offsets)
         offsets -= row_sizes
         self.widths[slot, :B] = selected
-        current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             packed = staged.to(self.device, non_blocking=True)
             offsets_dev = offsets.to(self.device, non_blocking=True)
@@ -168,13 +189,7 @@ class PinnedRing:
             done = torch.cuda.Event()
             done.record(self.stream)
         self.events[slot] = done
-        current.wait_stream(self.stream)
-        for tensor in (packed, offsets_dev, widths_dev):  # allocated on the side stream, used on current
-            tensor.record_stream(current)
-        return ops.expand_rows(
-            packed, offsets_dev, widths_dev, self._device_white(white), channels=channels, latent_h=latent_h,
-            width=W, dtype=dtype, out=out, backend="auto" if backend in ("cpp", "torch") else backend,
-        )
+        return packed, offsets_dev, widths_dev
 
 
 _RINGS: dict[tuple[int, str], PinnedRing] = {}

@@ -133,7 +133,9 @@ class CacheBatchDataset(Dataset):
         return latents, widths, index
 
 
-def batch_loader(cache, batch_sampler: Iterable[list[int]], *, dtype=None, width=None, **dataloader_kwargs) -> DataLoader:
+def batch_loader(
+    cache, batch_sampler: Iterable[list[int]], *, dtype=None, width=None, **dataloader_kwargs
+) -> DataLoader:
     """A DataLoader yielding ``(latents [B, C, h, W], widths [B], indices [B])`` for each batch of
     ``batch_sampler``; ``dataloader_kwargs`` (num_workers, pin_memory, multiprocessing_context, ...)
     go to the DataLoader."""
