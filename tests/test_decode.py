@@ -208,6 +208,9 @@ def test_read_batch_argument_errors(small_cache):
     assert torch.equal(latents[0], no_white[2])
     with pytest.raises(ValueError, match="device must be a CPU or CUDA device"):
         read_batch(cache, [0], device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available here"):
+            read_batch(cache, [0], device="cuda")
 
 
 def test_public_op_argument_errors():

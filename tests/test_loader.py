@@ -161,6 +161,8 @@ def test_prefetcher_passes_through_on_cpu(disk_cache):
 
 def test_prefetcher_cuda(disk_cache):
     if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available here"):
+            DevicePrefetcher([], "cuda")
         pytest.skip("needs a CUDA device")
     loader = batch_loader(disk_cache, WidthBucketBatchSampler(disk_cache.widths, 16, seed=2), pin_memory=True)
     direct = list(loader)

@@ -75,6 +75,8 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         return out, selected
     if device.type != "cuda":
         raise ValueError(f"device must be a CPU or CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"read_batch(device={str(device)!r}): CUDA is not available here; use device='cpu'")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     ring = _ring_for(device, channels * latent_h * int(cache.w_max), index.numel())

@@ -182,6 +182,8 @@ class DevicePrefetcher:
     def __init__(self, batches: Iterable, device="cuda"):
         self.batches = batches
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"DevicePrefetcher(device={str(self.device)!r}): CUDA is not available here")
 
     def __len__(self) -> int:
         return len(self.batches)
