@@ -132,25 +132,6 @@ __attribute__((target("avx2,f16c"))) void half_to_bfloat16_f16c(const at::Half* 
   for (; k < n; ++k) dst[k] = static_cast<at::BFloat16>(static_cast<float>(src[k]));
 }
 
-// float16 line copy + white tail in one inline pass of 32-byte moves: at ~300-byte lines, the two
-// memcpy calls this replaces cost more in call overhead than in bandwidth.
-__attribute__((target("avx2"))) void copy_line_padded_f16_avx2(const at::Half* src, at::Half* dst, int64_t width,
-                                                               int64_t W, at::Half white) {
-  const auto* from = reinterpret_cast<const uint16_t*>(src);
-  auto* to = reinterpret_cast<uint16_t*>(dst);
-  int64_t k = 0;
-  for (; k + 16 <= width; k += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + k),
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + k)));
-  }
-  for (; k < width; ++k) to[k] = from[k];  // never reads past the row's real columns
-  const uint16_t white_bits = white.x;
-  for (; k < W && (k & 15); ++k) to[k] = white_bits;
-  const __m256i white16 = _mm256_set1_epi16(static_cast<short>(white_bits));
-  for (; k + 16 <= W; k += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + k), white16);
-  for (; k < W; ++k) to[k] = white_bits;
-}
-
 bool cpu_has_f16c() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   return has;
@@ -177,7 +158,7 @@ inline void copy_line(const at::Half* src, out_t* dst, int64_t n) {
 constexpr int64_t kPrefetchAhead = 24;
 inline void prefetch_line(const std::vector<RowSpan>& rows, int64_t b, int64_t l, int64_t lines) {
   l += kPrefetchAhead;
-  if (l >= lines) {
+  while (l >= lines) {  // that line is in a later row
     l -= lines;
     if (++b >= static_cast<int64_t>(rows.size())) return;
   }
@@ -192,7 +173,7 @@ template <typename out_t>
 void gather_padded(const std::vector<RowSpan>& rows, const at::Half* white, int64_t lines, out_t* out,
                    int64_t W) {
   // A [lines, W] block of white in the output dtype, built once: a row's padding is then one memcpy
-  // per line from it (glibc's memcpy is faster than a fill loop compiled for baseline x86-64).
+  // per line from it (glibc's memcpy beats a fill loop compiled for baseline x86-64).
   // A null white means no row needs padding (checked by the caller).
   std::vector<out_t> white_block(white ? lines * W : 0);
   for (int64_t l = 0; white && l < lines; ++l) {
@@ -201,21 +182,11 @@ void gather_padded(const std::vector<RowSpan>& rows, const at::Half* white, int6
   const int64_t total = static_cast<int64_t>(rows.size()) * lines;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(W, 1));
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    // (row, line) of the first job, then stepped: a 64-bit division per line costs as much as its copy
-    int64_t b = begin / lines, l = begin % lines;
-    for (int64_t job = begin; job < end; ++job, l = (l + 1 == lines) ? 0 : l + 1, b += (l == 0)) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / lines, l = job % lines;
       const RowSpan& row = rows[b];
       out_t* dst = out + job * W;
       prefetch_line(rows, b, l, lines);
-#ifdef LATENTFAST_F16C
-      if constexpr (std::is_same_v<out_t, at::Half>) {
-        if (cpu_has_f16c()) {
-          copy_line_padded_f16_avx2(row.src + l * row.line_pitch, dst, row.width, W,
-                                    row.width < W ? white_block[l * W] : at::Half());
-          continue;
-        }
-      }
-#endif
       copy_line<out_t>(row.src + l * row.line_pitch, dst, row.width);
       if (row.width < W) {
         std::memcpy(dst + row.width, white_block.data() + l * W + row.width, (W - row.width) * sizeof(out_t));
