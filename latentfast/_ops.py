@@ -28,6 +28,19 @@ SCHEMAS: dict[str, str] = {
 
 # ---- cache decode ops (gather) -------------------------------------------------------------
 # (issue 4 adds its schemas here with SCHEMAS.update({...}))
+SCHEMAS.update(
+    {
+        # padded [B, C, h, W] batch straight out of the cache's flat f16 data (the CPU path)
+        "gather_rows_into": "gather_rows_into(Tensor data, Tensor row_offsets, Tensor widths, int pitch, "
+        "Tensor indices, Tensor? white, Tensor(a!) out) -> ()",
+        # the same rows' real columns only, back to back (the pinned staging of the GPU path)
+        "gather_rows_packed_into": "gather_rows_packed_into(Tensor data, Tensor row_offsets, Tensor widths, "
+        "int pitch, Tensor indices, int channels, int latent_h, Tensor(a!) out) -> ()",
+        # packed rows -> padded [B, C, h, W] with the white column, cast (on the device)
+        "expand_rows_into": "expand_rows_into(Tensor packed, Tensor packed_offsets, Tensor widths, Tensor? white, "
+        "Tensor(a!) out) -> ()",
+    }
+)
 
 
 # ---- replay ops (cotangent scatter) --------------------------------------------------------
@@ -78,6 +91,19 @@ def _normalize_uint8_into_fake(x, out):
 
 
 # ---- cache decode fake kernels (issue 4) ----------------------------------------------------
+@torch.library.register_fake("latentfast::gather_rows_into")
+def _gather_rows_into_fake(data, row_offsets, widths, pitch, indices, white, out):
+    return None
+
+
+@torch.library.register_fake("latentfast::gather_rows_packed_into")
+def _gather_rows_packed_into_fake(data, row_offsets, widths, pitch, indices, channels, latent_h, out):
+    return None
+
+
+@torch.library.register_fake("latentfast::expand_rows_into")
+def _expand_rows_into_fake(packed, packed_offsets, widths, white, out):
+    return None
 
 
 # ---- replay fake kernels (issue 6) ----------------------------------------------------------

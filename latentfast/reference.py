@@ -20,6 +20,74 @@ def normalize_uint8_into(x: torch.Tensor, out: list[torch.Tensor]) -> None:
 
 
 # ---- cache decode (issue 4) -----------------------------------------------------------------
+def _row_views(data, row_offsets, widths, pitch, indices, channels, latent_h, max_width):
+    """Every requested row as a strided ``[C, h, w_i]`` view of ``data``, all checked before any copy.
+
+    Row ``i``'s line ``(c, y)`` starts at ``row_offsets[i] + (c*h + y) * pitch``; ``pitch == 0``
+    means the ragged layout, where the line pitch is the row's own width.
+    """
+    n_rows = row_offsets.numel()
+    views = []
+    for position, i in enumerate(indices.tolist()):
+        if not 0 <= i < n_rows:
+            raise IndexError(f"indices[{position}] = {i} is out of range for {n_rows} rows")
+        width = int(widths[i])
+        if not 0 <= width <= max_width or (pitch and width > pitch):
+            raise ValueError(f"row {i} has width {width}, outside [0, {min(max_width, pitch or max_width)}]")
+        line_pitch = pitch or width
+        start = int(row_offsets[i])
+        extent = (channels * latent_h - 1) * line_pitch + width if channels * latent_h and width else 0
+        if start < 0 or start + extent > data.numel():
+            raise ValueError(f"row {i} spans [{start}, {start + extent}) outside the data's {data.numel()} elements")
+        views.append(
+            torch.as_strided(data, (channels, latent_h, width), (latent_h * line_pitch, line_pitch, 1), start)
+        )
+    return views
+
+
+def gather_rows_into(data, row_offsets, widths, pitch: int, indices, white, out) -> None:
+    """``out[b] = concat(row(indices[b]), white repeated to W)`` along the last axis, cast to out's dtype.
+
+    ``data``: flat float16; ``out``: ``[B, C, h, W]``; ``white``: ``C*h`` float16 values ``[C, h, 1]``, or None
+    when no row needs padding.
+    """
+    _, channels, latent_h, max_width = out.shape
+    views = _row_views(data, row_offsets, widths, pitch, indices, channels, latent_h, max_width)
+    if white is None:
+        for b, row in enumerate(views):
+            if row.shape[-1] != max_width:
+                raise ValueError(
+                    f"indices[{b}] (width {row.shape[-1]}) needs padding to W={max_width} but no white column was given"
+                )
+    for b, row in enumerate(views):
+        width = row.shape[-1]
+        out[b, :, :, :width] = row
+        if width < max_width:
+            out[b, :, :, width:] = white.reshape(channels, latent_h, 1)
+
+
+def gather_rows_packed_into(data, row_offsets, widths, pitch: int, indices, channels: int, latent_h: int, out) -> None:
+    """``out[:sum(C*h*w_i)]`` = the requested rows ``[C, h, w_i]`` flattened and concatenated in order."""
+    views = _row_views(data, row_offsets, widths, pitch, indices, channels, latent_h, torch.iinfo(torch.int32).max)
+    needed = sum(row.numel() for row in views)
+    if out.numel() < needed:
+        raise ValueError(f"out holds {out.numel()} elements, the rows need {needed}")
+    start = 0
+    for row in views:
+        out[start : start + row.numel()] = row.reshape(-1)
+        start += row.numel()
+
+
+def expand_rows_into(packed, packed_offsets, widths, white, out) -> None:
+    """``out[b, c, y, x] = packed[packed_offsets[b] + (c*h + y)*widths[b] + x]`` for ``x < widths[b]``,
+    else ``white[c*h + y]``; cast to out's dtype. ``out``: ``[B, C, h, W]``; ``white`` may be None
+    only when every row is W wide."""
+    _, channels, latent_h, max_width = out.shape
+    for b, (start, width) in enumerate(zip(packed_offsets.tolist(), widths.tolist())):
+        row = packed[start : start + channels * latent_h * width].reshape(channels, latent_h, width)
+        out[b, :, :, :width] = row
+        if width < max_width:
+            out[b, :, :, width:] = white.reshape(channels, latent_h, 1)
 
 
 # ---- replay (issue 6) -----------------------------------------------------------------------

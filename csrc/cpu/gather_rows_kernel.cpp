@@ -1,0 +1,275 @@
+// Batch gather out of a latent cache's flat float16 data (a memmap), in two forms:
+//
+//   gather_rows_into        -> out [B, C, h, W] (f16 / bf16 / f32): each requested row's real
+//                              columns, then the white column repeated up to W (the CPU path).
+//   gather_rows_packed_into -> out 1-D f16: the requested rows' real columns only, back to back as
+//                              [C, h, w_i] each (the GPU path stages this in pinned memory and
+//                              expands it on the device).
+//
+// Row i's line (c, y) starts at row_offsets[i] + (c*h + y) * pitch, pitch = w_max for the padded
+// layout, or pitch = 0 meaning "w_i" for the ragged layout (rows stored [C, h, w_i] contiguously).
+// Every index, width and offset is checked against the data before the first byte is copied, so a
+// bad request raises instead of reading outside the memmap. The copy itself runs with the GIL
+// released (other Python threads, e.g. a training loop, keep running) on at::parallel_for threads.
+#include <ATen/Parallel.h>
+#include <Python.h>
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace latentfast {
+namespace {
+
+// Releases the GIL for its lifetime when the calling thread holds it (a direct call from Python
+// through torch.ops); does nothing when called from a thread that does not (e.g. torch.compile).
+class GilRelease {
+ public:
+  GilRelease() : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~GilRelease() {
+    if (state_) PyEval_RestoreThread(state_);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+// One requested row, resolved and bounds-checked.
+struct RowSpan {
+  const at::Half* src;  // start of line (0, 0)
+  int64_t width;        // real columns
+  int64_t line_pitch;   // elements between consecutive lines
+};
+
+std::vector<RowSpan> resolve_rows(const char* op, const at::Tensor& data, const at::Tensor& row_offsets,
+                                  const at::Tensor& widths, int64_t pitch, const at::Tensor& indices,
+                                  int64_t lines_per_row, int64_t max_width) {
+  TORCH_CHECK(data.device().is_cpu() && row_offsets.device().is_cpu() && widths.device().is_cpu() &&
+                  indices.device().is_cpu(),
+              op, ": data, row_offsets, widths and indices must be CPU tensors");
+  TORCH_CHECK(data.scalar_type() == at::kHalf && data.dim() == 1 && data.is_contiguous(), op,
+              ": data must be a contiguous 1-D float16 tensor, got ", data.scalar_type(), " ", data.sizes());
+  TORCH_CHECK(row_offsets.scalar_type() == at::kLong && row_offsets.dim() == 1 && row_offsets.is_contiguous(),
+              op, ": row_offsets must be a contiguous 1-D int64 tensor, got ", row_offsets.scalar_type(), " ",
+              row_offsets.sizes());
+  TORCH_CHECK(widths.scalar_type() == at::kInt && widths.dim() == 1 && widths.is_contiguous(), op,
+              ": widths must be a contiguous 1-D int32 tensor, got ", widths.scalar_type(), " ", widths.sizes());
+  TORCH_CHECK(indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(), op,
+              ": indices must be a contiguous 1-D int64 tensor, got ", indices.scalar_type(), " ",
+              indices.sizes());
+  const int64_t n_rows = row_offsets.numel();
+  TORCH_CHECK(widths.numel() == n_rows, op, ": widths has ", widths.numel(), " rows but row_offsets has ", n_rows);
+  TORCH_CHECK(pitch >= 0, op, ": pitch must be >= 0 (0 = ragged layout), got ", pitch);
+
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  const int64_t* offs = row_offsets.data_ptr<int64_t>();
+  const int32_t* wid = widths.data_ptr<int32_t>();
+  const int64_t data_len = data.numel();
+  const at::Half* base = data.data_ptr<at::Half>();
+  std::vector<RowSpan> rows(indices.numel());
+  for (int64_t b = 0; b < indices.numel(); ++b) {
+    const int64_t i = idx[b];
+    TORCH_CHECK_INDEX(i >= 0 && i < n_rows, op, ": indices[", b, "] = ", i, " is out of range for ", n_rows,
+                      " rows");
+    const int64_t w = wid[i];
+    TORCH_CHECK(w >= 0 && w <= max_width, op, ": row ", i, " has width ", w, ", outside [0, ", max_width, "]");
+    TORCH_CHECK(pitch == 0 || w <= pitch, op, ": row ", i, " has width ", w, " > pitch ", pitch);
+    const int64_t line_pitch = pitch == 0 ? w : pitch;
+    const int64_t start = offs[i];
+    // the last element read is start + (lines-1)*line_pitch + w - 1; every term is checked so the
+    // sum cannot overflow for any data length below 2^62
+    const int64_t extent = lines_per_row == 0 || w == 0 ? 0 : (lines_per_row - 1) * line_pitch + w;
+    TORCH_CHECK(start >= 0 && start <= data_len && extent <= data_len - start, op, ": row ", i, " spans [", start,
+                ", ", start + extent, ") outside the data's ", data_len, " elements");
+    rows[b] = RowSpan{base + start, w, line_pitch};
+  }
+  return rows;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LATENTFAST_F16C 1
+// The extension is built for baseline x86-64, where a float16 -> float conversion is a scalar bit
+// shuffle (~4x slower than the copy). These two use the F16C/AVX2 instructions, chosen at run time.
+__attribute__((target("avx2,f16c"))) void half_to_float_f16c(const at::Half* src, float* dst, int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m128i half8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+    _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(half8));
+  }
+  for (; k < n; ++k) dst[k] = static_cast<float>(src[k]);
+}
+
+// 8 float16 -> float32 (exact) -> bfloat16 bits rounded to nearest even, as c10::BFloat16 does; NaN
+// stays NaN. Results in the low 16 bits of each 32-bit lane.
+__attribute__((target("avx2,f16c"))) inline __m256i half8_to_bfloat16_bits(const at::Half* from) {
+  const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from)));
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb);
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
+}
+
+__attribute__((target("avx2,f16c"))) void half_to_bfloat16_f16c(const at::Half* src, at::BFloat16* dst,
+                                                                 int64_t n) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    // packus works per 128-bit lane; the permute puts the 16 results back in order
+    const __m256i packed = _mm256_packus_epi32(half8_to_bfloat16_bits(src + k), half8_to_bfloat16_bits(src + k + 8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  for (; k < n; ++k) dst[k] = static_cast<at::BFloat16>(static_cast<float>(src[k]));
+}
+
+bool cpu_has_f16c() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
+template <typename out_t>
+inline void copy_line(const at::Half* src, out_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<out_t, at::Half>) {
+    std::memcpy(dst, src, n * sizeof(at::Half));
+    return;
+  }
+#ifdef LATENTFAST_F16C
+  if (cpu_has_f16c()) {
+    if constexpr (std::is_same_v<out_t, float>) return half_to_float_f16c(src, dst, n);
+    if constexpr (std::is_same_v<out_t, at::BFloat16>) return half_to_bfloat16_f16c(src, dst, n);
+  }
+#endif
+  for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<out_t>(static_cast<float>(src[k]));
+}
+
+// Lines are short (a few hundred bytes) and rows sit at random places of a file larger than the
+// caches, so the hardware prefetcher rarely runs ahead: ask for the line kPrefetchAhead lines on.
+constexpr int64_t kPrefetchAhead = 24;
+inline void prefetch_line(const std::vector<RowSpan>& rows, int64_t b, int64_t l, int64_t lines) {
+  l += kPrefetchAhead;
+  while (l >= lines) {  // that line is in a later row
+    l -= lines;
+    if (++b >= static_cast<int64_t>(rows.size())) return;
+  }
+  const RowSpan& row = rows[b];
+  const char* start = reinterpret_cast<const char*>(row.src + l * row.line_pitch);
+  for (int64_t byte = 0; byte < row.width * static_cast<int64_t>(sizeof(at::Half)); byte += 64) {
+    __builtin_prefetch(start + byte);
+  }
+}
+
+template <typename out_t>
+void gather_padded(const std::vector<RowSpan>& rows, const at::Half* white, int64_t lines, out_t* out,
+                   int64_t W) {
+  // A [lines, W] block of white in the output dtype, built once: a row's padding is then one memcpy
+  // per line from it (glibc's memcpy beats a fill loop compiled for baseline x86-64).
+  // A null white means no row needs padding (checked by the caller).
+  std::vector<out_t> white_block(white ? lines * W : 0);
+  for (int64_t l = 0; white && l < lines; ++l) {
+    std::fill_n(white_block.data() + l * W, W, static_cast<out_t>(static_cast<float>(white[l])));
+  }
+  const int64_t total = static_cast<int64_t>(rows.size()) * lines;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(W, 1));
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / lines, l = job % lines;
+      const RowSpan& row = rows[b];
+      out_t* dst = out + job * W;
+      prefetch_line(rows, b, l, lines);
+      copy_line<out_t>(row.src + l * row.line_pitch, dst, row.width);
+      if (row.width < W) {
+        std::memcpy(dst + row.width, white_block.data() + l * W + row.width, (W - row.width) * sizeof(out_t));
+      }
+    }
+  });
+}
+
+void gather_rows_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets, const at::Tensor& widths,
+                          int64_t pitch, const at::Tensor& indices, const std::optional<at::Tensor>& white,
+                          const at::Tensor& out) {
+  constexpr const char* op = "gather_rows_into";
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 4 && out.is_contiguous(), op,
+              ": out must be a contiguous CPU tensor [B, C, h, W], got sizes ", out.sizes(), " strides ",
+              out.strides(), " on ", out.device());
+  const int64_t B = out.size(0), C = out.size(1), H = out.size(2), W = out.size(3);
+  TORCH_CHECK(indices.numel() == B, op, ": out has B=", B, " rows but indices has ", indices.numel());
+  if (white.has_value()) {
+    TORCH_CHECK(white->device().is_cpu() && white->scalar_type() == at::kHalf && white->is_contiguous() &&
+                    white->numel() == C * H,
+                op, ": white must be a contiguous float16 CPU tensor of C*h=", C * H, " elements ([C, h, 1]), got ",
+                white->scalar_type(), " ", white->sizes(), " on ", white->device());
+  }
+  const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, C * H, W);
+  if (!white.has_value()) {
+    for (size_t b = 0; b < rows.size(); ++b) {
+      TORCH_CHECK(rows[b].width == W, op, ": indices[", b, "] (width ", rows[b].width, ") needs padding to W=", W,
+                  " but no white column was given");
+    }
+  }
+  if (out.numel() == 0) return;
+  const at::Half* white_ptr = white.has_value() ? white->data_ptr<at::Half>() : nullptr;
+  GilRelease no_gil;
+  switch (out.scalar_type()) {
+    case at::kHalf: gather_padded<at::Half>(rows, white_ptr, C * H, out.data_ptr<at::Half>(), W); break;
+    case at::kBFloat16:
+      gather_padded<at::BFloat16>(rows, white_ptr, C * H, out.data_ptr<at::BFloat16>(), W);
+      break;
+    case at::kFloat: gather_padded<float>(rows, white_ptr, C * H, out.data_ptr<float>(), W); break;
+    default: TORCH_CHECK(false, op, ": out dtype must be float16, bfloat16 or float32, got ", out.scalar_type());
+  }
+}
+
+void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets, const at::Tensor& widths,
+                                 int64_t pitch, const at::Tensor& indices, int64_t channels, int64_t latent_h,
+                                 const at::Tensor& out) {
+  constexpr const char* op = "gather_rows_packed_into";
+  TORCH_CHECK(channels >= 0 && latent_h >= 0, op, ": channels and latent_h must be >= 0, got ", channels, ", ",
+              latent_h);
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kHalf && out.dim() == 1 && out.is_contiguous(), op,
+              ": out must be a contiguous 1-D float16 CPU tensor, got ", out.scalar_type(), " ", out.sizes());
+  const int64_t lines = channels * latent_h;
+  const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, lines,
+                                 std::numeric_limits<int32_t>::max());
+  // where each row starts in out: the prefix sum of lines * w_i
+  std::vector<int64_t> starts(rows.size() + 1, 0);
+  for (size_t b = 0; b < rows.size(); ++b) starts[b + 1] = starts[b] + lines * rows[b].width;
+  TORCH_CHECK(out.numel() >= starts.back(), op, ": out holds ", out.numel(), " elements, the rows need ",
+              starts.back());
+  if (starts.back() == 0) return;
+  at::Half* dst = out.data_ptr<at::Half>();
+  GilRelease no_gil;
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const RowSpan& row = rows[b];
+      at::Half* row_dst = dst + starts[b];
+      if (row.line_pitch == row.width) {  // ragged layout, or a full-width padded row: one block
+        std::memcpy(row_dst, row.src, lines * row.width * sizeof(at::Half));
+        continue;
+      }
+      for (int64_t l = 0; l < lines; ++l) {
+        prefetch_line(rows, b, l, lines);
+        std::memcpy(row_dst + l * row.width, row.src + l * row.line_pitch, row.width * sizeof(at::Half));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(latentfast, CPU, m) {
+  m.impl("gather_rows_into", &gather_rows_into_cpu);
+  m.impl("gather_rows_packed_into", &gather_rows_packed_into_cpu);
+}
+
+}  // namespace latentfast

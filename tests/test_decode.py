@@ -1,0 +1,272 @@
+"""Batch gather ops and read_batch: parity with the reference and with rows rebuilt by numpy, every
+backend, both layouts, every dtype, odd shapes, duplicates, unsorted and non-contiguous indices,
+poisoned outputs, opcheck, and every error path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cache_double import random_rows, write_cache
+from conftest import poisoned_like, runnable_backends
+
+from latentfast import ops, reference
+from latentfast.cache.decode import read_batch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def flat_source(rows, widths, w_max, layout):
+    """(data, row_offsets, widths, pitch) for ``rows`` laid out in memory as the cache lays them on disk."""
+    channels, latent_h = rows[0].shape[:2]
+    if layout == "padded":
+        block = np.zeros((len(rows), channels, latent_h, w_max), dtype=np.float16)
+        for i, row in enumerate(rows):
+            block[i, :, :, : row.shape[-1]] = row
+        offsets = np.arange(len(rows), dtype=np.int64) * channels * latent_h * w_max
+        return torch.from_numpy(block.reshape(-1)), torch.from_numpy(offsets), torch.from_numpy(widths), w_max
+    sizes = np.array([row.size for row in rows], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    data = np.concatenate([row.reshape(-1) for row in rows])
+    return torch.from_numpy(data), torch.from_numpy(offsets), torch.from_numpy(widths), 0
+
+
+def expected_batch(rows, white, indices, W, dtype):
+    """The padded batch rebuilt independently with numpy."""
+    out = []
+    for i in indices:
+        row = rows[i]
+        pad = np.repeat(white.reshape(row.shape[0], row.shape[1], 1), W - row.shape[-1], axis=2)
+        out.append(np.concatenate([row, pad], axis=2))
+    return torch.from_numpy(np.stack(out)).to(dtype)
+
+
+def gather_samples():
+    """(label, rows, white, source args, indices, width) over layouts and odd geometries."""
+    rng = np.random.default_rng(1234)
+    geometries = [(1, 1, 1, 5), (3, 5, 17, 40), (4, 8, 33, 64), (2, 3, 7, 9)]  # C, h, w_max, N
+    for channels, latent_h, w_max, n in geometries:
+        rows, widths = random_rows(rng, n, channels, latent_h, w_max)
+        white = rng.standard_normal((channels, latent_h, 1)).astype(np.float16)
+        for layout in ("padded", "ragged"):
+            source = flat_source(rows, widths, w_max, layout)
+            unsorted_dupes = rng.integers(0, n, size=11).tolist() + [n - 1, 0, n - 1]
+            strided = torch.arange(n - 1, -1, -1, dtype=torch.int64)[::2]  # non-contiguous, descending
+            for indices, width in ((unsorted_dupes, None), (strided, w_max + 3), ([n - 1], None)):
+                label = f"{layout}-C{channels}h{latent_h}w{w_max}-B{len(indices)}-W{width}"
+                yield label, rows, white, source, indices, width
+
+
+SAMPLES = list(gather_samples())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_into"))
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s[0] for s in SAMPLES])
+def test_gather_rows_matches_numpy_and_reference(sample, backend, dtype):
+    _, rows, white, (data, offsets, widths, pitch), indices, width = sample
+    index_list = torch.as_tensor(indices).tolist()
+    channels, latent_h = rows[0].shape[:2]
+    W = width if width is not None else max(rows[i].shape[-1] for i in index_list)
+    out = poisoned_like((len(index_list), channels, latent_h, W), dtype)
+    got = ops.gather_rows(data, offsets, widths, pitch, indices, channels=channels, latent_h=latent_h,
+                          white=torch.from_numpy(white), width=width, dtype=dtype, out=out, backend=backend)
+    assert got.data_ptr() == out.data_ptr()
+    expected = expected_batch(rows, white, index_list, W, dtype)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    ref = poisoned_like(out.shape, dtype)
+    reference.gather_rows_into(data, offsets, widths, pitch, torch.as_tensor(index_list), torch.from_numpy(white), ref)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_packed_into"))
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s[0] for s in SAMPLES])
+def test_packed_gather_then_expand_equals_padded_gather(sample, backend):
+    _, rows, white, (data, offsets, widths, pitch), indices, width = sample
+    index_list = torch.as_tensor(indices).tolist()
+    channels, latent_h = rows[0].shape[:2]
+    staging = poisoned_like((40_000,), torch.float16)  # longer than needed, like a ring slot
+    packed = ops.gather_rows_packed(data, offsets, widths, pitch, indices, channels=channels, latent_h=latent_h,
+                                    out=staging, backend=backend)
+    expected = np.concatenate([rows[i].reshape(-1) for i in index_list])
+    torch.testing.assert_close(packed, torch.from_numpy(expected), rtol=0, atol=0)
+    selected = widths[torch.as_tensor(index_list)]
+    sizes = selected.to(torch.int64) * channels * latent_h
+    starts = torch.cumsum(sizes, 0) - sizes
+    for dtype in DTYPES:
+        for expand_backend in runnable_backends("expand_rows_into"):
+            W = width if width is not None else int(selected.max())
+            out = poisoned_like((len(index_list), channels, latent_h, W), dtype)
+            ops.expand_rows(packed, starts, selected, torch.from_numpy(white), channels=channels,
+                            latent_h=latent_h, width=width, dtype=dtype, out=out, backend=expand_backend)
+            torch.testing.assert_close(out, expected_batch(rows, white, index_list, W, dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_read_batch_on_files(tmp_path, layout):
+    rng = np.random.default_rng(7)
+    rows, widths = random_rows(rng, 30, 4, 3, 21)
+    white = rng.standard_normal((4, 3, 1)).astype(np.float16)
+    cache = write_cache(str(tmp_path), rows, widths, w_max=21, layout=layout, white=white)
+    indices = np.array([29, 3, 3, 0, 17])
+    for dtype in (None, torch.bfloat16, torch.float32):
+        latents, got_widths = read_batch(cache, indices, dtype=dtype)
+        assert got_widths.dtype == torch.int32 and got_widths.tolist() == widths[indices].tolist()
+        W = int(widths[indices].max())
+        expected = expected_batch(rows, white, indices.tolist(), W, dtype or torch.float16)
+        torch.testing.assert_close(latents, expected, rtol=0, atol=0)
+        for b, i in enumerate(indices):
+            assert torch.equal(latents[b, :, :, : widths[i]], cache[int(i)].to(dtype or torch.float16))
+    out = poisoned_like((2, 4, 3, 25), torch.float32)
+    latents, _ = read_batch(cache, [1, 2], dtype=torch.float32, width=25, out=out)
+    assert latents is out
+    torch.testing.assert_close(out, expected_batch(rows, white, [1, 2], 25, torch.float32), rtol=0, atol=0)
+    empty, empty_widths = read_batch(cache, [])
+    assert empty.shape == (0, 4, 3, 0) and empty_widths.numel() == 0
+
+
+def _opcheck_args(layout, dtype):
+    rng = np.random.default_rng(3)
+    rows, widths = random_rows(rng, 9, 2, 3, 11)
+    data, offsets, widths_t, pitch = flat_source(rows, widths, 11, layout)
+    indices = torch.tensor([8, 0, 8, 4], dtype=torch.int64)
+    white = torch.from_numpy(rng.standard_normal(6).astype(np.float16))
+    return data, offsets, widths_t, pitch, indices, white, torch.empty((4, 2, 3, 13), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_opcheck(layout, dtype):
+    data, offsets, widths, pitch, indices, white, out = _opcheck_args(layout, dtype)
+    torch.library.opcheck(torch.ops.latentfast.gather_rows_into.default,
+                          (data, offsets, widths, pitch, indices, white, out))
+    packed = torch.empty(4 * 6 * 11, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.latentfast.gather_rows_packed_into.default,
+                          (data, offsets, widths, pitch, indices, 2, 3, packed))
+    selected = widths[indices]
+    sizes = selected.to(torch.int64) * 6
+    torch.library.opcheck(torch.ops.latentfast.expand_rows_into.default,
+                          (packed, torch.cumsum(sizes, 0) - sizes, selected, white, out))
+
+
+# ---- errors -------------------------------------------------------------------------------------
+@pytest.fixture
+def small_cache(tmp_path):
+    rng = np.random.default_rng(5)
+    rows, widths = random_rows(rng, 6, 2, 2, 8)
+    widths[2] = 8  # a full-width row for the no-white-column case
+    rows[2] = rng.standard_normal((2, 2, 8)).astype(np.float16)
+    return write_cache(str(tmp_path / "with_white"), rows, widths, w_max=8, white=np.ones((2, 2, 1))), \
+        write_cache(str(tmp_path / "no_white"), rows, widths, w_max=8, layout="ragged")
+
+
+@pytest.mark.parametrize("bad", [6, -1, 10**12])
+def test_read_batch_bad_index_names_it(small_cache, bad):
+    cache, _ = small_cache
+    with pytest.raises(IndexError, match=rf"indices\[2\] = {bad} is out of range"):
+        read_batch(cache, [0, 1, bad, 3])
+
+
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_into"))
+def test_kernel_checks_indices_before_copying(backend):
+    data, offsets, widths, pitch, _, white, out = _opcheck_args("padded", torch.float16)
+    out.fill_(7.0)
+    fn = torch.ops.latentfast.gather_rows_into.default if backend == "cpp" else reference.gather_rows_into
+    with pytest.raises(IndexError, match=r"indices\[3\] = 9 is out of range"):
+        fn(data, offsets, widths, pitch, torch.tensor([0, 1, 2, 9]), white, out)
+    assert bool((out == 7.0).all()), "nothing may be written before every index is checked"
+
+
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_into"))
+def test_kernel_rejects_rows_outside_data(backend):
+    data, offsets, widths, pitch, indices, white, out = _opcheck_args("ragged", torch.float32)
+    fn = torch.ops.latentfast.gather_rows_into.default if backend == "cpp" else reference.gather_rows_into
+    with pytest.raises((RuntimeError, ValueError), match="outside the data"):
+        fn(data[:-1], offsets, widths, pitch, indices, white, out)  # the last row now runs past the end
+    bad_offsets = offsets.clone()
+    bad_offsets[4] = -3
+    with pytest.raises((RuntimeError, ValueError), match="outside the data"):
+        fn(data, bad_offsets, widths, pitch, indices, white, out)
+    with pytest.raises((RuntimeError, ValueError), match="width"):
+        fn(data, offsets, widths, pitch, indices, white, torch.empty(4, 2, 3, 3))  # W narrower than the rows
+
+
+def test_read_batch_argument_errors(small_cache):
+    cache, no_white = small_cache
+    with pytest.raises(ValueError, match="width must be an int >= the batch's widest row"):
+        read_batch(cache, [2], width=3)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        read_batch(cache, [0], dtype=torch.int32)
+    with pytest.raises(TypeError, match="indices must be a 1-D sequence of ints"):
+        read_batch(cache, [0.5])
+    with pytest.raises(TypeError, match="indices must be a 1-D sequence of ints"):
+        read_batch(cache, [[0, 1]])
+    with pytest.raises(ValueError, match="out must have shape"):
+        read_batch(cache, [0, 2], out=torch.empty(1, 2, 2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="no white column"):
+        read_batch(no_white, [0, 2])
+    latents, _ = read_batch(no_white, [2, 2])  # nothing to pad: no white column needed
+    assert torch.equal(latents[0], no_white[2])
+    with pytest.raises(ValueError, match="device must be a CPU or CUDA device"):
+        read_batch(cache, [0], device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available here"):
+            read_batch(cache, [0], device="cuda")
+
+
+def test_public_op_argument_errors():
+    data, offsets, widths, pitch, indices, white, _ = _opcheck_args("padded", torch.float16)
+    kwargs = dict(channels=2, latent_h=3)
+    with pytest.raises(ValueError, match="data must be a contiguous 1-D torch.float16"):
+        ops.gather_rows(data.float(), offsets, widths, pitch, indices, white=white, **kwargs)
+    with pytest.raises(ValueError, match="row_offsets must be a contiguous 1-D torch.int64"):
+        ops.gather_rows(data, offsets.int(), widths, pitch, indices, white=white, **kwargs)
+    with pytest.raises(ValueError, match="widths has 8 rows but row_offsets has 9"):
+        ops.gather_rows(data, offsets, widths[:-1], pitch, [0], white=white, **kwargs)
+    with pytest.raises(ValueError, match="pitch must be an int >= 0"):
+        ops.gather_rows(data, offsets, widths, -1, indices, white=white, **kwargs)
+    with pytest.raises(ValueError, match="white must be a tensor of C\\*h = 6 values"):
+        ops.gather_rows(data, offsets, widths, pitch, indices, white=white[:5], **kwargs)
+    with pytest.raises(ValueError, match="out must be a contiguous 1-D float16 CPU tensor of >= "):
+        ops.gather_rows_packed(data, offsets, widths, pitch, indices, out=torch.empty(3, dtype=torch.float16),
+                               **kwargs)
+    packed = torch.zeros(30, dtype=torch.float16)
+    with pytest.raises(ValueError, match="inside packed's 30 elements"):
+        ops.expand_rows(packed, torch.tensor([0, 20]), torch.tensor([2, 2], dtype=torch.int32), white, **kwargs)
+    with pytest.raises(ValueError, match="packed_offsets must be a contiguous 1-D torch.int64"):
+        ops.expand_rows(packed, torch.tensor([0, 20], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32),
+                        white, **kwargs)
+
+
+def test_read_batch_cuda_matches_cpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(11)
+    rows, widths = random_rows(rng, 40, 4, 4, 32)
+    white = rng.standard_normal((4, 4, 1)).astype(np.float16)
+    for layout in ("padded", "ragged"):
+        cache = write_cache(str(tmp_path / layout), rows, widths, w_max=32, layout=layout, white=white)
+        for step in range(8):  # more batches than ring slots: slots are reused
+            indices = rng.integers(0, 40, size=5 + step)
+            for dtype in DTYPES:
+                expected, _ = read_batch(cache, indices, dtype=dtype)
+                got, got_widths = read_batch(cache, indices, device="cuda", dtype=dtype)
+                assert got.is_cuda and got.dtype == dtype
+                torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+                assert got_widths.tolist() == widths[indices].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_into"))
+def test_cast_of_every_float16_value(backend, dtype):
+    """All 65536 float16 bit patterns (subnormals, inf, NaN, rounding ties) cast like torch casts them."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    data = every.reshape(-1).contiguous()
+    widths = torch.tensor([1024] * 64, dtype=torch.int32)
+    offsets = torch.arange(64, dtype=torch.int64) * 1024
+    out = poisoned_like((64, 1, 1, 1030), dtype)
+    white = torch.tensor([float("nan")], dtype=torch.float16)
+    ops.gather_rows(data, offsets, widths, 1024, torch.arange(64), channels=1, latent_h=1, white=white, width=1030,
+                    dtype=dtype, out=out, backend=backend)
+    expected = every.reshape(64, 1, 1, 1024).to(dtype)
+    torch.testing.assert_close(out[..., :1024], expected, rtol=0, atol=0, equal_nan=True)
+    assert bool(out[..., 1024:].isnan().all())
