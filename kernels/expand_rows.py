@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._rounding import cast_rounded
+
 
 @triton.jit
 def _expand_rows_kernel(
@@ -41,7 +43,7 @@ def _expand_rows_kernel(
     mask = line_ok[:, None] & (cols < W)[None, :]
     # through float32: one rounding to bfloat16, to nearest even as torch does (on the GPU; Triton's
     # interpreter truncates instead)
-    values = values.to(tl.float32).to(out_ptr.dtype.element_ty)
+    values = cast_rounded(values.to(tl.float32), out_ptr.dtype.element_ty)
     tl.store(out_ptr + lines[:, None] * W + cols[None, :], values, mask=mask)
 
 

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._rounding import cast_rounded
+
 
 @triton.jit
 def _normalize_view_kernel(
@@ -23,7 +25,6 @@ def _normalize_view_kernel(
     stride_w,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    OUT_BF16: tl.constexpr,
 ):
     """out[l0, l1, t, h, w] = x[l0, l1, frame_offset + t, h, w] / 127.5 - 1   (float32 math).
 
@@ -43,14 +44,7 @@ def _normalize_view_kernel(
     mask = (rows < n_rows)[:, None] & (cols < W)[None, :]
     x = tl.load(x_ptr + in_row[:, None] + cols[None, :] * stride_w, mask=mask, other=0)
     y = x.to(tl.float32) / 127.5 - 1.0
-    if OUT_BF16:
-        # round-to-nearest-even by hand: the same bits on the GPU and in Triton's interpreter
-        # (whose plain float32 -> bfloat16 cast truncates). y is finite, so no NaN case.
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        out = y.to(out_ptr.dtype.element_ty)
+    out = cast_rounded(y, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * W + cols[None, :], out, mask=mask)
 
 
@@ -102,5 +96,4 @@ def normalize_uint8_into(x: torch.Tensor, out: list[torch.Tensor]) -> None:
                 part.stride(4),
                 BLOCK_R=block_r,
                 BLOCK_W=block_w,
-                OUT_BF16=target.dtype == torch.bfloat16,
             )
