@@ -1,4 +1,4 @@
-"""Offline VAE latent cache: format, builder, reader (and, from the decode issue, the fast batch path)."""
+"""Offline VAE latent cache: format, builder, reader, the fast batch path and DataLoader pieces."""
 from __future__ import annotations
 
 from .builder import ImageError, build_latent_cache, cache_meta_for, list_source
@@ -12,6 +12,8 @@ from .format import (
     read_meta,
     stamp_differences,
 )
+from .decode import read_batch
+from .loader import CacheBatchDataset, DevicePrefetcher, WidthBucketBatchSampler, batch_loader, collate
 from .reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
 
 __all__ = [
@@ -35,5 +37,11 @@ __all__ = [
     "LatentCache",
     "inspect_cache",
     "verify_cache",
-    # decode (issue 4) adds its names here at merge time
+    # fast batch path and DataLoader integration
+    "read_batch",
+    "WidthBucketBatchSampler",
+    "CacheBatchDataset",
+    "batch_loader",
+    "collate",
+    "DevicePrefetcher",
 ]
