@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .balance import offload_encode
+from .plan import Plan
 from .units import build_units, check_item_layout, normalize_uint8_item, regroup_latents, validate_multiview_length
 
 
@@ -83,6 +84,7 @@ class VisionEncoder:
         self.encode_fn = encode_fn
         self.device = torch.device(fp32_kwargs["device"])
         self.dtype = fp32_kwargs.get("dtype", torch.float32)
+        self.last_plan: Plan | None = None  # the plan of the latest balanced step (makespan, bytes moved)
 
     def balancing_available(self) -> bool:
         """Whether this step may balance encode across the group.
@@ -150,7 +152,7 @@ class VisionEncoder:
             # Still enter the collectives, carrying the error: peers raise naming this rank
             # instead of waiting for it.
             units, tensors, seconds = [], [], _reraising(exc)
-        latents = offload_encode(
+        latents, self.last_plan = offload_encode(
             tensors,
             seconds,
             self._encode_prepared,
@@ -158,6 +160,7 @@ class VisionEncoder:
             group_rank=self.parallel_dims.lb_rank,
             group_size=self.parallel_dims.lb_size,
             device=self.device,
+            return_plan=True,
         )
         return regroup_latents(units, latents, items)
 
