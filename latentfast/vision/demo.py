@@ -71,9 +71,15 @@ def skewed_items(rank: int, world_size: int, *, views: int, frames: int, size: i
 
 def _skewed_step(rank: int, world_size: int, config: dict) -> dict:
     vae = ToyVAE(hidden=config["hidden"])
-    costs = EncodeCostModel.measure(vae.encode_video, [(config["frames"], config["size"], config["size"])], repeats=3)
+
+    def encode(clip: torch.Tensor) -> torch.Tensor:
+        if config["device_seconds"]:
+            time.sleep(config["device_seconds"])  # the CPU idles while a device would encode
+        return vae.encode_video(clip)
+
+    costs = EncodeCostModel.measure(encode, [(config["frames"], config["size"], config["size"])], repeats=3)
     encoder = VisionEncoder(
-        tokenizer=costs, parallel_dims=BalanceGroup(), encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu", "dtype": torch.float32}
+        tokenizer=costs, parallel_dims=BalanceGroup(), encode_fn=encode, fp32_kwargs={"device": "cpu", "dtype": torch.float32}
     )
     items, views, frames = skewed_items(
         rank, world_size, views=config["views"], frames=config["frames"], size=config["size"], heavy_items=config["heavy_items"]
@@ -96,9 +102,13 @@ def _skewed_step(rank: int, world_size: int, config: dict) -> dict:
         balanced_times.append(seconds)
         if len(local) != len(balanced) or not all(torch.equal(a, b) for a, b in zip(local, balanced)):
             raise AssertionError(f"rank {rank}: balanced latents differ from local encoding")
+    plan = encoder.last_plan
     return {
         "rank": rank,
         "items": len(items),
+        "planned_speedup": plan.home_makespan / plan.makespan,
+        "moved_units": plan.moved_units,
+        "moved_bytes": plan.moved_bytes,
         "unbalanced_s": statistics.median(local_times),
         "balanced_s": statistics.median(balanced_times),
     }
@@ -112,14 +122,20 @@ def demo_balanced_encode(
     size: int = 64,
     heavy_items: int = 3,
     hidden: int = 512,
+    device_seconds: float = 0.0,
     repeats: int = 3,
     timeout_s: float = 60.0,
 ) -> dict:
     """Spawn a ``world_size`` gloo group, encode a skewed step unbalanced and balanced with the toy
-    VAE (``hidden`` sizes its compute, so encode outweighs the transfers as with a real VAE),
-    check the balanced latents equal local encoding, and return the timings (medians over
-    ``repeats``, measured on rank 0 between barriers) and the speedup."""
-    config = dict(views=views, frames=frames, size=size, heavy_items=heavy_items, hidden=hidden, repeats=repeats)
+    VAE, check the balanced latents equal local encoding, and return the timings (medians over
+    ``repeats``, measured on rank 0 between barriers), the speedup, and the plan's predicted one.
+
+    ``hidden`` sizes the toy VAE's compute (one core per rank). ``device_seconds`` adds that much
+    idle wait to every encode call, standing in for a GPU encode during which the host CPU is
+    free: then the step's time does not depend on how many CPU cores other work leaves free."""
+    config = dict(
+        views=views, frames=frames, size=size, heavy_items=heavy_items, hidden=hidden, device_seconds=device_seconds, repeats=repeats
+    )
     results = spawn_gloo(_skewed_step, world_size, config, timeout_s=timeout_s)
     for result in results:
         if isinstance(result, BaseException):
@@ -133,4 +149,7 @@ def demo_balanced_encode(
         "unbalanced_s": unbalanced,
         "balanced_s": balanced,
         "speedup": unbalanced / balanced,
+        "planned_speedup": results[0]["planned_speedup"],
+        "moved_units": results[0]["moved_units"],
+        "moved_bytes": results[0]["moved_bytes"],
     }

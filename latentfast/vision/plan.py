@@ -6,7 +6,7 @@ equal loads really compare equal (identical shapes have identical predicted cost
 
 Algorithm: longest-processing-time first (LPT), then a local search that repeatedly relieves the
 most loaded rank by the best single move or pairwise swap with another rank, until no move or
-swap lowers it. The resulting groups of units are then matched to ranks so as many bytes as
+swap lowers it or the makespan is within ``PLAN_TOLERANCE`` of the lower bound. The resulting groups of units are then matched to ranks so as many bytes as
 possible stay home, and units that can go home without raising the makespan go home. If the
 result is not strictly better than not balancing at all, nothing moves.
 """
@@ -19,6 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 
 NS_PER_SECOND = 1_000_000_000
+# The local search stops within this fraction of the lower bound: costs are measured predictions
+# with noise of several percent, so polishing the plan further buys nothing but planner time.
+PLAN_TOLERANCE = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +107,19 @@ def _best_step(costs, bins, loads, top, partner_bins):
     return best
 
 
-def _improve(costs: np.ndarray, bins: np.ndarray, num_bins: int, max_steps: int) -> np.ndarray:
+def _improve(costs: np.ndarray, bins: np.ndarray, num_bins: int, max_steps: int, good_enough: int) -> np.ndarray:
     """Move/swap local search on the most loaded bin. Every accepted step lowers the top bin
     without raising its partner to that level, so the sorted load vector strictly decreases and
-    the search terminates; ``max_steps`` caps the planner's time. Swap partners are first sought
-    on the few least loaded bins, and on all bins only before giving up."""
+    the search terminates; ``max_steps`` caps the planner's time, and it stops once the makespan
+    is ``<= good_enough``. Swap partners are first sought on the few least loaded bins, and on
+    all bins only before giving up."""
     bins = bins.copy()
     loads = _loads(bins, costs, num_bins)
     all_bins = np.arange(num_bins)
     for _ in range(max_steps if num_bins > 1 else 0):
         top = int(np.argmax(loads))
+        if loads[top] <= good_enough:
+            break
         near = np.argsort(loads, kind="stable")[: NEAR_BINS + 1]
         score, unit, partner, target = _best_step(costs, bins, loads, top, near)
         if score >= loads[top] and num_bins > NEAR_BINS + 1:
@@ -206,7 +212,8 @@ def plan_assignment(
     ranks = homes
     if len(costs) and int(home_loads.max()) > lower_bound:
         steps = 4 * len(costs) + 16 if max_steps is None else int(max_steps)
-        bins = _improve(costs, lpt_bins(costs, num_ranks), num_ranks, steps)
+        good_enough = lower_bound + int(lower_bound * PLAN_TOLERANCE)
+        bins = _improve(costs, lpt_bins(costs, num_ranks), num_ranks, steps, good_enough)
         candidate = _bins_to_ranks(bins, homes, weights, num_ranks)
         candidate = _send_home_where_free(costs, candidate, homes, weights, num_ranks)
         candidate_loads = _loads(candidate, costs, num_ranks)
