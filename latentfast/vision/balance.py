@@ -1,0 +1,257 @@
+"""Spread a step's encode calls across a process group, then hand every latent back to its owner.
+
+One call of :func:`offload_encode` per step, entered by every rank of the group (also ranks with
+no units), runs:
+
+1. one ``all_gather`` of a fixed-size float64 tensor per rank: a status flag, the unit count, and
+   per unit its predicted seconds, dtype code, rank and shape (exact in float64). A rank with more
+   units than the row capacity says so in its header and every rank repeats the gather once with
+   the larger capacity, so the common case stays a single collective;
+2. the same plan on every rank (:func:`plan_assignment` on the gathered numbers);
+3. the units that move go out with one ``batch_isend_irecv``; each rank encodes its own kept units
+   while they travel, then the units it received;
+4. one ``all_gather`` of every rank's status, error text and the shapes/dtypes of the latents it
+   made for others: an encode that raised on any rank makes every rank raise, naming that rank,
+   instead of leaving peers blocked in a transfer that never comes;
+5. latents go back to their owners with one ``batch_isend_irecv``.
+
+Every wait honors ``timeout`` (default: the group's own timeout).
+"""
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .plan import Plan, plan_assignment
+
+MAX_NDIM = 6
+DEFAULT_CAPACITY = 32  # unit rows per rank in the first (usually only) metadata gather
+MESSAGE_CHARS = 256  # error text carried per rank in the status gather
+WIRE_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+)  # fmt: skip
+UNIT_ROW = 3 + MAX_NDIM  # seconds, dtype code, ndim, shape
+LATENT_ROW = 2 + MAX_NDIM  # dtype code, ndim, shape
+OK, FAILED = 0.0, 1.0
+
+
+class OffloadEncodeError(RuntimeError):
+    """Raised on every rank when any rank's inputs or encode failed; ``failed_ranks`` names them."""
+
+    def __init__(self, message: str, failed_ranks: list[int]):
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+
+def _describe(tensor: torch.Tensor, what: str) -> list[float]:
+    """``[dtype code, ndim, *shape padded to MAX_NDIM]`` of a tensor that can travel."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in WIRE_DTYPES:
+        raise ValueError(f"{what} has dtype {tensor.dtype}; supported: {WIRE_DTYPES}")
+    if tensor.ndim > MAX_NDIM:
+        raise ValueError(f"{what} must have at most {MAX_NDIM} dims, got shape {tuple(tensor.shape)}")
+    shape = list(tensor.shape) + [0] * (MAX_NDIM - tensor.ndim)
+    return [float(WIRE_DTYPES.index(tensor.dtype)), float(tensor.ndim), *map(float, shape)]
+
+
+def _undescribe(row: list[float]) -> tuple[torch.dtype, tuple[int, ...]]:
+    dtype, ndim = WIRE_DTYPES[int(row[0])], int(row[1])
+    return dtype, tuple(int(x) for x in row[2 : 2 + ndim])
+
+
+def _status(error: BaseException | None) -> list[float]:
+    """``[flag, *error text as code points padded to MESSAGE_CHARS]``: the head of every gathered row."""
+    message = f"{type(error).__name__}: {error}" if error is not None else ""
+    codes = [float(ord(ch)) for ch in message[:MESSAGE_CHARS]]
+    return [FAILED if error is not None else OK] + codes + [0.0] * (MESSAGE_CHARS - len(codes))
+
+
+def _decode_text(codes: list[float]) -> str:
+    return "".join(chr(int(c)) for c in codes if c > 0)
+
+
+def _all_gather_rows(row: torch.Tensor, group, group_size: int, timeout) -> list[list[float]]:
+    gathered = [torch.empty_like(row) for _ in range(group_size)]
+    work = dist.all_gather(gathered, row, group=group, async_op=True)
+    _wait(work, timeout)
+    return [t.cpu().tolist() for t in gathered]
+
+
+def _wait(work, timeout: datetime.timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def _exchange(ops: list[dist.P2POp], timeout) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            _wait(work, timeout)
+
+
+def _raise_if_failed(statuses: list[list[float]], group_rank: int, stage: str, local_error: BaseException | None) -> None:
+    failed = [r for r, row in enumerate(statuses) if row[0] != OK]
+    if not failed:
+        return
+    details = "; ".join(f"rank {r}: {_decode_text(statuses[r][1 : 1 + MESSAGE_CHARS])}" for r in failed)
+    where = "this rank" if group_rank in failed else f"rank(s) {failed}"
+    error = OffloadEncodeError(f"offload_encode failed at {stage} on {where} ({details})", failed)
+    raise error from local_error
+
+
+def offload_encode(
+    local_tensors: Sequence[torch.Tensor],
+    local_predicted_seconds: Sequence[float],
+    encode_fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None,
+    group_rank: int,
+    group_size: int,
+    device: torch.device | str,
+    timeout: datetime.timedelta | None = None,
+    capacity: int = DEFAULT_CAPACITY,
+    return_plan: bool = False,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], Plan]:
+    """Encode this rank's units somewhere in ``group`` and return their latents in local order.
+
+    Args:
+        local_tensors: this rank's encode inputs (possibly none), each on ``device``.
+        local_predicted_seconds: predicted encode seconds of each (the plan's costs). Both are
+            read inside the error-reporting block: an exception while reading them (e.g. a lazy
+            cost lookup) is reported to every rank like an encode failure.
+        encode_fn: called as ``encode_fn(tensor)`` at call time, on whichever rank the plan picks.
+            It must be the same function on every rank and return a tensor.
+        group, group_rank, group_size: the balancing group (``None`` = the default group) and this
+            rank's place in it.
+        device: where metadata and received tensors live (the process group's device). Passed
+            explicitly because a rank with no units has no tensor to take it from.
+        timeout: for every wait; ``None`` uses the group's timeout.
+        capacity: unit rows per rank in the first metadata gather (more units cost a second one).
+        return_plan: also return the :class:`Plan` that was executed.
+
+    Every rank of the group must call this in the same step (entry must be rank-uniform). If any
+    rank's inputs are invalid or its ``encode_fn`` raises, every rank raises
+    :class:`OffloadEncodeError` naming the failing rank(s).
+    """
+    device = torch.device(device)
+    if group_size < 1 or not 0 <= group_rank < group_size:
+        raise ValueError(f"group_rank must be in [0, group_size), got group_rank={group_rank}, group_size={group_size}")
+    if group_size != dist.get_world_size(group) or group_rank != dist.get_rank(group):
+        raise ValueError(
+            f"group_rank/group_size ({group_rank}/{group_size}) disagree with the process group "
+            f"({dist.get_rank(group)}/{dist.get_world_size(group)})"
+        )
+    if group is None:
+        group = dist.group.WORLD
+    capacity = max(int(capacity), 1)
+
+    # 1. Metadata: validate locally, but report failure through the gather so no peer blocks.
+    local_error: BaseException | None = None
+    tensors: list[torch.Tensor] = []
+    rows: list[list[float]] = []
+    try:
+        tensors = list(local_tensors)
+        seconds = [float(s) for s in local_predicted_seconds]
+        if len(seconds) != len(tensors):
+            raise ValueError(f"got {len(tensors)} local_tensors but {len(seconds)} local_predicted_seconds")
+        for i, (tensor, cost) in enumerate(zip(tensors, seconds)):
+            described = _describe(tensor, f"local_tensors[{i}]")
+            if tensor.device != device:
+                raise ValueError(f"local_tensors[{i}] must be on {device}, got {tensor.device}")
+            if not cost >= 0 or cost == float("inf"):
+                raise ValueError(f"local_predicted_seconds[{i}] must be finite and >= 0, got {cost}")
+            rows.append([cost, *described])
+    except Exception as exc:  # noqa: BLE001 -- reported to every rank, then re-raised below
+        local_error, tensors, rows = exc, [], []
+
+    def gather_units(cap: int) -> list[list[float]]:
+        body = [x for row in rows[:cap] for x in row]
+        body += [0.0] * (cap * UNIT_ROW - len(body))
+        payload = torch.tensor(_status(local_error) + [float(len(rows))] + body, dtype=torch.float64, device=device)
+        return _all_gather_rows(payload, group, group_size, timeout)
+
+    gathered = gather_units(capacity)
+    _raise_if_failed(gathered, group_rank, "input validation", local_error)
+    counts = [int(row[1 + MESSAGE_CHARS]) for row in gathered]
+    if max(counts, default=0) > capacity:
+        gathered = gather_units(max(counts))
+    body_start = 2 + MESSAGE_CHARS
+    unit_rows = [
+        [g[body_start + i * UNIT_ROW : body_start + (i + 1) * UNIT_ROW] for i in range(n)]
+        for g, n in zip(gathered, counts)
+    ]
+
+    # 2. The same plan everywhere.
+    costs = [[row[0] for row in per_rank] for per_rank in unit_rows]
+    shapes = [[_undescribe(row[1:]) for row in per_rank] for per_rank in unit_rows]
+    nbytes = [[torch.Size(s).numel() * d.itemsize for d, s in per_rank] for per_rank in shapes]
+    plan = plan_assignment(costs, nbytes)
+    moves = [(r, i, dest) for r in range(group_size) for i, dest in enumerate(plan.assignment[r]) if dest != r]
+    incoming = [(r, i) for r, i, dest in moves if dest == group_rank]
+
+    # 3. Units out; encode the kept ones while they travel, then the received ones.
+    received: dict[tuple[int, int], torch.Tensor] = {}
+    ops = []
+    for r, i, dest in moves:
+        if r == group_rank:
+            ops.append(dist.P2POp(dist.isend, tensors[i].contiguous(), group=group, group_peer=dest))
+        elif dest == group_rank:
+            dtype, shape = shapes[r][i]
+            received[(r, i)] = torch.empty(shape, dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, received[(r, i)], group=group, group_peer=r))
+    works = dist.batch_isend_irecv(ops) if ops else []
+
+    latents: list[torch.Tensor | None] = [None] * len(tensors)
+    made_for_others: dict[tuple[int, int], torch.Tensor] = {}
+
+    def encode(tensor: torch.Tensor, what: str) -> torch.Tensor:
+        latent = encode_fn(tensor)
+        _describe(latent, f"encode_fn's result for {what}")
+        return latent.to(device).contiguous()
+
+    try:
+        for i, dest in enumerate(plan.assignment[group_rank]):
+            if dest == group_rank:
+                latents[i] = encode(tensors[i], f"local unit {i}")
+    except Exception as exc:  # noqa: BLE001
+        local_error = exc
+    for work in works:
+        _wait(work, timeout)
+    if local_error is None:
+        try:
+            for r, i in incoming:
+                made_for_others[(r, i)] = encode(received[(r, i)], f"rank {r}'s unit {i}")
+        except Exception as exc:  # noqa: BLE001
+            local_error = exc
+
+    # 4. Status and the shapes of latents made for others, in one gather.
+    most_incoming = max((sum(1 for *_, dest in moves if dest == k) for k in range(group_size)), default=0)
+    body = []
+    if local_error is None:
+        body = [x for key in incoming for x in _describe(made_for_others[key], "latent")]
+    body += [0.0] * (most_incoming * LATENT_ROW - len(body))
+    payload = torch.tensor(_status(local_error) + body, dtype=torch.float64, device=device)
+    statuses = _all_gather_rows(payload, group, group_size, timeout)
+    _raise_if_failed(statuses, group_rank, "encode", local_error)
+
+    # 5. Latents back to their owners (both sides walk the moves in the same order).
+    ops = []
+    seen_by_helper = [0] * group_size
+    for r, i, dest in moves:
+        slot = seen_by_helper[dest]
+        seen_by_helper[dest] += 1
+        if dest == group_rank:
+            ops.append(dist.P2POp(dist.isend, made_for_others[(r, i)], group=group, group_peer=r))
+        elif r == group_rank:
+            start = 1 + MESSAGE_CHARS + slot * LATENT_ROW
+            dtype, shape = _undescribe(statuses[dest][start : start + LATENT_ROW])
+            latents[i] = torch.empty(shape, dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, latents[i], group=group, group_peer=dest))
+    _exchange(ops, timeout)
+    return (latents, plan) if return_plan else latents

@@ -1,0 +1,229 @@
+"""offload_encode / VisionEncoder.encode_balanced in real spawned gloo groups of 2 and 3 ranks.
+
+Each group runs every scenario in sequence (spawning is the slow part), one result per scenario
+and rank; the tests below check them. Scenarios that fail on purpose are followed by a normal
+step, so they also show the group is still usable after every rank raised.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from latentfast.toy import ToyVAE
+from latentfast.vision import BalanceGroup, EncodeCostModel, OffloadEncodeError, VisionEncoder, offload_encode, spawn_gloo
+
+SIZE = 16
+COSTS = {(4, SIZE, SIZE): 0.004, (5, SIZE, SIZE): 0.005, (8, SIZE, SIZE): 0.008}
+
+
+def step_items(rank: int, seed: int = 0):
+    """Rank 0: two multiview uint8 items (4-D and 5-D) and a plain clip -- the heavy rank.
+    Rank 1: one plain 5-D clip. Rank 2: nothing."""
+    g = torch.Generator().manual_seed(100 * seed + rank)
+
+    def uint8(*shape):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+
+    if rank == 0:
+        items = [uint8(3, 16, SIZE, SIZE), uint8(2, 3, 12, SIZE, SIZE), torch.rand(3, 5, SIZE, SIZE, generator=g) * 2 - 1]
+        return items, [4, 3, 1], [4, 4, None]
+    if rank == 1:
+        return [torch.rand(2, 3, 8, SIZE, SIZE, generator=g) * 2 - 1], [1], [None]
+    return [], [], []
+
+
+def make_encoder(vae: ToyVAE) -> VisionEncoder:
+    return VisionEncoder(
+        tokenizer=EncodeCostModel(COSTS),
+        parallel_dims=BalanceGroup(),
+        encode_fn=lambda x: vae.encode_video(x),
+        fp32_kwargs={"device": "cpu", "dtype": torch.float32},
+    )
+
+
+def capture(fn):
+    """Run one scenario; return its value or the raised error as ``("raised", type, message, failed_ranks)``."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc), getattr(exc, "failed_ranks", None))
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def scenarios(rank: int, world_size: int) -> dict:
+    vae = ToyVAE()
+    encoder = make_encoder(vae)
+    out = {"available": encoder.balancing_available()}
+
+    def balanced_equals_local(seed):
+        items, views, frames = step_items(rank, seed)
+        balanced = encoder.encode_balanced(items, views, frames)
+        return same(balanced, encoder.encode_local(items, views, frames)), encoder.last_plan
+
+    out["skewed"] = capture(lambda: balanced_equals_local(0))
+
+    def late_bound():
+        calls = []
+        current = encoder.encode_fn
+        encoder.encode_fn = lambda x: (calls.append(1), current(x))[1]  # a timer installed later
+        try:
+            items, views, frames = step_items(rank, 1)
+            encoder.encode_balanced(items, views, frames)
+        finally:
+            encoder.encode_fn = current
+        return len(calls)
+
+    out["late_bound_calls"] = capture(late_bound)
+
+    def raising_encode():
+        real = encoder.encode_fn
+        if rank == 1:
+            encoder.encode_fn = lambda x: (_ for _ in ()).throw(ValueError("boom on purpose"))
+        try:
+            items, views, frames = step_items(rank, 2)
+            return encoder.encode_balanced(items, views, frames)
+        finally:
+            encoder.encode_fn = real
+
+    out["encode_raises"] = capture(raising_encode)
+    out["after_encode_error"] = capture(lambda: balanced_equals_local(3)[0])
+
+    def unknown_shape_on_rank0():
+        items, views, frames = step_items(rank, 4)
+        if rank == 0:
+            items = items + [torch.rand(3, 7, SIZE, SIZE)]
+            views, frames = views + [1], frames + [None]
+        return encoder.encode_balanced(items, views, frames)
+
+    out["bad_input"] = capture(unknown_shape_on_rank0)
+    out["after_input_error"] = capture(lambda: balanced_equals_local(5)[0])
+
+    def direct_mixed_dtypes_over_capacity():
+        # Rank r owns r+2 units of varied dtype/rank; rank 0's are heavy. capacity=1 forces the
+        # second metadata gather. The encode changes shape, rank and dtype.
+        g = torch.Generator().manual_seed(rank)
+        tensors = [torch.randint(-50, 50, (2, 3 + i), generator=g).to(dt)
+                   for i, dt in zip(range(rank + 2), [torch.float16, torch.int64, torch.bfloat16, torch.float32, torch.uint8])]  # fmt: skip
+        seconds = [(10.0 if rank == 0 else 1.0)] * len(tensors)
+
+        def encode(t):
+            return (t.double().cumsum(-1) * 3).unsqueeze(0)
+
+        latents, plan = offload_encode(tensors, seconds, encode, group=None, group_rank=rank, group_size=world_size,
+                                       device="cpu", capacity=1, return_plan=True)  # fmt: skip
+        return same(latents, [encode(t).contiguous() for t in tensors]), plan.moved_units
+
+    out["direct"] = capture(direct_mixed_dtypes_over_capacity)
+
+    def merged_costs():
+        own = {(4, 8, 8): 1.0 + rank}
+        if rank == 1:
+            own[(8, 8, 8)] = 5.0
+        merged = EncodeCostModel(own).merged_across_ranks()
+        return sorted(merged.seconds_by_shape.items())
+
+    out["merged_costs"] = capture(merged_costs)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def group_results(request):
+    return request.param, spawn_gloo(scenarios, request.param, timeout_s=60)
+
+
+def results_of(group_results, name):
+    world_size, per_rank = group_results
+    for rank, result in enumerate(per_rank):
+        assert not isinstance(result, BaseException), f"rank {rank} crashed: {result!r}"
+    return world_size, [r[name] for r in per_rank]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_balanced_equals_local_encoding_and_work_moves(group_results):
+    world_size, results = results_of(group_results, "skewed")
+    assert all(r[0] is True for r in results), results
+    plans = [r[1] for r in results]
+    assert all(p == plans[0] for p in plans)  # every rank computed the same plan
+    assert plans[0].moved_units > 0 and plans[0].makespan < plans[0].home_makespan
+    assert results_of(group_results, "available")[1] == [True] * world_size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_rank_without_items_and_late_bound_encode(group_results):
+    world_size, calls = results_of(group_results, "late_bound_calls")
+    assert sum(calls) == 4 + 3 + 1 + 1  # every encode call went through the later-installed timer
+    if world_size == 3:
+        assert calls[2] > 0  # the rank with no items of its own did encode work
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_encode_error_raises_on_every_rank_naming_the_rank(group_results):
+    world_size, results = results_of(group_results, "encode_raises")
+    for rank, result in enumerate(results):
+        assert result[0] == "raised" and result[1] == "OffloadEncodeError", result
+        assert result[3] == [1]
+        assert "boom on purpose" in result[2]
+        assert ("this rank" if rank == 1 else "rank(s) [1]") in result[2]
+    assert results_of(group_results, "after_encode_error")[1] == [True] * world_size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_invalid_input_on_one_rank_raises_everywhere(group_results):
+    world_size, results = results_of(group_results, "bad_input")
+    for result in results:
+        assert result[0] == "raised" and result[3] == [0], result
+        assert "(7, 16, 16)" in result[2]  # the unknown shape is named
+    assert results_of(group_results, "after_input_error")[1] == [True] * world_size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_offload_encode_any_dtype_and_rank_with_a_second_metadata_gather(group_results):
+    world_size, results = results_of(group_results, "direct")
+    assert all(r[0] is True for r in results), results
+    assert results[0][1] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_cost_tables_merge_by_max(group_results):
+    world_size, results = results_of(group_results, "merged_costs")
+    assert all(r == [((4, 8, 8), float(world_size)), ((8, 8, 8), 5.0)] for r in results), results
+
+
+def absent_peer(rank: int, world_size: int):
+    """Rank 1 stays alive but never enters: rank 0 must fail at its 2 s timeout, not hang."""
+    if rank == 1:
+        time.sleep(8)
+        return "skipped"
+    start = time.perf_counter()
+    result = capture(lambda: offload_encode([torch.zeros(2)], [1.0], torch.neg, group=None, group_rank=0,
+                                            group_size=world_size, device="cpu", timeout=datetime.timedelta(seconds=2)))  # fmt: skip
+    return result, time.perf_counter() - start
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_timeout_is_honored_when_a_peer_never_enters():
+    results = spawn_gloo(absent_peer, 2, timeout_s=30)
+    assert results[1] == "skipped"
+    result, seconds = results[0]
+    assert result[0] == "raised" and "timed out" in result[2].lower(), result
+    assert seconds < 7
+
+
+def test_arguments_checked_against_the_group():
+    with pytest.raises(ValueError, match="group_rank must be in"):
+        offload_encode([], [], torch.neg, group=None, group_rank=2, group_size=2, device="cpu")
+    assert not dist.is_initialized()
