@@ -237,6 +237,7 @@ def test_public_op_argument_errors():
                         white, **kwargs)
 
 
+@pytest.mark.gpu
 def test_read_batch_cuda_matches_cpu(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

@@ -159,6 +159,7 @@ def test_prefetcher_passes_through_on_cpu(disk_cache):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.gpu
 def test_prefetcher_cuda(disk_cache):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available here"):

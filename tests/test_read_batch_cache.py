@@ -82,3 +82,17 @@ def test_batch_loader_workers_match_single_process(caches, context):
     assert len(from_workers) == len(single)
     for (a, wa, ia), (b, wb, ib) in zip(single, from_workers):
         assert torch.equal(a, b) and torch.equal(wa, wb) and list(ia) == list(ib)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_read_batch_to_cuda_equals_cpu(caches, layout):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cache = caches[layout]
+    for step in range(6):  # more batches than ring slots: slots get reused
+        indices = np.random.default_rng(step).integers(0, len(cache), 9 + step)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            on_gpu, widths = cache.read_batch(indices, device="cuda", dtype=dtype)
+            on_cpu, _ = cache.read_batch(indices, dtype=dtype)
+            assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), on_cpu)
