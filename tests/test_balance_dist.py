@@ -7,7 +7,9 @@ step, so they also show the group is still usable after every rank raised.
 from __future__ import annotations
 
 import datetime
+import gc
 import time
+import types
 
 import pytest
 import torch
@@ -57,7 +59,19 @@ def same(a, b) -> bool:
     return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
 
 
+def frames_kept_by_cycles() -> list[str]:
+    """Names of this package's balancing frames that only reference cycles keep alive. Such a
+    cycle can hold the process group past destroy_process_group, which aborts the process."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    gc.collect()
+    names = {o.f_code.co_name for o in gc.garbage if isinstance(o, types.FrameType)}
+    gc.garbage.clear()
+    gc.set_debug(0)
+    return sorted(names & {"offload_encode", "encode_balanced", "_raise_if_failed", "gather_units"})
+
+
 def scenarios(rank: int, world_size: int) -> dict:
+    gc.disable()  # cycles stay uncollected until frames_kept_by_cycles looks for them
     vae = ToyVAE()
     encoder = make_encoder(vae)
     out = {"available": encoder.balancing_available()}
@@ -104,6 +118,8 @@ def scenarios(rank: int, world_size: int) -> dict:
 
     out["bad_input"] = capture(unknown_shape_on_rank0)
     out["after_input_error"] = capture(lambda: balanced_equals_local(5)[0])
+    out["frames_kept_by_cycles"] = frames_kept_by_cycles()
+    gc.enable()
 
     def direct_mixed_dtypes_over_capacity():
         # Rank r owns r+2 units of varied dtype/rank; rank 0's are heavy. capacity=1 forces the
@@ -185,6 +201,13 @@ def test_invalid_input_on_one_rank_raises_everywhere(group_results):
         assert result[0] == "raised" and result[3] == [0], result
         assert "(7, 16, 16)" in result[2]  # the unknown shape is named
     assert results_of(group_results, "after_input_error")[1] == [True] * world_size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_failed_steps_leave_no_reference_cycles(group_results):
+    world_size, results = results_of(group_results, "frames_kept_by_cycles")
+    assert results == [[]] * world_size
 
 
 @pytest.mark.slow

@@ -64,11 +64,11 @@ def _undescribe(row: list[float]) -> tuple[torch.dtype, tuple[int, ...]]:
     return dtype, tuple(int(x) for x in row[2 : 2 + ndim])
 
 
-def _status(error: BaseException | None) -> list[float]:
+def _status(errors: list[BaseException]) -> list[float]:
     """``[flag, *error text as code points padded to MESSAGE_CHARS]``: the head of every gathered row."""
-    message = f"{type(error).__name__}: {error}" if error is not None else ""
+    message = f"{type(errors[0]).__name__}: {errors[0]}" if errors else ""
     codes = [float(ord(ch)) for ch in message[:MESSAGE_CHARS]]
-    return [FAILED if error is not None else OK] + codes + [0.0] * (MESSAGE_CHARS - len(codes))
+    return [FAILED if errors else OK] + codes + [0.0] * (MESSAGE_CHARS - len(codes))
 
 
 def _decode_text(codes: list[float]) -> str:
@@ -95,14 +95,19 @@ def _exchange(ops: list[dist.P2POp], timeout) -> None:
             _wait(work, timeout)
 
 
-def _raise_if_failed(statuses: list[list[float]], group_rank: int, stage: str, local_error: BaseException | None) -> None:
+def _raise_if_failed(statuses: list[list[float]], group_rank: int, stage: str, local_errors: list[BaseException]) -> None:
+    """Raise on every rank if any rank flagged a failure; this rank's own error becomes the cause.
+
+    The error is popped out of ``local_errors`` so the raising frame does not keep it: a frame
+    that references its own exception forms a cycle, and a process group reachable from such a
+    cycle may only be freed after ``destroy_process_group``, which aborts the process."""
     failed = [r for r, row in enumerate(statuses) if row[0] != OK]
     if not failed:
         return
     details = "; ".join(f"rank {r}: {_decode_text(statuses[r][1 : 1 + MESSAGE_CHARS])}" for r in failed)
     where = "this rank" if group_rank in failed else f"rank(s) {failed}"
-    error = OffloadEncodeError(f"offload_encode failed at {stage} on {where} ({details})", failed)
-    raise error from local_error
+    cause = local_errors.pop() if local_errors else None
+    raise OffloadEncodeError(f"offload_encode failed at {stage} on {where} ({details})", failed) from cause
 
 
 def offload_encode(
@@ -117,14 +122,13 @@ def offload_encode(
     timeout: datetime.timedelta | None = None,
     capacity: int = DEFAULT_CAPACITY,
     return_plan: bool = False,
+    failure: BaseException | None = None,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], Plan]:
     """Encode this rank's units somewhere in ``group`` and return their latents in local order.
 
     Args:
         local_tensors: this rank's encode inputs (possibly none), each on ``device``.
-        local_predicted_seconds: predicted encode seconds of each (the plan's costs). Both are
-            read inside the error-reporting block: an exception while reading them (e.g. a lazy
-            cost lookup) is reported to every rank like an encode failure.
+        local_predicted_seconds: predicted encode seconds of each (the plan's costs).
         encode_fn: called as ``encode_fn(tensor)`` at call time, on whichever rank the plan picks.
             It must be the same function on every rank and return a tensor.
         group, group_rank, group_size: the balancing group (``None`` = the default group) and this
@@ -134,6 +138,8 @@ def offload_encode(
         timeout: for every wait; ``None`` uses the group's timeout.
         capacity: unit rows per rank in the first metadata gather (more units cost a second one).
         return_plan: also return the :class:`Plan` that was executed.
+        failure: this rank already failed preparing its units: still join the collectives, but
+            only to make every rank raise :class:`OffloadEncodeError` naming this rank.
 
     Every rank of the group must call this in the same step (entry must be rank-uniform). If any
     rank's inputs are invalid or its ``encode_fn`` raises, every rank raises
@@ -152,32 +158,36 @@ def offload_encode(
     capacity = max(int(capacity), 1)
 
     # 1. Metadata: validate locally, but report failure through the gather so no peer blocks.
-    local_error: BaseException | None = None
+    local_errors: list[BaseException] = []  # at most one: this rank's first failure
     tensors: list[torch.Tensor] = []
     rows: list[list[float]] = []
-    try:
-        tensors = list(local_tensors)
-        seconds = [float(s) for s in local_predicted_seconds]
-        if len(seconds) != len(tensors):
-            raise ValueError(f"got {len(tensors)} local_tensors but {len(seconds)} local_predicted_seconds")
-        for i, (tensor, cost) in enumerate(zip(tensors, seconds)):
-            described = _describe(tensor, f"local_tensors[{i}]")
-            if tensor.device != device:
-                raise ValueError(f"local_tensors[{i}] must be on {device}, got {tensor.device}")
-            if not cost >= 0 or cost == float("inf"):
-                raise ValueError(f"local_predicted_seconds[{i}] must be finite and >= 0, got {cost}")
-            rows.append([cost, *described])
-    except Exception as exc:  # noqa: BLE001 -- reported to every rank, then re-raised below
-        local_error, tensors, rows = exc, [], []
+    if failure is not None:  # appended, not re-raised here: that would tie this frame into its traceback
+        local_errors.append(failure)
+    else:
+        try:
+            tensors = list(local_tensors)
+            seconds = [float(s) for s in local_predicted_seconds]
+            if len(seconds) != len(tensors):
+                raise ValueError(f"got {len(tensors)} local_tensors but {len(seconds)} local_predicted_seconds")
+            for i, (tensor, cost) in enumerate(zip(tensors, seconds)):
+                described = _describe(tensor, f"local_tensors[{i}]")
+                if tensor.device != device:
+                    raise ValueError(f"local_tensors[{i}] must be on {device}, got {tensor.device}")
+                if not cost >= 0 or cost == float("inf"):
+                    raise ValueError(f"local_predicted_seconds[{i}] must be finite and >= 0, got {cost}")
+                rows.append([cost, *described])
+        except Exception as exc:  # noqa: BLE001 -- reported to every rank, then re-raised below
+            local_errors.append(exc)
+            tensors, rows = [], []
 
     def gather_units(cap: int) -> list[list[float]]:
         body = [x for row in rows[:cap] for x in row]
         body += [0.0] * (cap * UNIT_ROW - len(body))
-        payload = torch.tensor(_status(local_error) + [float(len(rows))] + body, dtype=torch.float64, device=device)
+        payload = torch.tensor(_status(local_errors) + [float(len(rows))] + body, dtype=torch.float64, device=device)
         return _all_gather_rows(payload, group, group_size, timeout)
 
     gathered = gather_units(capacity)
-    _raise_if_failed(gathered, group_rank, "input validation", local_error)
+    _raise_if_failed(gathered, group_rank, "input validation", local_errors)
     counts = [int(row[1 + MESSAGE_CHARS]) for row in gathered]
     if max(counts, default=0) > capacity:
         gathered = gather_units(max(counts))
@@ -220,25 +230,25 @@ def offload_encode(
             if dest == group_rank:
                 latents[i] = encode(tensors[i], f"local unit {i}")
     except Exception as exc:  # noqa: BLE001
-        local_error = exc
+        local_errors.append(exc)
     for work in works:
         _wait(work, timeout)
-    if local_error is None:
+    if not local_errors:
         try:
             for r, i in incoming:
                 made_for_others[(r, i)] = encode(received[(r, i)], f"rank {r}'s unit {i}")
         except Exception as exc:  # noqa: BLE001
-            local_error = exc
+            local_errors.append(exc)
 
     # 4. Status and the shapes of latents made for others, in one gather.
     most_incoming = max((sum(1 for *_, dest in moves if dest == k) for k in range(group_size)), default=0)
     body = []
-    if local_error is None:
+    if not local_errors:
         body = [x for key in incoming for x in _describe(made_for_others[key], "latent")]
     body += [0.0] * (most_incoming * LATENT_ROW - len(body))
-    payload = torch.tensor(_status(local_error) + body, dtype=torch.float64, device=device)
+    payload = torch.tensor(_status(local_errors) + body, dtype=torch.float64, device=device)
     statuses = _all_gather_rows(payload, group, group_size, timeout)
-    _raise_if_failed(statuses, group_rank, "encode", local_error)
+    _raise_if_failed(statuses, group_rank, "encode", local_errors)
 
     # 5. Latents back to their owners (both sides walk the moves in the same order).
     ops = []

@@ -18,12 +18,6 @@ from .plan import Plan
 from .units import build_units, check_item_layout, normalize_uint8_item, regroup_latents, validate_multiview_length
 
 
-def _reraising(exc: BaseException):
-    """An iterable that raises ``exc`` when read (offload_encode reports it to every rank)."""
-    raise exc
-    yield  # a generator, so the raise happens inside offload_encode
-
-
 @dataclasses.dataclass(frozen=True)
 class BalanceGroup:
     """The minimal ``parallel_dims`` a :class:`VisionEncoder` reads: the load-balancing group.
@@ -141,6 +135,7 @@ class VisionEncoder:
         """Encode every item with the encode calls spread across the group; same result as
         :meth:`encode_local`. Enters collectives unconditionally: call it on every rank of the
         group, after :meth:`balancing_available` said yes."""
+        units, tensors, seconds, failure = [], [], [], None
         try:
             units = build_units(items, num_views_per_item, frames_per_item, dtype=self.dtype, device=self.device)
             tensors = [unit.tensor for unit in units]
@@ -151,17 +146,21 @@ class VisionEncoder:
         except Exception as exc:  # noqa: BLE001
             # Still enter the collectives, carrying the error: peers raise naming this rank
             # instead of waiting for it.
-            units, tensors, seconds = [], [], _reraising(exc)
-        latents, self.last_plan = offload_encode(
-            tensors,
-            seconds,
-            self._encode_prepared,
-            group=self._lb_group(),
-            group_rank=self.parallel_dims.lb_rank,
-            group_size=self.parallel_dims.lb_size,
-            device=self.device,
-            return_plan=True,
-        )
+            units, tensors, seconds, failure = [], [], [], exc
+        try:
+            latents, self.last_plan = offload_encode(
+                tensors,
+                seconds,
+                self._encode_prepared,
+                group=self._lb_group(),
+                group_rank=self.parallel_dims.lb_rank,
+                group_size=self.parallel_dims.lb_size,
+                device=self.device,
+                return_plan=True,
+                failure=failure,
+            )
+        finally:
+            failure = None  # this frame must not keep its own exception (a cycle that outlives the group)
         return regroup_latents(units, latents, items)
 
     def encode(
