@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from latentfast.toy import ToyVAE
-from latentfast.vision import BalanceGroup, EncodeCostModel, OffloadEncodeError, VisionEncoder, offload_encode, spawn_gloo
+from latentfast.vision import BalanceGroup, EncodeCostModel, VisionEncoder, demo_balanced_encode, offload_encode, spawn_gloo
 
 SIZE = 16
 COSTS = {(4, SIZE, SIZE): 0.004, (5, SIZE, SIZE): 0.005, (8, SIZE, SIZE): 0.008}
@@ -250,3 +250,12 @@ def test_arguments_checked_against_the_group():
     with pytest.raises(ValueError, match="group_rank must be in"):
         offload_encode([], [], torch.neg, group=None, group_rank=2, group_size=2, device="cpu")
     assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_runs_a_balanced_step_equal_to_local_encoding():
+    result = demo_balanced_encode(world_size=2, repeats=1, device_seconds=0.0)
+    assert result["equal_to_local"] and result["items_per_rank"] == [3, 1]
+    assert result["moved_units"] > 0 and result["planned_speedup"] > 1
+    assert result["unbalanced_s"] > 0 and result["balanced_s"] > 0

@@ -241,7 +241,10 @@ def offload_encode(
             local_errors.append(exc)
 
     # 4. Status and the shapes of latents made for others, in one gather.
-    most_incoming = max((sum(1 for *_, dest in moves if dest == k) for k in range(group_size)), default=0)
+    incoming_per_rank = [0] * group_size
+    for *_, dest in moves:
+        incoming_per_rank[dest] += 1
+    most_incoming = max(incoming_per_rank)
     body = []
     if not local_errors:
         body = [x for key in incoming for x in _describe(made_for_others[key], "latent")]

@@ -121,8 +121,8 @@ def demo_balanced_encode(
     frames: int = 8,
     size: int = 64,
     heavy_items: int = 3,
-    hidden: int = 512,
-    device_seconds: float = 0.0,
+    hidden: int = 16,
+    device_seconds: float = 0.02,
     repeats: int = 3,
     timeout_s: float = 60.0,
 ) -> dict:
