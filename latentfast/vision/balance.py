@@ -8,12 +8,13 @@ no units), runs:
    units than the row capacity says so in its header and every rank repeats the gather once with
    the larger capacity, so the common case stays a single collective;
 2. the same plan on every rank (:func:`plan_assignment` on the gathered numbers);
-3. the units that move go out with one ``batch_isend_irecv``; each rank encodes its own kept units
-   while they travel, then the units it received;
+3. the units that move go out with one ``batch_isend_irecv``, packed into one message per
+   (sender, receiver) pair; each rank encodes its own kept units while they travel, then the
+   units it received;
 4. one ``all_gather`` of every rank's status, error text and the shapes/dtypes of the latents it
    made for others: an encode that raised on any rank makes every rank raise, naming that rank,
    instead of leaving peers blocked in a transfer that never comes;
-5. latents go back to their owners with one ``batch_isend_irecv``.
+5. latents go back to their owners with one ``batch_isend_irecv``, packed the same way.
 
 Every wait honors ``timeout`` (default: the group's own timeout).
 """
@@ -37,6 +38,7 @@ WIRE_DTYPES = (
 UNIT_ROW = 3 + MAX_NDIM  # seconds, dtype code, ndim, shape
 LATENT_ROW = 2 + MAX_NDIM  # dtype code, ndim, shape
 OK, FAILED = 0.0, 1.0
+PACK_ALIGN = 16  # bytes; segment alignment inside a packed message, so views of any dtype are legal
 
 
 class OffloadEncodeError(RuntimeError):
@@ -73,6 +75,39 @@ def _status(errors: list[BaseException]) -> list[float]:
 
 def _decode_text(codes: list[float]) -> str:
     return "".join(chr(int(c)) for c in codes if c > 0)
+
+
+def _segment_bytes(spec: tuple[torch.dtype, tuple[int, ...]]) -> int:
+    """Bytes a tensor takes in a packed message, rounded up so every segment starts aligned."""
+    dtype, shape = spec
+    size = torch.Size(shape).numel() * dtype.itemsize
+    return -(-size // PACK_ALIGN) * PACK_ALIGN
+
+
+def _packed_size(specs) -> int:
+    return sum(_segment_bytes(spec) for spec in specs)
+
+
+def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Several tensors as one uint8 message (one transfer per peer instead of one per tensor)."""
+    specs = [(t.dtype, tuple(t.shape)) for t in tensors]
+    buffer = torch.empty(_packed_size(specs), dtype=torch.uint8, device=device)
+    offset = 0
+    for tensor, spec in zip(tensors, specs):
+        size = tensor.numel() * tensor.dtype.itemsize
+        buffer[offset : offset + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+        offset += _segment_bytes(spec)
+    return buffer
+
+
+def _unpack(buffer: torch.Tensor, specs) -> list[torch.Tensor]:
+    """The tensors of a packed message, as views into it."""
+    out, offset = [], 0
+    for dtype, shape in specs:
+        size = torch.Size(shape).numel() * dtype.itemsize
+        out.append(buffer[offset : offset + size].view(dtype).reshape(shape))
+        offset += _segment_bytes((dtype, shape))
+    return out
 
 
 def _all_gather_rows(row: torch.Tensor, group, group_size: int, timeout) -> list[list[float]]:
@@ -204,17 +239,24 @@ def offload_encode(
     plan = plan_assignment(costs, nbytes)
     moves = [(r, i, dest) for r in range(group_size) for i, dest in enumerate(plan.assignment[r]) if dest != r]
     incoming = [(r, i) for r, i, dest in moves if dest == group_rank]
-
-    # 3. Units out; encode the kept ones while they travel, then the received ones.
-    received: dict[tuple[int, int], torch.Tensor] = {}
-    ops = []
+    moved_between: dict[tuple[int, int], list[int]] = {}  # (owner, helper) -> owner's unit indices, in order
     for r, i, dest in moves:
-        if r == group_rank:
-            ops.append(dist.P2POp(dist.isend, tensors[i].contiguous(), group=group, group_peer=dest))
-        elif dest == group_rank:
-            dtype, shape = shapes[r][i]
-            received[(r, i)] = torch.empty(shape, dtype=dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, received[(r, i)], group=group, group_peer=r))
+        moved_between.setdefault((r, dest), []).append(i)
+
+    # 3. Units out, one packed message per (sender, receiver) pair; encode the kept units while
+    #    they travel, then the received ones.
+    ops, unpack = [], []
+    for peer in range(group_size):
+        if peer == group_rank:
+            continue
+        outgoing = [tensors[i] for i in moved_between.get((group_rank, peer), [])]
+        if outgoing:
+            ops.append(dist.P2POp(dist.isend, _pack(outgoing, device), group=group, group_peer=peer))
+        arriving = [(peer, i) for i in moved_between.get((peer, group_rank), [])]
+        if arriving:
+            buffer = torch.empty(_packed_size([shapes[r][i] for r, i in arriving]), dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
+            unpack.append((arriving, buffer))
     works = dist.batch_isend_irecv(ops) if ops else []
 
     latents: list[torch.Tensor | None] = [None] * len(tensors)
@@ -233,6 +275,9 @@ def offload_encode(
         local_errors.append(exc)
     for work in works:
         _wait(work, timeout)
+    received = {}
+    for arriving, buffer in unpack:
+        received.update(zip(arriving, _unpack(buffer, [shapes[r][i] for r, i in arriving])))
     if not local_errors:
         try:
             for r, i in incoming:
@@ -253,18 +298,29 @@ def offload_encode(
     statuses = _all_gather_rows(payload, group, group_size, timeout)
     _raise_if_failed(statuses, group_rank, "encode", local_errors)
 
-    # 5. Latents back to their owners (both sides walk the moves in the same order).
-    ops = []
+    # 5. Latents back to their owners, one packed message per pair. A helper's latent rows are in
+    #    the order of its incoming moves; both sides walk the moves in that same order.
+    latent_specs: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
     seen_by_helper = [0] * group_size
     for r, i, dest in moves:
-        slot = seen_by_helper[dest]
+        start = 1 + MESSAGE_CHARS + seen_by_helper[dest] * LATENT_ROW
         seen_by_helper[dest] += 1
-        if dest == group_rank:
-            ops.append(dist.P2POp(dist.isend, made_for_others[(r, i)], group=group, group_peer=r))
-        elif r == group_rank:
-            start = 1 + MESSAGE_CHARS + slot * LATENT_ROW
-            dtype, shape = _undescribe(statuses[dest][start : start + LATENT_ROW])
-            latents[i] = torch.empty(shape, dtype=dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, latents[i], group=group, group_peer=dest))
+        if r == group_rank:
+            latent_specs[(r, i)] = _undescribe(statuses[dest][start : start + LATENT_ROW])
+    ops, unpack = [], []
+    for peer in range(group_size):
+        if peer == group_rank:
+            continue
+        made = [made_for_others[(peer, i)] for i in moved_between.get((peer, group_rank), [])]
+        if made:
+            ops.append(dist.P2POp(dist.isend, _pack(made, device), group=group, group_peer=peer))
+        mine = moved_between.get((group_rank, peer), [])
+        if mine:
+            buffer = torch.empty(_packed_size([latent_specs[(group_rank, i)] for i in mine]), dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
+            unpack.append((mine, buffer))
     _exchange(ops, timeout)
+    for mine, buffer in unpack:
+        for i, latent in zip(mine, _unpack(buffer, [latent_specs[(group_rank, i)] for i in mine])):
+            latents[i] = latent
     return (latents, plan) if return_plan else latents
