@@ -3,7 +3,7 @@
 One call of :func:`offload_encode` per step, entered by every rank of the group (also ranks with
 no units), runs:
 
-1. one ``all_gather`` of a fixed-size float64 tensor per rank: a status flag, the unit count, and
+1. one ``all_gather`` of a fixed-size float64 tensor per rank: a status flag and error text, the unit count, and
    per unit its predicted seconds, dtype code, rank and shape (exact in float64). A rank with more
    units than the row capacity says so in its header and every rank repeats the gather once with
    the larger capacity, so the common case stays a single collective;
