@@ -10,57 +10,69 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace latentfast {
 namespace {
 
-// One (branch, sample row) unit of work: a [N_k, D_k] slab copied to two places.
-struct RowTask {
+// One unit of work: tokens [n_begin, n_end) of one (branch, sample row) slab, copied to two places.
+// Slabs are cut into chunks of about kChunkElements so a few large segments still spread over
+// every thread, and small slabs stay whole.
+struct Chunk {
   int64_t branch;
-  int64_t row;        // sample index in grads[branch]
-  int64_t local_off;  // arena element offset of this row's local copy
-  int64_t scaled_off; // arena element offset of this row's scaled copy
+  int64_t row;         // sample index in grads[branch]
+  int64_t n_begin, n_end;
+  int64_t local_off;   // arena element offset of token n_begin's local copy
+  int64_t scaled_off;  // arena element offset of token n_begin's scaled copy
 };
+constexpr int64_t kChunkElements = 16384;
+
+// Both outputs are streamed from one read of the input; restrict lets the compiler vectorize.
+template <typename scalar_t, typename opmath_t>
+inline void copy_and_scale(const scalar_t* __restrict in, int64_t in_stride, scalar_t* __restrict local,
+                           scalar_t* __restrict scaled, int64_t count, opmath_t s) {
+  if (in_stride == 1) {
+    for (int64_t i = 0; i < count; ++i) {
+      const scalar_t v = in[i];
+      local[i] = v;
+      scaled[i] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
+    }
+  } else {
+    for (int64_t i = 0; i < count; ++i) {
+      const scalar_t v = in[i * in_stride];
+      local[i] = v;
+      scaled[i] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
+    }
+  }
+}
 
 template <typename scalar_t>
-void scatter_impl(const std::vector<at::Tensor>& grads, const std::vector<RowTask>& tasks, double scale,
-                  at::Tensor& arena) {
+void scatter_impl(const std::vector<at::Tensor>& grads, const std::vector<Chunk>& chunks, int64_t total,
+                  double scale, at::Tensor& arena) {
   using opmath_t = at::opmath_type<scalar_t>;
   const opmath_t s = static_cast<opmath_t>(scale);
   scalar_t* out = arena.data_ptr<scalar_t>();
   std::vector<const scalar_t*> base;
   for (const auto& g : grads) base.push_back(g.const_data_ptr<scalar_t>());
-  // ~64K elements per chunk at least: below that, waking a second thread costs more than it saves
-  int64_t max_slab = 1;
-  for (const auto& g : grads) max_slab = std::max<int64_t>(max_slab, g.size(1) * g.size(2));
-  const int64_t grain = std::max<int64_t>(1, 65536 / max_slab);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const RowTask& task = tasks[t];
-      const at::Tensor& g = grads[task.branch];
-      const int64_t N = g.size(1), D = g.size(2);
-      const int64_t s1 = g.stride(1), s2 = g.stride(2);
-      const scalar_t* src = base[task.branch] + task.row * g.stride(0);
-      scalar_t* local = out + task.local_off;
-      scalar_t* scaled = out + task.scaled_off;
-      for (int64_t n = 0; n < N; ++n) {
-        const scalar_t* in = src + n * s1;
-        scalar_t* lo = local + n * D;
-        scalar_t* sc = scaled + n * D;
-        if (s2 == 1) {
-          for (int64_t d = 0; d < D; ++d) {
-            const scalar_t v = in[d];
-            lo[d] = v;
-            sc[d] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
-          }
-        } else {
-          for (int64_t d = 0; d < D; ++d) {
-            const scalar_t v = in[d * s2];
-            lo[d] = v;
-            sc[d] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
-          }
-        }
+  // ~64K elements per thread at least: below that, waking a second thread costs more than it saves
+  const int64_t chunk_count = static_cast<int64_t>(chunks.size());
+  const int64_t grain = std::max<int64_t>(1, 65536 * chunk_count / std::max<int64_t>(total, 1));
+  at::parallel_for(0, chunk_count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const Chunk& chunk = chunks[c];
+      const at::Tensor& g = grads[chunk.branch];
+      const int64_t D = g.size(2), s1 = g.stride(1), s2 = g.stride(2);
+      const scalar_t* src = base[chunk.branch] + chunk.row * g.stride(0) + chunk.n_begin * s1;
+      scalar_t* local = out + chunk.local_off;
+      scalar_t* scaled = out + chunk.scaled_off;
+      const int64_t tokens = chunk.n_end - chunk.n_begin;
+      if (s2 == 1 && (s1 == D || tokens == 1)) {  // the chunk is one contiguous run
+        copy_and_scale<scalar_t, opmath_t>(src, 1, local, scaled, tokens * D, s);
+        continue;
+      }
+      for (int64_t n = 0; n < tokens; ++n) {
+        copy_and_scale<scalar_t, opmath_t>(src + n * s1, s2, local + n * D, scaled + n * D, D, s);
       }
     }
   });
@@ -100,14 +112,18 @@ void scatter_cotangents_into_cpu(at::TensorList grads_list, at::IntArrayRef batc
   TORCH_CHECK(arena.numel() == 2 * b_local * slab_sum, "scatter_cotangents: arena must hold 2 * b_local * sum(N*D) = ",
               2 * b_local * slab_sum, " elements, got ", arena.numel());
 
-  std::vector<RowTask> tasks;
-  tasks.reserve(static_cast<size_t>(b_local) * grads.size());
+  std::vector<Chunk> chunks;
   int64_t offset = 0, row0 = 0;
   for (const int64_t size : batch_sizes) {
     for (size_t k = 0; k < grads.size(); ++k) {
-      const int64_t slab = grads[k].size(1) * grads[k].size(2);
-      for (int64_t j = 0; j < size; ++j) {
-        tasks.push_back({static_cast<int64_t>(k), row0 + j, offset + j * slab, offset + (size + j) * slab});
+      const int64_t N = grads[k].size(1), D = grads[k].size(2), slab = N * D;
+      const int64_t tokens_per_chunk = std::max<int64_t>(1, kChunkElements / std::max<int64_t>(D, 1));
+      for (int64_t j = 0; j < size && slab > 0; ++j) {
+        const int64_t local_off = offset + j * slab, scaled_off = offset + (size + j) * slab;
+        for (int64_t n = 0; n < N; n += tokens_per_chunk) {
+          chunks.push_back({static_cast<int64_t>(k), row0 + j, n, std::min(N, n + tokens_per_chunk),
+                            local_off + n * D, scaled_off + n * D});
+        }
       }
       offset += 2 * size * slab;
     }
@@ -115,7 +131,7 @@ void scatter_cotangents_into_cpu(at::TensorList grads_list, at::IntArrayRef batc
   }
   if (offset == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "scatter_cotangents_cpu",
-                                  [&] { scatter_impl<scalar_t>(grads, tasks, scale, arena); });
+                                  [&] { scatter_impl<scalar_t>(grads, chunks, offset / 2, scale, arena); });
 }
 
 }  // namespace

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -43,34 +44,58 @@ def _layout(slab_shapes: tuple[tuple[int, int], ...], batch_sizes: tuple[int, ..
 class CotangentBlocks(Sequence):
     """``blocks[m][k]``: the block of microbatch ``m``, branch ``k`` -- a view into the arena.
 
-    A microbatch's views are made when it is first indexed: creating a tensor view costs about as
-    much as launching a small kernel, and the trainer reaches one microbatch at a time anyway.
+    Every view of one kind (local or scaled) is made together on first access: with equal
+    microbatch sizes one strided view per branch is unbound into its microbatches, which costs a
+    third of making each view separately (a tensor view costs about as much as a small kernel
+    launch). A cache that reuses the arena marks the blocks ``expired`` before overwriting it.
     """
 
-    __slots__ = ("arena", "_layout", "_scaled", "_views")
+    __slots__ = ("arena", "expired", "_layout", "_scaled", "_views")
 
     def __init__(self, arena: torch.Tensor, layout, scaled: bool):
         self.arena = arena
+        self.expired = False
         self._layout = layout
         self._scaled = scaled
-        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._views: tuple[tuple[torch.Tensor, ...], ...] | None = None
 
     def __len__(self) -> int:
         return len(self._layout)
 
     def __getitem__(self, index):
-        if isinstance(index, slice):
-            return tuple(self[m] for m in range(*index.indices(len(self))))
-        m = range(len(self._layout))[index]  # IndexError and negative indices as for a tuple
-        views = self._views.get(m)
-        if views is None:
-            base = self.arena.storage_offset()
-            views = tuple(
-                self.arena.as_strided(shape, (shape[1] * shape[2], shape[2], 1), base + offset + (count if self._scaled else 0))
-                for offset, shape, count in self._layout[m]
+        if self.expired:
+            raise RuntimeError(
+                "these cotangents were overwritten: the cache reused its arena in a later finalize()."
+                " Read them before the next step, or offload_finalized_to_cpu() to keep a copy"
             )
-            self._views[m] = views
-        return views
+        views = self._views
+        if views is None:
+            views = self._views = self._make_views()
+        return views[index]
+
+    def _make_views(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        base = self.arena.storage_offset()
+        layout, part = self._layout, 1 if self._scaled else 0
+        if not layout:
+            return ()
+        size = layout[0][0][1][0]
+        if len(layout) > 1 and all(blocks[0][1][0] == size for blocks in layout):
+            # equal microbatches: branch k's blocks sit every `period` elements
+            period = layout[1][0][0] - layout[0][0][0]
+            per_branch = [
+                self.arena.as_strided(
+                    (len(layout), *shape), (period, shape[1] * shape[2], shape[2], 1), base + offset + part * count
+                ).unbind(0)
+                for offset, shape, count in layout[0]
+            ]
+            return tuple(zip(*per_branch))
+        return tuple(
+            tuple(
+                self.arena.as_strided(shape, (shape[1] * shape[2], shape[2], 1), base + offset + part * count)
+                for offset, shape, count in blocks
+            )
+            for blocks in layout
+        )
 
     def __repr__(self) -> str:
         kind = "scaled" if self._scaled else "local"
@@ -122,37 +147,34 @@ def scatter_cotangents(
     """
     if isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence):
         raise TypeError(f"grads must be a sequence of tensors, got {type(grads).__name__}")
-    grads = list(grads)
     if not grads:
         raise ValueError("grads must hold at least one branch gradient, got an empty sequence")
+    first = grads[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"grads[0] must be a torch.Tensor, got {type(first).__name__}")
+    dtype, device = first.dtype, first.device
+    if dtype not in SCATTER_DTYPES:
+        raise ValueError(f"grads[0] dtype must be one of {SCATTER_DTYPES}, got {dtype}")
+    sizes = _checked_sizes(batch_sizes)
+    b_local = sum(sizes)
+    slabs = []
     for k, grad in enumerate(grads):
         if not isinstance(grad, torch.Tensor):
             raise TypeError(f"grads[{k}] must be a torch.Tensor, got {type(grad).__name__}")
-        if grad.ndim != 3:
-            raise ValueError(f"grads[{k}] must be [b_local, N, D], got shape {tuple(grad.shape)}")
-        if grad.dtype not in SCATTER_DTYPES:
-            raise ValueError(f"grads[{k}] dtype must be one of {SCATTER_DTYPES}, got {grad.dtype}")
-        if grad.dtype != grads[0].dtype or grad.device != grads[0].device:
-            raise ValueError(
-                f"grads[{k}] is {grad.dtype} on {grad.device}, but grads[0] is {grads[0].dtype} on {grads[0].device}"
-            )
-    if isinstance(batch_sizes, torch.Tensor) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
-        raise ValueError(f"batch_sizes must be a non-empty sequence of ints, got {batch_sizes!r}")
-    sizes = []
-    for m, size in enumerate(batch_sizes):
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"batch_sizes[{m}] must be a positive int, got {size!r}")
-        sizes.append(int(size))
-    b_local = sum(sizes)
-    for k, grad in enumerate(grads):
-        if grad.shape[0] != b_local:
-            raise ValueError(f"grads[{k}] has {grad.shape[0]} rows, but batch_sizes {sizes} sum to {b_local}")
+        shape = grad.shape
+        if len(shape) != 3:
+            raise ValueError(f"grads[{k}] must be [b_local, N, D], got shape {tuple(shape)}")
+        if grad.dtype != dtype or grad.device != device:
+            raise ValueError(f"grads[{k}] is {grad.dtype} on {grad.device}, but grads[0] is {dtype} on {device}")
+        if shape[0] != b_local:
+            raise ValueError(f"grads[{k}] has {shape[0]} rows, but batch_sizes {list(sizes)} sum to {b_local}")
+        slabs.append((shape[1], shape[2]))
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
 
-    numel = arena_numel([g.shape for g in grads], sizes)
+    numel = 2 * b_local * sum(n * d for n, d in slabs)
     if out is None:
-        arena = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
+        arena = torch.empty(numel, dtype=dtype, device=device)
     else:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
@@ -161,12 +183,27 @@ def scatter_cotangents(
                 f"out must be a contiguous 1-D tensor of {numel} elements, got shape {tuple(out.shape)}"
                 f" strides {tuple(out.stride())}"
             )
-        if out.dtype != grads[0].dtype or out.device != grads[0].device:
-            raise ValueError(f"out must be {grads[0].dtype} on {grads[0].device}, got {out.dtype} on {out.device}")
+        if out.dtype != dtype or out.device != device:
+            raise ValueError(f"out must be {dtype} on {device}, got {out.dtype} on {out.device}")
         arena = out
 
-    fn, _ = backends.kernel("scatter_cotangents_into", arena.device.type, backend)
+    fn = _kernel(device.type, backend, os.environ.get("LATENTFAST_BACKEND"), os.environ.get("TRITON_INTERPRET"))
     if numel:
         fn(grads, sizes, float(scale), arena)
-    local, scaled = arena_views(arena, [tuple(g.shape[1:]) for g in grads], sizes)
-    return ScatteredCotangents(local, scaled, arena)
+    layout = _layout(tuple(slabs), sizes)
+    return ScatteredCotangents(CotangentBlocks(arena, layout, False), CotangentBlocks(arena, layout, True), arena)
+
+
+def _checked_sizes(batch_sizes) -> tuple[int, ...]:
+    if isinstance(batch_sizes, torch.Tensor) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
+        raise ValueError(f"batch_sizes must be a non-empty sequence of ints, got {batch_sizes!r}")
+    for m, size in enumerate(batch_sizes):
+        if type(size) is not int or size <= 0:  # bool is not int here
+            raise ValueError(f"batch_sizes[{m}] must be a positive int, got {size!r}")
+    return tuple(int(size) for size in batch_sizes)
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(device_type: str, backend: str, env_backend: str | None, triton_interpret: str | None):
+    """The kernel for this device and backend; memoized per environment the choice depends on."""
+    return backends.kernel("scatter_cotangents_into", device_type, backend)[0]
