@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .scatter import CotangentBlocks, arena_views, scatter_cotangents
+from .scatter import CotangentBlocks, arena_numel, arena_views, scatter_cotangents
 
 
 def _to_cpu(value: Any) -> Any:
@@ -66,7 +66,8 @@ class FeatureGradientReplayResult:
     ``local_cotangents[i][branch]``: ``dL/d feature`` of the i-th selected microbatch (collection
     order, ``replay_batch_indices[i]`` is its ``add`` index); ``fsdp_cotangents``: the same times the
     world size, which cancels FSDP/DDP gradient averaging. All of them are views of
-    ``cotangent_arena`` (one contiguous buffer).
+    ``cotangent_arena`` (one contiguous buffer), which the cache reuses: they are valid until its
+    next ``finalize`` after ``commit()`` / ``discard()`` (unless offloaded to the CPU first).
     """
 
     loss: torch.Tensor
@@ -104,6 +105,13 @@ class FeatureGradientReplay:
 
     Every rank must call ``finalize`` (it runs collectives), after adding exactly B rows of which
     the last b were ``gradient_selected``.
+
+    The cotangent arena is allocated by the first ``finalize``, grown only when a step needs more,
+    and reused by every later step (fresh pages of a large buffer cost more than the scatter
+    itself). So a result's cotangents are valid until the next ``finalize`` after ``commit()`` /
+    ``discard()``: from then on reading them through the result raises ``RuntimeError``, and
+    tensors taken out of it earlier hold the new step's values. ``offload_finalized_to_cpu``
+    copies them out; the offloaded result stays valid.
     """
 
     def __init__(
@@ -148,6 +156,8 @@ class FeatureGradientReplay:
         self.partial_gradient_enabled = True
         self.current_teacher_attraction_enabled = bool(loss_module.current_teacher_attraction_enabled)
         self.feature_dtype = feature_dtype
+        self._arena: torch.Tensor | None = None  # kept across steps, see the class docstring
+        self._arena_blocks: tuple[CotangentBlocks, ...] = ()  # the blocks viewing it now
         self._clear()
 
     # ---- state ---------------------------------------------------------------------------
@@ -395,7 +405,10 @@ class FeatureGradientReplay:
             optimized = raw_loss * self.loss_scale
             grads = torch.autograd.grad(optimized, [leaves[name] for name in self.branch_names], allow_unused=True)
         grads = [torch.zeros_like(leaves[name]) if g is None else g for name, g in zip(self.branch_names, grads)]
-        scattered = scatter_cotangents(grads, self._gradient_batch_sizes, scale=float(world_size))
+        scattered = scatter_cotangents(
+            grads, self._gradient_batch_sizes, scale=float(world_size), out=self._reuse_arena(grads)
+        )
+        self._arena_blocks = (scattered.local, scattered.scaled)
         local = tuple(BranchCotangents(self.branch_names, scattered.local, m) for m in range(len(scattered.local)))
         fsdp = tuple(BranchCotangents(self.branch_names, scattered.scaled, m) for m in range(len(scattered.scaled)))
 
@@ -448,14 +461,27 @@ class FeatureGradientReplay:
         )
         return self._result
 
+    def _reuse_arena(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The cotangent arena for this step: the kept one (grown if too small); the previous
+        step's blocks expire, since their memory is about to be overwritten."""
+        numel = arena_numel([g.shape for g in grads], self._gradient_batch_sizes)
+        for blocks in self._arena_blocks:
+            blocks.expired = True
+        self._arena_blocks = ()
+        arena = self._arena
+        if arena is None or arena.numel() < numel or arena.dtype != grads[0].dtype or arena.device != grads[0].device:
+            arena = self._arena = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
+        return arena[:numel]
+
     # ---- after the update --------------------------------------------------------------------
     def offload_finalized_to_cpu(self) -> FeatureGradientReplayResult:
         """Move the cached features and the result to the CPU (the cotangents move as one arena
-        transfer and come back as views of the CPU copy). Returns the new result."""
+        transfer and come back as views of the CPU copy). Returns the new result. The copy is
+        always a new buffer (also for CPU tensors), so it stays valid after later steps."""
         if self._result is None:
             raise RuntimeError("cannot offload the dual GradCache before finalize")
         result = self._result
-        arena = result.cotangent_arena.to("cpu")
+        arena = result.cotangent_arena.to("cpu", copy=True)
         slabs = [self.sample_shapes[name] for name in self.branch_names]
         local, scaled = arena_views(arena, slabs, self._gradient_batch_sizes)
         store = self._store.to("cpu")
@@ -480,13 +506,15 @@ class FeatureGradientReplay:
         return self._result
 
     def commit(self) -> None:
-        """Release everything after the optimizer update that used this result."""
+        """Release everything after the optimizer update that used this result (the cotangent
+        arena is kept for the next step)."""
         if self._result is None:
             raise RuntimeError("cannot commit the dual GradCache before finalize")
         self._clear()
 
     def discard(self) -> None:
-        """Release everything without an update (an abandoned or failed step)."""
+        """Release everything without an update (an abandoned or failed step); the cotangent arena
+        is kept for the next step."""
         self._clear()
 
 
