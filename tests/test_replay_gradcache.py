@@ -261,6 +261,86 @@ def test_offload_commit_discard():
     assert not cache.finalized and cache._store is None
 
 
+def _filled_step(seed: int):
+    """(rows to add: one unselected microbatch then two selected ones, drawn from ``seed``; the
+    expected cotangents of the four selected rows per branch, from autograd)."""
+    rows = [_features(2, seed=seed + s) for s in range(3)]
+    everything = {n: torch.cat([r[n] for r in rows]) for n in SHAPES}
+    leaves = {n: everything[n][2:].clone().requires_grad_(True) for n in SHAPES}
+    loss, _ = _loss()(leaves, everything, None, torch.arange(2, 6))
+    loss.backward()
+    return rows, {n: leaves[n].grad for n in SHAPES}
+
+
+def _add_rows(cache, rows):
+    cache.add(rows[0], gradient_selected=False)
+    cache.add(rows[1])
+    cache.add(rows[2])
+
+
+@pytest.mark.parametrize("end_of_step", ["commit", "discard"])
+def test_cotangent_arena_is_reused_across_steps(end_of_step):
+    cache = _cache(B=6, b=4)
+    rows, _ = _filled_step(0)
+    _add_rows(cache, rows)
+    first = cache.finalize()
+    kept = first.local_cotangents[0]["a"]  # a tensor taken out during step 1
+    pointer = first.cotangent_arena.data_ptr()
+    getattr(cache, end_of_step)()
+    # the result stays readable after commit/discard, until the next finalize reuses the arena
+    assert first.fsdp_cotangents[1]["b"].data_ptr() != 0
+    rows, expected = _filled_step(7)
+    _add_rows(cache, rows)
+    second = cache.finalize()
+    assert second.cotangent_arena.data_ptr() == pointer  # same memory, no fresh pages
+    for i, rows_ in enumerate((slice(0, 2), slice(2, 4))):
+        for n in SHAPES:
+            torch.testing.assert_close(second.local_cotangents[i][n], expected[n][rows_], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(second.fsdp_cotangents[i][n], expected[n][rows_], rtol=1e-6, atol=1e-7)
+    # step 1's result now refuses to be read; a tensor taken out earlier holds step 2's values
+    with pytest.raises(RuntimeError, match="overwritten"):
+        first.local_cotangents[0]["a"]
+    with pytest.raises(RuntimeError, match="overwritten"):
+        first.fsdp_cotangents[1]["b"]
+    assert torch.equal(kept, second.local_cotangents[0]["a"])
+
+
+def test_cotangent_arena_grows_only_when_needed():
+    cache = FeatureGradientReplay(_loss(), target_local_samples=6, gradient_local_samples=2)
+    rows, _ = _filled_step(0)
+    cache.add(rows[0], gradient_selected=False)
+    cache.add(rows[1], gradient_selected=False)
+    cache.add(rows[2])
+    small = cache.finalize().cotangent_arena
+    cache.commit()
+    cache.gradient_local_samples = 4  # a step with more selected rows needs a larger arena
+    _add_rows(cache, rows)
+    large = cache.finalize().cotangent_arena
+    assert large.numel() == 2 * small.numel() and large.data_ptr() != small.data_ptr()
+    cache.commit()
+    cache.gradient_local_samples = 2  # and a smaller step reuses the front of the larger one
+    cache.add(rows[0], gradient_selected=False)
+    cache.add(rows[1], gradient_selected=False)
+    cache.add(rows[2])
+    again = cache.finalize().cotangent_arena
+    assert again.numel() == small.numel() and again.data_ptr() == large.data_ptr()
+
+
+def test_offloaded_result_survives_the_next_step():
+    cache = _cache(B=6, b=4)
+    rows, expected = _filled_step(0)
+    _add_rows(cache, rows)
+    cache.finalize()
+    offloaded = cache.offload_finalized_to_cpu()  # on the CPU too, a copy out of the reused arena
+    cache.commit()
+    rows, _ = _filled_step(7)
+    _add_rows(cache, rows)
+    cache.finalize()
+    for i, rows_ in enumerate((slice(0, 2), slice(2, 4))):
+        for n in SHAPES:
+            torch.testing.assert_close(offloaded.local_cotangents[i][n], expected[n][rows_], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.gpu
 def test_offload_from_cuda_leaves_nothing_on_the_device():
     if not torch.cuda.is_available():

@@ -63,6 +63,18 @@ def sample_inputs(device="cpu"):
             8.0,
         )
     )
+    # slabs larger than the CPU kernel's chunk (16384 elements): split mid-slab across threads
+    cases.append(
+        (
+            [
+                _grad(4, 700, 40, torch.float32, "transposed", generator, device),
+                _grad(4, 600, 33, torch.float32, "contiguous", generator, device),
+                _grad(4, 300, 70, torch.float32, "sliced", generator, device),
+            ],
+            [1, 3],
+            -1.5,
+        )
+    )
     return cases
 
 
@@ -83,8 +95,9 @@ def test_backends_match_reference(case, backend):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_layout_and_views():
-    grads, batch_sizes, scale = sample_inputs()[1]  # 3 branches, 4 microbatches, float32
+@pytest.mark.parametrize("case", [1, 12])  # float32, 3 branches: unequal / equal microbatches
+def test_layout_and_views(case):
+    grads, batch_sizes, scale = sample_inputs()[case]
     result = scatter_cotangents(grads, batch_sizes, scale=scale)
     starts = [sum(batch_sizes[:m]) for m in range(len(batch_sizes))]
     expected_offset = 0
@@ -101,6 +114,11 @@ def test_layout_and_views():
             torch.testing.assert_close(local, grad[start : start + size], rtol=0, atol=0)
             torch.testing.assert_close(scaled, grad[start : start + size] * scale, rtol=0, atol=0)
     assert expected_offset == result.arena.numel()
+    # the blocks index like tuples
+    assert result.local[-1] is result.local[len(batch_sizes) - 1]
+    assert len(result.scaled[:2]) == 2 and result.scaled[:2][1] is result.scaled[1]
+    with pytest.raises(IndexError):
+        result.local[len(batch_sizes)]
 
 
 @pytest.mark.parametrize("case", [0, 1, 9])
