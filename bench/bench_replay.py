@@ -8,8 +8,11 @@
    The title reports the replayed gradient's max relative error against the plain step.
 2. **Scatter**, 3 branches x 8 microbatches: ``scatter_cotangents`` (cpp / cuda / torch reference)
    vs the specification's Python loop (split -> contiguous -> mul per block) vs the same with one
-   ``torch._foreach_mul``. The op's views are made on first access, so it is also timed with every
-   view touched (``+views``) and writing into a reused arena (``out=``: no fresh pages).
+   ``torch._foreach_mul``. The op's views are made on first access, so it is timed bare, with the
+   views a trainer reads (``+views``: every microbatch's scaled/FSDP blocks) and with both sets
+   (``+all views``); once into a fresh arena per call (a first step: fresh pages, new views) and
+   once overwriting the previous call's result (``reuse``: its arena and views are kept -- what
+   ``FeatureGradientReplay`` does from its second step on).
 
     pytest bench/bench_replay.py --benchmark-only   # pytest-benchmark tables
     python bench/bench_replay.py [--quick]          # side-by-side ratios
@@ -105,24 +108,36 @@ def foreach_loop(grads, batch_sizes, scale):
     return local, torch._foreach_mul(local, scale)
 
 
-def _touch_all(scattered):
-    for m in range(len(scattered.local)):
-        scattered.local[m], scattered.scaled[m]
+def _touch(scattered, kinds=("scaled",)):
+    """Make the views a trainer reads: every microbatch's blocks of each kind."""
+    for kind in kinds:
+        blocks = getattr(scattered, kind)
+        for m in range(len(blocks)):
+            blocks[m]
     return scattered
 
 
 def scatter_providers(device: str, grads=None, batch_sizes=None) -> dict:
     """name -> fn(grads, batch_sizes, scale). With inputs given, adds the compiled op's ``+views``
-    and ``out=`` variants (the reused arena is sized for those inputs)."""
+    and ``reuse`` variants (the reused arena is sized for those inputs)."""
     table = {"loop": python_loop, "foreach": foreach_loop}
     for name, why in backends.availability("scatter_cotangents_into", device).items():
         if not why:
             table[name] = lambda g, s, scale, name=name: scatter_cotangents(g, s, scale=scale, backend=name)
     op = "cuda" if device == "cuda" else "cpp"
     if op in table and grads is not None:
-        arena = scatter_cotangents(grads, batch_sizes, scale=1.0).arena
-        table[f"{op}+views"] = lambda g, s, scale: _touch_all(scatter_cotangents(g, s, scale=scale, backend=op))
-        table[f"{op} out="] = lambda g, s, scale: scatter_cotangents(g, s, scale=scale, backend=op, out=arena)
+        table[f"{op}+views"] = lambda g, s, scale: _touch(scatter_cotangents(g, s, scale=scale, backend=op))
+        # like FeatureGradientReplay from its second step on: each call overwrites the previous
+        # result's arena and keeps its views
+        previous = [_touch(scatter_cotangents(grads, batch_sizes, scale=1.0, backend=op), ("local", "scaled"))]
+
+        def reuse(g, s, scale, kinds=()):
+            previous[0] = _touch(scatter_cotangents(g, s, scale=scale, backend=op, reuse=previous[0]), kinds)
+            return previous[0]
+
+        table["reuse"] = reuse
+        table["reuse+views"] = lambda g, s, scale: reuse(g, s, scale, ("scaled",))
+        table["reuse+all views"] = lambda g, s, scale: reuse(g, s, scale, ("local", "scaled"))
     return table
 
 
@@ -183,20 +198,27 @@ def run_report(quick: bool = False, device: str | None = None) -> dict:
         if f"{op}_us" in row:
             row["op_vs_loop"] = row["loop_us"] / row[f"{op}_us"]
             row["op_views_vs_loop"] = row["loop_us"] / row[f"{op}+views_us"]
-            row["op_vs_foreach"] = row["foreach_us"] / row[f"{op}_us"]
+            row["reuse_views_vs_loop"] = row["loop_us"] / row["reuse+views_us"]
+            row["reuse_all_views_vs_loop"] = row["loop_us"] / row["reuse+all views_us"]
+            row["reuse_views_vs_foreach"] = row["foreach_us"] / row["reuse+views_us"]
         if device == "cuda" and "cuda" in names:
             row["cuda_kernel_launches"] = _count_cuda_kernels(lambda: scatter_cotangents(grads, batch_sizes, scale=2.0, backend="cuda"))
         results["scatter"].append(row)
         scatter_rows.append(
             [size, row["MB_in"]]
             + [row[f"{n}_us"] for n in names]
-            + [row.get(key, "-") for key in ("op_vs_loop", "op_views_vs_loop", "op_vs_foreach")]
+            + [
+                row.get(key, "-")
+                for key in ("op_views_vs_loop", "reuse_views_vs_loop", "reuse_all_views_vs_loop", "reuse_views_vs_foreach")
+            ]
         )
     print(
         format_table(
             f"scatter_cotangents, 3 branches x {MICROBATCHES} microbatches of {MICROBATCH_ROWS} rows ({device},"
             f" {torch.get_num_threads()} threads; microseconds)",
-            ["features", "MB in"] + [f"{n} us" for n in names] + ["loop/op", "loop/(op+views)", "foreach/op"],
+            ["features", "MB in"]
+            + [f"{n} us" for n in names]
+            + ["loop/(op+views)", "loop/(reuse+views)", "loop/(reuse+all)", "foreach/(reuse+views)"],
             scatter_rows,
         )
     )
@@ -214,6 +236,11 @@ def run_report(quick: bool = False, device: str | None = None) -> dict:
             f"scatter_with_views_speedup_vs_loop_{row['size']}": round(row["op_views_vs_loop"], 2)
             for row in results["scatter"]
             if "op_views_vs_loop" in row
+        },
+        **{
+            f"scatter_reused_arena_with_views_speedup_vs_loop_{row['size']}": round(row["reuse_views_vs_loop"], 2)
+            for row in results["scatter"]
+            if "reuse_views_vs_loop" in row
         },
     }
     return results
@@ -233,7 +260,10 @@ def test_replay_step(benchmark, provider):
 
 
 @pytest.mark.parametrize("size", list(SCATTER_SIZES))
-@pytest.mark.parametrize("provider", ["loop", "foreach", "cpp", "cpp+views", "cpp out=", "torch", "cuda", "cuda+views"])
+@pytest.mark.parametrize(
+    "provider",
+    ["loop", "foreach", "torch", "cpp", "cpp+views", "cuda", "cuda+views", "reuse", "reuse+views", "reuse+all views"],
+)
 def test_scatter(benchmark, provider, size):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     grads, batch_sizes = scatter_inputs(size, device)

@@ -281,18 +281,19 @@ def _add_rows(cache, rows):
 @pytest.mark.parametrize("end_of_step", ["commit", "discard"])
 def test_cotangent_arena_is_reused_across_steps(end_of_step):
     cache = _cache(B=6, b=4)
-    rows, _ = _filled_step(0)
+    rows, expected_first = _filled_step(0)
     _add_rows(cache, rows)
     first = cache.finalize()
     kept = first.local_cotangents[0]["a"]  # a tensor taken out during step 1
     pointer = first.cotangent_arena.data_ptr()
     getattr(cache, end_of_step)()
     # the result stays readable after commit/discard, until the next finalize reuses the arena
-    assert first.fsdp_cotangents[1]["b"].data_ptr() != 0
+    torch.testing.assert_close(first.fsdp_cotangents[1]["b"], expected_first["b"][2:], rtol=1e-6, atol=1e-7)
     rows, expected = _filled_step(7)
     _add_rows(cache, rows)
     second = cache.finalize()
     assert second.cotangent_arena.data_ptr() == pointer  # same memory, no fresh pages
+    assert second.local_cotangents[0]["a"] is kept  # and the same views, made once
     for i, rows_ in enumerate((slice(0, 2), slice(2, 4))):
         for n in SHAPES:
             torch.testing.assert_close(second.local_cotangents[i][n], expected[n][rows_], rtol=1e-6, atol=1e-7)
@@ -302,28 +303,27 @@ def test_cotangent_arena_is_reused_across_steps(end_of_step):
         first.local_cotangents[0]["a"]
     with pytest.raises(RuntimeError, match="overwritten"):
         first.fsdp_cotangents[1]["b"]
-    assert torch.equal(kept, second.local_cotangents[0]["a"])
+    assert torch.equal(kept, expected["a"][:2])
 
 
-def test_cotangent_arena_grows_only_when_needed():
-    cache = FeatureGradientReplay(_loss(), target_local_samples=6, gradient_local_samples=2)
+def test_cotangent_arena_is_reused_with_another_microbatch_split():
+    cache = _cache(B=6, b=4)
     rows, _ = _filled_step(0)
-    cache.add(rows[0], gradient_selected=False)
-    cache.add(rows[1], gradient_selected=False)
-    cache.add(rows[2])
-    small = cache.finalize().cotangent_arena
+    _add_rows(cache, rows)  # selected microbatches of 2 and 2 rows
+    first = cache.finalize()
+    first.fsdp_cotangents[0]["a"]  # views made for the 2 + 2 split
     cache.commit()
-    cache.gradient_local_samples = 4  # a step with more selected rows needs a larger arena
-    _add_rows(cache, rows)
-    large = cache.finalize().cotangent_arena
-    assert large.numel() == 2 * small.numel() and large.data_ptr() != small.data_ptr()
-    cache.commit()
-    cache.gradient_local_samples = 2  # and a smaller step reuses the front of the larger one
-    cache.add(rows[0], gradient_selected=False)
-    cache.add(rows[1], gradient_selected=False)
-    cache.add(rows[2])
-    again = cache.finalize().cotangent_arena
-    assert again.numel() == small.numel() and again.data_ptr() == large.data_ptr()
+    rows, expected = _filled_step(7)
+    everything = {n: torch.cat([r[n] for r in rows]) for n in SHAPES}
+    cache.add({n: everything[n][:2] for n in SHAPES}, gradient_selected=False)
+    cache.add({n: everything[n][2:3] for n in SHAPES})
+    cache.add({n: everything[n][3:] for n in SHAPES})  # now 1 + 3 rows
+    second = cache.finalize()
+    assert second.cotangent_arena.data_ptr() == first.cotangent_arena.data_ptr()
+    for i, rows_ in enumerate((slice(0, 1), slice(1, 4))):
+        for n in SHAPES:
+            assert second.fsdp_cotangents[i][n].shape == (rows_.stop - rows_.start, *SHAPES[n])
+            torch.testing.assert_close(second.fsdp_cotangents[i][n], expected[n][rows_], rtol=1e-6, atol=1e-7)
 
 
 def test_offloaded_result_survives_the_next_step():

@@ -121,6 +121,25 @@ def test_layout_and_views(case):
         result.local[len(batch_sizes)]
 
 
+def test_reuse_keeps_arena_and_views_and_expires_the_old_result():
+    grads, batch_sizes, scale = sample_inputs()[12]  # equal microbatches
+    first = scatter_cotangents(grads, batch_sizes, scale=scale)
+    views = first.scaled[0]
+    doubled = [2 * g for g in grads]
+    second = scatter_cotangents(doubled, batch_sizes, scale=scale, reuse=first)
+    assert second.arena is first.arena and second.scaled[0] is views
+    expected = _expected_arena(doubled, batch_sizes, scale)
+    torch.testing.assert_close(second.arena, expected, rtol=0, atol=0)
+    torch.testing.assert_close(second.local[7][2], doubled[2][21:24], rtol=0, atol=0)
+    for blocks in (first.local, first.scaled):
+        with pytest.raises(RuntimeError, match="overwritten"):
+            blocks[0]
+    # another split of the same rows: same arena, views made again for the new layout
+    third = scatter_cotangents(grads, [12, 12], scale=scale, reuse=second)
+    assert third.arena is first.arena and third.scaled[1][0].shape == (12, *grads[0].shape[1:])
+    torch.testing.assert_close(third.scaled[1][0], grads[0][12:] * scale, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("case", [0, 1, 9])
 def test_opcheck(case):
     grads, batch_sizes, scale = sample_inputs()[case]
@@ -172,6 +191,13 @@ def _grads():
         (dict(out=torch.empty(3)), ValueError, "out must be a contiguous 1-D tensor of 88"),
         (dict(out=torch.empty(88, dtype=torch.float64)), ValueError, "out must be torch.float32"),
         (dict(out=torch.empty(176)[::2]), ValueError, "contiguous"),
+        (dict(out=torch.empty(88), reuse=object()), ValueError, "out or reuse, not both"),
+        (dict(reuse=torch.empty(88)), TypeError, "reuse must be a ScatteredCotangents"),
+        (
+            dict(reuse=scatter_cotangents([torch.randn(2, 3, 2)], [2], scale=1.0)),
+            ValueError,
+            "reuse.arena must be a contiguous 1-D tensor of 88",
+        ),
         (dict(backend="cuda"), RuntimeError, "cannot run"),
         (dict(backend="nope"), ValueError, "backend must be one of"),
     ],

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .scatter import CotangentBlocks, arena_numel, arena_views, scatter_cotangents
+from .scatter import CotangentBlocks, ScatteredCotangents, arena_numel, arena_views, scatter_cotangents
 
 
 def _to_cpu(value: Any) -> Any:
@@ -106,12 +106,13 @@ class FeatureGradientReplay:
     Every rank must call ``finalize`` (it runs collectives), after adding exactly B rows of which
     the last b were ``gradient_selected``.
 
-    The cotangent arena is allocated by the first ``finalize``, grown only when a step needs more,
-    and reused by every later step (fresh pages of a large buffer cost more than the scatter
-    itself). So a result's cotangents are valid until the next ``finalize`` after ``commit()`` /
-    ``discard()``: from then on reading them through the result raises ``RuntimeError``, and
-    tensors taken out of it earlier hold the new step's values. ``offload_finalized_to_cpu``
-    copies them out; the offloaded result stays valid.
+    The cotangent arena and its views are made by the first ``finalize`` and reused by every later
+    step of the same size, dtype and device (fresh pages of a large buffer cost more than the
+    scatter itself, and making the views costs as much as a small scatter). So a result's
+    cotangents are valid until the next ``finalize`` after ``commit()`` / ``discard()``: from then
+    on reading them through the result raises ``RuntimeError``, and tensors taken out of it earlier
+    hold the new step's values. ``offload_finalized_to_cpu`` copies them out; the offloaded result
+    stays valid.
     """
 
     def __init__(
@@ -156,8 +157,7 @@ class FeatureGradientReplay:
         self.partial_gradient_enabled = True
         self.current_teacher_attraction_enabled = bool(loss_module.current_teacher_attraction_enabled)
         self.feature_dtype = feature_dtype
-        self._arena: torch.Tensor | None = None  # kept across steps, see the class docstring
-        self._arena_blocks: tuple[CotangentBlocks, ...] = ()  # the blocks viewing it now
+        self._scattered: ScatteredCotangents | None = None  # the arena, kept across steps
         self._clear()
 
     # ---- state ---------------------------------------------------------------------------
@@ -405,10 +405,9 @@ class FeatureGradientReplay:
             optimized = raw_loss * self.loss_scale
             grads = torch.autograd.grad(optimized, [leaves[name] for name in self.branch_names], allow_unused=True)
         grads = [torch.zeros_like(leaves[name]) if g is None else g for name, g in zip(self.branch_names, grads)]
-        scattered = scatter_cotangents(
-            grads, self._gradient_batch_sizes, scale=float(world_size), out=self._reuse_arena(grads)
+        scattered = self._scattered = scatter_cotangents(
+            grads, self._gradient_batch_sizes, scale=float(world_size), reuse=self._reusable_arena(grads)
         )
-        self._arena_blocks = (scattered.local, scattered.scaled)
         local = tuple(BranchCotangents(self.branch_names, scattered.local, m) for m in range(len(scattered.local)))
         fsdp = tuple(BranchCotangents(self.branch_names, scattered.scaled, m) for m in range(len(scattered.scaled)))
 
@@ -461,17 +460,18 @@ class FeatureGradientReplay:
         )
         return self._result
 
-    def _reuse_arena(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The cotangent arena for this step: the kept one (grown if too small); the previous
-        step's blocks expire, since their memory is about to be overwritten."""
+    def _reusable_arena(self, grads: list[torch.Tensor]) -> ScatteredCotangents | None:
+        """The previous step's scatter if its arena fits this one (it always does, unless the
+        features moved to another device); otherwise a new arena is allocated and the old result
+        keeps its own."""
+        previous = self._scattered
+        if previous is None:
+            return None
+        arena = previous.arena
         numel = arena_numel([g.shape for g in grads], self._gradient_batch_sizes)
-        for blocks in self._arena_blocks:
-            blocks.expired = True
-        self._arena_blocks = ()
-        arena = self._arena
-        if arena is None or arena.numel() < numel or arena.dtype != grads[0].dtype or arena.device != grads[0].device:
-            arena = self._arena = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
-        return arena[:numel]
+        if arena.numel() != numel or arena.dtype != grads[0].dtype or arena.device != grads[0].device:
+            return None
+        return previous
 
     # ---- after the update --------------------------------------------------------------------
     def offload_finalized_to_cpu(self) -> FeatureGradientReplayResult:

@@ -47,17 +47,18 @@ class CotangentBlocks(Sequence):
     Every view of one kind (local or scaled) is made together on first access: with equal
     microbatch sizes one strided view per branch is unbound into its microbatches, which costs a
     third of making each view separately (a tensor view costs about as much as a small kernel
-    launch). A cache that reuses the arena marks the blocks ``expired`` before overwriting it.
+    launch). A later scatter into the same arena (``reuse=``) keeps the views and marks these
+    blocks ``expired``: reading them then raises instead of returning the new step's values.
     """
 
     __slots__ = ("arena", "expired", "_layout", "_scaled", "_views")
 
-    def __init__(self, arena: torch.Tensor, layout, scaled: bool):
+    def __init__(self, arena: torch.Tensor, layout, scaled: bool, views=None):
         self.arena = arena
         self.expired = False
         self._layout = layout
         self._scaled = scaled
-        self._views: tuple[tuple[torch.Tensor, ...], ...] | None = None
+        self._views: tuple[tuple[torch.Tensor, ...], ...] | None = views
 
     def __len__(self) -> int:
         return len(self._layout)
@@ -129,6 +130,7 @@ def scatter_cotangents(
     scale: float,
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    reuse: ScatteredCotangents | None = None,
 ) -> ScatteredCotangents:
     """Split each ``grads[k]`` by ``batch_sizes`` and store every block as-is and times ``scale``.
 
@@ -139,6 +141,9 @@ def scatter_cotangents(
         scale: the factor of the scaled copy (the world size, for FSDP averaging). The product is
             computed in float32 (float64 for float64 input) and rounded once.
         out: optional contiguous 1-D arena of :func:`arena_numel` elements, grads' dtype/device.
+        reuse: optional earlier result to overwrite (instead of ``out``): its arena is written
+            again and, with the same layout, its views are kept, so a training loop makes neither
+            pages nor views after its first step. ``reuse``'s blocks expire (reading them raises).
 
     Returns:
         :class:`ScatteredCotangents` -- ``local[m][k]`` and ``scaled[m][k]`` are contiguous views
@@ -173,37 +178,56 @@ def scatter_cotangents(
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
 
     numel = 2 * b_local * sum(n * d for n, d in slabs)
+    label = "out"
+    if reuse is not None:
+        if out is not None:
+            raise ValueError("pass out or reuse, not both")
+        if not isinstance(reuse, ScatteredCotangents):
+            raise TypeError(f"reuse must be a ScatteredCotangents, got {type(reuse).__name__}")
+        out, label = reuse.arena, "reuse.arena"
     if out is None:
         arena = torch.empty(numel, dtype=dtype, device=device)
     else:
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            raise TypeError(f"{label} must be a torch.Tensor, got {type(out).__name__}")
         if out.ndim != 1 or out.numel() != numel or not out.is_contiguous():
             raise ValueError(
-                f"out must be a contiguous 1-D tensor of {numel} elements, got shape {tuple(out.shape)}"
+                f"{label} must be a contiguous 1-D tensor of {numel} elements, got shape {tuple(out.shape)}"
                 f" strides {tuple(out.stride())}"
             )
         if out.dtype != dtype or out.device != device:
-            raise ValueError(f"out must be {dtype} on {device}, got {out.dtype} on {out.device}")
+            raise ValueError(f"{label} must be {dtype} on {device}, got {out.dtype} on {out.device}")
         arena = out
 
-    fn = _kernel(device.type, backend, os.environ.get("LATENTFAST_BACKEND"), os.environ.get("TRITON_INTERPRET"))
+    fn = _kernel(device.type, backend, os.environ.get("LATENTFAST_BACKEND"))
+    layout = _layout(tuple(slabs), sizes)
+    local_views = scaled_views = None
+    if reuse is not None:
+        reuse.local.expired = reuse.scaled.expired = True  # before the kernel overwrites them
+        if reuse.local._layout == layout:
+            local_views, scaled_views = reuse.local._views, reuse.scaled._views
     if numel:
         fn(grads, sizes, float(scale), arena)
-    layout = _layout(tuple(slabs), sizes)
-    return ScatteredCotangents(CotangentBlocks(arena, layout, False), CotangentBlocks(arena, layout, True), arena)
+    return ScatteredCotangents(
+        CotangentBlocks(arena, layout, False, local_views), CotangentBlocks(arena, layout, True, scaled_views), arena
+    )
 
 
 def _checked_sizes(batch_sizes) -> tuple[int, ...]:
     if isinstance(batch_sizes, torch.Tensor) or not isinstance(batch_sizes, Sequence) or not batch_sizes:
         raise ValueError(f"batch_sizes must be a non-empty sequence of ints, got {batch_sizes!r}")
-    for m, size in enumerate(batch_sizes):
+    sizes = tuple(batch_sizes)
+    if set(map(type, sizes)) == {int} and min(sizes) > 0:  # the usual case, checked in bulk
+        return sizes
+    for m, size in enumerate(sizes):
         if type(size) is not int or size <= 0:  # bool is not int here
             raise ValueError(f"batch_sizes[{m}] must be a positive int, got {size!r}")
-    return tuple(int(size) for size in batch_sizes)
+    return sizes
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(device_type: str, backend: str, env_backend: str | None, triton_interpret: str | None):
-    """The kernel for this device and backend; memoized per environment the choice depends on."""
+def _kernel(device_type: str, backend: str, env_backend: str | None):
+    """The kernel for this device and backend, memoized (the lookup costs a third of a small
+    scatter); ``LATENTFAST_BACKEND`` is part of the key since "auto" follows it. There is no Triton
+    kernel for this op, so TRITON_INTERPRET does not change the choice."""
     return backends.kernel("scatter_cotangents_into", device_type, backend)[0]
