@@ -5,7 +5,10 @@ After the distribution loss is differentiated, each branch ``k`` has one gradien
 microbatch, so it needs, for every selected microbatch ``m`` and branch ``k``, the rows of ``m`` --
 once as they are (``local``) and once times the world size (``scaled``, cancelling FSDP's
 gradient averaging). ``scatter_cotangents`` writes all of them in one pass into one contiguous
-arena and returns views into it, so moving the whole set to the CPU is one transfer.
+arena and returns views into it, so moving the whole set to the CPU is one transfer. A training
+loop passes the previous step's result as ``reuse=``: its arena (already paged in) and its views
+are kept, which on the CPU is most of the cost of a small scatter and all but the copy of a large
+one.
 """
 from __future__ import annotations
 
