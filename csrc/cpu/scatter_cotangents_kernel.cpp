@@ -28,25 +28,6 @@ struct Chunk {
 };
 constexpr int64_t kChunkElements = 16384;
 
-// Both outputs are streamed from one read of the input; restrict lets the compiler vectorize.
-template <typename scalar_t, typename opmath_t>
-inline void copy_and_scale(const scalar_t* __restrict in, int64_t in_stride, scalar_t* __restrict local,
-                           scalar_t* __restrict scaled, int64_t count, opmath_t s) {
-  if (in_stride == 1) {
-    for (int64_t i = 0; i < count; ++i) {
-      const scalar_t v = in[i];
-      local[i] = v;
-      scaled[i] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
-    }
-  } else {
-    for (int64_t i = 0; i < count; ++i) {
-      const scalar_t v = in[i * in_stride];
-      local[i] = v;
-      scaled[i] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
-    }
-  }
-}
-
 template <typename scalar_t>
 void scatter_impl(const std::vector<at::Tensor>& grads, const std::vector<Chunk>& chunks, int64_t total,
                   double scale, at::Tensor& arena) {
@@ -66,13 +47,24 @@ void scatter_impl(const std::vector<at::Tensor>& grads, const std::vector<Chunk>
       const scalar_t* src = base[chunk.branch] + chunk.row * g.stride(0) + chunk.n_begin * s1;
       scalar_t* local = out + chunk.local_off;
       scalar_t* scaled = out + chunk.scaled_off;
-      const int64_t tokens = chunk.n_end - chunk.n_begin;
-      if (s2 == 1 && (s1 == D || tokens == 1)) {  // the chunk is one contiguous run
-        copy_and_scale<scalar_t, opmath_t>(src, 1, local, scaled, tokens * D, s);
-        continue;
-      }
-      for (int64_t n = 0; n < tokens; ++n) {
-        copy_and_scale<scalar_t, opmath_t>(src + n * s1, s2, local + n * D, scaled + n * D, D, s);
+      // both outputs are written from one read of the input
+      for (int64_t n = 0; n < chunk.n_end - chunk.n_begin; ++n) {
+        const scalar_t* in = src + n * s1;
+        scalar_t* lo = local + n * D;
+        scalar_t* sc = scaled + n * D;
+        if (s2 == 1) {
+          for (int64_t d = 0; d < D; ++d) {
+            const scalar_t v = in[d];
+            lo[d] = v;
+            sc[d] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            const scalar_t v = in[d * s2];
+            lo[d] = v;
+            sc[d] = static_cast<scalar_t>(static_cast<opmath_t>(v) * s);
+          }
+        }
       }
     }
   });
