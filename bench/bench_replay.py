@@ -45,6 +45,8 @@ SCATTER_SIZES = {
     "large": ((256, 768), (64, 1024), (4, 1536)),
 }
 QUICK_SCATTER_SIZES = ("small", "medium")
+# the scatter table's ratio columns: the loop (or foreach) time over the op's
+RATIO_KEYS = ("op_views_vs_loop", "reuse_views_vs_loop", "reuse_all_views_vs_loop", "reuse_views_vs_foreach")
 
 
 # ---- replay step ---------------------------------------------------------------------------
@@ -207,10 +209,7 @@ def run_report(quick: bool = False, device: str | None = None) -> dict:
         scatter_rows.append(
             [size, row["MB_in"]]
             + [row[f"{n}_us"] for n in names]
-            + [
-                row.get(key, "-")
-                for key in ("op_views_vs_loop", "reuse_views_vs_loop", "reuse_all_views_vs_loop", "reuse_views_vs_foreach")
-            ]
+            + [row.get(key, "-") for key in RATIO_KEYS]
         )
     print(
         format_table(
