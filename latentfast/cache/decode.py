@@ -47,43 +47,85 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         row's width up to W hold the cache's white column.
     """
     data, row_offsets, widths, pitch = cache.gather_source()
-    pitch = int(pitch)
-    index = ops.as_row_indices(indices, len(cache))
-    selected_np = np.asarray(cache.widths)[index.numpy()].astype(np.int32, copy=False)
-    selected = torch.from_numpy(selected_np)
     dtype = torch.float16 if dtype is None else dtype
     if dtype not in ops.GATHER_DTYPES:
         raise ValueError(f"dtype must be one of {ops.GATHER_DTYPES}, got {dtype}")
-    channels, latent_h = int(cache.channels), int(cache.latent_h)
-    widest = int(selected_np.max()) if selected_np.size else 0
-    W = widest if width is None else ops._batch_width(selected, width)
-    white = cache.white_column
-    if white is None and bool((selected_np < W).any()):
-        raise ValueError(
-            "this batch needs padding but the cache has no white column; pass white_column= when opening the cache"
-        )
+    if device == "cpu" or (isinstance(device, torch.device) and device.type == "cpu"):
+        return _read_batch_cpu(cache, data, row_offsets, widths, int(pitch), indices, dtype, width, out, backend)
     device = torch.device(device)
     if device.type == "cpu":
-        shape = (index.numel(), channels, latent_h, W)
-        if out is None:
-            out = torch.empty(shape, dtype=dtype)
-        else:
-            ops.check_out_tensor("out", out, shape, dtype, device)
-        flat_white = None if white is None else white.reshape(-1)
-        # straight to the kernel: the source comes from the cache, and the kernel checks every bound
-        _kernel("gather_rows_into", "cpu", backend)(data, row_offsets, widths, pitch, index, flat_white, out)
-        return out, selected
+        return _read_batch_cpu(cache, data, row_offsets, widths, int(pitch), indices, dtype, width, out, backend)
     if device.type != "cuda":
         raise ValueError(f"device must be a CPU or CUDA device, got {device}")
     if not torch.cuda.is_available():
         raise RuntimeError(f"read_batch(device={str(device)!r}): CUDA is not available here; use device='cpu'")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    index = ops.as_row_indices(indices, len(cache))
+    selected = torch.from_numpy(np.asarray(cache.widths)[index.numpy()].astype(np.int32, copy=False))
+    W = _checked_width(cache, index, selected.numpy(), width)
+    channels, latent_h = int(cache.channels), int(cache.latent_h)
     ring = _ring_for(device, channels * latent_h * int(cache.w_max), index.numel())
     latents = ring.to_device(
-        data, row_offsets, widths, pitch, index, selected, white, channels, latent_h, W, dtype, out, backend
+        data, row_offsets, widths, int(pitch), index, selected, cache.white_column, channels, latent_h, W, dtype,
+        out, backend,
     )
     return latents, selected
+
+
+def _read_batch_cpu(cache, data, row_offsets, widths, pitch, indices, dtype, width, out, backend):
+    """The CPU path, trimmed for small batches, where fixed per-call costs rival the copy: the indices
+    go to the kernel unchecked (it checks every one before copying and raises IndexError naming it),
+    so Python only reads their widths, clipped into range, to size the output."""
+    index = _as_int64_vector(indices)
+    if index is None:  # not a plain int64 vector: the full conversion (and its errors)
+        index = ops.as_row_indices(indices, len(cache))
+    index_np = index.numpy()
+    try:
+        selected_np = np.asarray(cache.widths).take(index_np, mode="clip")
+    except IndexError:  # an empty cache: nothing to clip to
+        ops.as_row_indices(index, len(cache))  # raises naming the index
+        raise
+    widest = int(selected_np.max()) if selected_np.size else 0
+    white = cache.white_column
+    if (width is not None and width != widest) or (white is None and widest and bool((selected_np < widest).any())):
+        # slower checks, needing the true widths: validate the indices first so a bad one is what raises
+        ops.as_row_indices(index, len(cache))
+        W = _checked_width(cache, index, selected_np, width)
+    else:
+        W = widest
+    shape = (index.numel(), int(cache.channels), int(cache.latent_h), W)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    else:
+        ops.check_out_tensor("out", out, shape, dtype, torch.device("cpu"))
+    if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
+        white = white.to(torch.float16).contiguous()
+    _kernel("gather_rows_into", "cpu", backend)(data, row_offsets, widths, pitch, index, white, out)
+    return out, torch.from_numpy(selected_np)
+
+
+def _as_int64_vector(indices):
+    """``indices`` as a contiguous 1-D int64 CPU tensor when that is a cheap view (a list of ints, an
+    int64 numpy array or CPU tensor), else None (anything else takes the full conversion)."""
+    if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
+            return indices.detach().contiguous()
+        return None
+    array = np.asarray(indices)
+    if array.dtype == np.int64 and array.ndim == 1:
+        return torch.from_numpy(np.ascontiguousarray(array))
+    return None
+
+
+def _checked_width(cache, index, selected_np, width) -> int:
+    """W of the batch (``width`` or the widest selected row), checked, with valid ``index``."""
+    W = ops._batch_width(torch.from_numpy(selected_np), width)
+    if cache.white_column is None and bool((selected_np < W).any()):
+        raise ValueError(
+            "this batch needs padding but the cache has no white column; pass white_column= when opening the cache"
+        )
+    return W
 
 
 _KERNELS: dict[tuple, object] = {}
