@@ -300,6 +300,13 @@ def test_gather_rows_vector_edges_stay_inside_out(layout, dtype, threads):
                                 white=torch.from_numpy(white), width=W, dtype=dtype, out=out)
                 torch.testing.assert_close(out, expected_batch(rows, white, batch.tolist(), W, dtype), rtol=0, atol=0)
                 assert bool((buffer[out.numel():] == 7.0).all()), "a store ran past the end of out"
+        for batch in (indices, np.flatnonzero(widths < 16)[:5]):  # the packed staging of the GPU path
+            needed = 6 * int(widths[batch].sum())
+            staging = torch.full((needed + 64,), 7.0, dtype=torch.float16)
+            packed = ops.gather_rows_packed(data, offsets, widths_t, pitch, batch, channels=2, latent_h=3, out=staging)
+            expected = np.concatenate([rows[i].reshape(-1) for i in batch])
+            torch.testing.assert_close(packed, torch.from_numpy(expected), rtol=0, atol=0)
+            assert bool((staging[needed:] == 7.0).all()), "a store ran past the packed rows"
     finally:
         torch.set_num_threads(previous)
 

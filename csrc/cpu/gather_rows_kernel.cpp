@@ -167,6 +167,22 @@ inline void prefetch_line_of(const RowSpan* next, int64_t l) {
 // call to memcpy per line (and another for the padding) costs about as much as the bytes: these are
 // inlined 32-byte moves, the tail done by one overlapping move. The padding is stored from a register
 // holding the line's white value, first, so the real columns written next may overwrite its start.
+__attribute__((target("avx2"))) inline void copy_halves_avx2(const at::Half* src, at::Half* dst, int64_t n) {
+  constexpr int64_t V = 16;  // halves per vector
+  if (n < V) {
+    std::memcpy(dst, src, n * sizeof(at::Half));
+    return;
+  }
+  int64_t k = 0;
+  for (; k + V <= n; k += V) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
+  }
+  if (k < n) {  // the tail: one more vector, ending at n, overlapping what was just written
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + n - V),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + n - V)));
+  }
+}
+
 __attribute__((target("avx2"))) void copy_row_half_avx2(const RowSpan& row, const RowSpan* next,
                                                         const at::Half* white, int64_t lines, at::Half* dst,
                                                         int64_t W) {
@@ -184,20 +200,16 @@ __attribute__((target("avx2"))) void copy_row_half_avx2(const RowSpan& row, cons
         for (int64_t k = w; k < W; ++k) dst[k] = white[l];
       }
     }
-    const at::Half* src = row.src + l * row.line_pitch;
-    if (w >= V) {
-      int64_t k = 0;
-      for (; k + V <= w; k += V) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
-      }
-      if (k < w) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + w - V),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + w - V)));
-      }
-    } else {
-      std::memcpy(dst, src, w * sizeof(at::Half));
-    }
+    copy_halves_avx2(row.src + l * row.line_pitch, dst, w);
+  }
+}
+
+// One row's real columns, back to back as [lines, w] (the packed staging of the GPU path).
+__attribute__((target("avx2"))) void pack_row_half_avx2(const RowSpan& row, const RowSpan* next, int64_t lines,
+                                                        at::Half* dst) {
+  for (int64_t l = 0; l < lines; ++l, dst += row.width) {
+    if (next) prefetch_line_of(next, l);
+    copy_halves_avx2(row.src + l * row.line_pitch, dst, row.width);
   }
 }
 
@@ -312,6 +324,12 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
         continue;
       }
       const RowSpan* next = b + 1 < end ? &rows[b + 1] : nullptr;
+#ifdef LATENTFAST_F16C
+      if (cpu_has_avx2()) {
+        pack_row_half_avx2(row, next, lines, row_dst);
+        continue;
+      }
+#endif
       for (int64_t l = 0; l < lines; ++l) {
         if (next) prefetch_line_of(next, l);
         std::memcpy(row_dst + l * row.width, row.src + l * row.line_pitch, row.width * sizeof(at::Half));
