@@ -332,3 +332,5 @@ def test_read_batch_bad_index_wins_over_other_errors(small_cache, bad):
         read_batch(no_white, [2, bad, 0])  # would need padding, and there is no white column
     with pytest.raises(IndexError, match=rf"indices\[0\] = {bad} is out of range"):
         read_batch(cache, torch.tensor([bad, 1]))
+    with pytest.raises(IndexError, match=rf"indices\[0\] = {bad} is out of range"):
+        read_batch(cache, [bad, 1], out=torch.empty(1, 2, 2, 8, dtype=torch.float16))  # out of the wrong shape
