@@ -2,7 +2,10 @@
 
 CPU target: one compiled gather (``latentfast::gather_rows_into``) copies each requested row's real
 columns from the memmap straight into the output, pads with the white column and casts, on several
-threads with the GIL released.
+threads with the GIL released. A batch of small rows costs about as much in fixed per-call work as
+in copying, so that path is kept short: the kernel, which checks every index before copying
+anyway, is the one that validates them (Python reads their widths clipped into range to size the
+output; if a width check then fails, the indices are validated first so a bad index is reported).
 
 CUDA target: the same rows' real columns only are gathered back to back into a slot of a pinned
 ring buffer (allocated once per process and device, reused), copied to the device on a side
