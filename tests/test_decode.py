@@ -334,3 +334,15 @@ def test_read_batch_bad_index_wins_over_other_errors(small_cache, bad):
         read_batch(cache, torch.tensor([bad, 1]))
     with pytest.raises(IndexError, match=rf"indices\[0\] = {bad} is out of range"):
         read_batch(cache, [bad, 1], out=torch.empty(1, 2, 2, 8, dtype=torch.float16))  # out of the wrong shape
+
+
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_into"))
+def test_read_batch_every_backend_checks_indices(small_cache, backend):
+    """read_batch leaves the index check to the kernel: every backend's kernel must make it."""
+    cache, _ = small_cache
+    expected, _ = read_batch(cache, [5, 1, 5])
+    got, _ = read_batch(cache, np.array([5, 1, 5]), backend=backend)
+    assert torch.equal(got, expected)
+    for bad in (6, -2):
+        with pytest.raises(IndexError, match=rf"indices\[1\] = {bad} is out of range"):
+            read_batch(cache, np.array([5, bad, 1]), backend=backend)
