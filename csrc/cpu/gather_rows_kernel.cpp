@@ -178,7 +178,8 @@ __attribute__((target("avx2"))) inline void copy_halves_avx2(const at::Half* src
   }
   int64_t k = 0;
   for (; k + V <= n; k += V) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
   }
   if (k < n) {  // the tail: one more vector, ending at n, overlapping what was just written
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + n - V),
@@ -246,7 +247,9 @@ void copy_row(const RowSpan& row, const RowSpan* next, const at::Half* white, in
 // microseconds, about what copying 64 KiB costs.
 constexpr int64_t kMinTaskBytes = 256 * 1024;
 
-int64_t rows_per_task(int64_t row_bytes) { return std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(row_bytes, 1)); }
+int64_t rows_per_task(int64_t row_bytes) {
+  return std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(row_bytes, 1));
+}
 
 template <typename out_t>
 void gather_padded(const std::vector<RowSpan>& rows, const at::Half* white, int64_t lines, out_t* out,
@@ -317,8 +320,9 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
   if (starts.back() == 0) return;
   at::Half* dst = out.data_ptr<at::Half>();
   GilRelease no_gil;
-  const int64_t mean_row_bytes = starts.back() * static_cast<int64_t>(sizeof(at::Half)) / std::max<int64_t>(1, rows.size());
-  at::parallel_for(0, static_cast<int64_t>(rows.size()), rows_per_task(mean_row_bytes), [&](int64_t begin, int64_t end) {
+  const int64_t B = static_cast<int64_t>(rows.size());
+  const int64_t mean_row_bytes = starts.back() * static_cast<int64_t>(sizeof(at::Half)) / std::max<int64_t>(1, B);
+  at::parallel_for(0, B, rows_per_task(mean_row_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const RowSpan& row = rows[b];
       at::Half* row_dst = dst + starts[b];
