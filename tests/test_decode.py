@@ -271,3 +271,78 @@ def test_cast_of_every_float16_value(backend, dtype):
     expected = every.reshape(64, 1, 1, 1024).to(dtype)
     torch.testing.assert_close(out[..., :1024], expected, rtol=0, atol=0, equal_nan=True)
     assert bool(out[..., 1024:].isnan().all())
+
+
+# ---- the vectorised row copy and the trimmed read_batch path ------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gather_rows_vector_edges_stay_inside_out(layout, dtype, threads):
+    """Widths and W around the 16-element vector (tails done by overlapping moves, padding stored
+    before the real columns), a batch large enough to be split between threads, and a guard after
+    ``out`` that must stay untouched."""
+    rng = np.random.default_rng(21)
+    edge_widths = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48]
+    widths = np.array([edge_widths[i % len(edge_widths)] for i in range(700)], dtype=np.int32)
+    rows = [rng.standard_normal((2, 3, int(w)), dtype=np.float32).astype(np.float16) for w in widths]
+    white = rng.standard_normal((2, 3, 1)).astype(np.float16)
+    data, offsets, widths_t, pitch = flat_source(rows, widths, 48, layout)
+    indices = rng.permutation(700)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for W in (48, 49, 64):
+            for batch in (indices, indices[:3], np.flatnonzero(widths < 16)[:5]):
+                shape = (len(batch), 2, 3, W)
+                buffer = torch.full((int(np.prod(shape)) + 64,), 7.0, dtype=dtype)
+                out = buffer[: int(np.prod(shape))].view(shape)
+                ops.gather_rows(data, offsets, widths_t, pitch, batch, channels=2, latent_h=3,
+                                white=torch.from_numpy(white), width=W, dtype=dtype, out=out)
+                torch.testing.assert_close(out, expected_batch(rows, white, batch.tolist(), W, dtype), rtol=0, atol=0)
+                assert bool((buffer[out.numel():] == 7.0).all()), "a store ran past the end of out"
+        for batch in (indices, np.flatnonzero(widths < 16)[:5]):  # the packed staging of the GPU path
+            needed = 6 * int(widths[batch].sum())
+            staging = torch.full((needed + 64,), 7.0, dtype=torch.float16)
+            packed = ops.gather_rows_packed(data, offsets, widths_t, pitch, batch, channels=2, latent_h=3, out=staging)
+            expected = np.concatenate([rows[i].reshape(-1) for i in batch])
+            torch.testing.assert_close(packed, torch.from_numpy(expected), rtol=0, atol=0)
+            assert bool((staging[needed:] == 7.0).all()), "a store ran past the packed rows"
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_read_batch_accepts_every_index_form(small_cache):
+    cache, _ = small_cache
+    expected, expected_widths = read_batch(cache, [4, 0, 4, 2])
+    forms = [np.array([4, 0, 4, 2], dtype=np.int32), np.array([4, 9, 0, 9, 4, 9, 2])[::2],
+             torch.tensor([4, 0, 4, 2]), torch.tensor([4, 9, 0, 9, 4, 9, 2])[::2],  # non-contiguous
+             torch.tensor([4, 0, 4, 2], dtype=torch.int16), (4, 0, 4, 2)]
+    for indices in forms:
+        latents, widths = read_batch(cache, indices)
+        assert torch.equal(latents, expected) and torch.equal(widths, expected_widths), type(indices)
+
+
+@pytest.mark.parametrize("bad", [6, -1])
+def test_read_batch_bad_index_wins_over_other_errors(small_cache, bad):
+    """A bad index is reported as such even when the widths read for it would raise something else."""
+    cache, no_white = small_cache
+    with pytest.raises(IndexError, match=rf"indices\[1\] = {bad} is out of range"):
+        read_batch(cache, [0, bad], width=1)  # width=1 is narrower than row 0
+    with pytest.raises(IndexError, match=rf"indices\[1\] = {bad} is out of range"):
+        read_batch(no_white, [2, bad, 0])  # would need padding, and there is no white column
+    with pytest.raises(IndexError, match=rf"indices\[0\] = {bad} is out of range"):
+        read_batch(cache, torch.tensor([bad, 1]))
+    with pytest.raises(IndexError, match=rf"indices\[0\] = {bad} is out of range"):
+        read_batch(cache, [bad, 1], out=torch.empty(1, 2, 2, 8, dtype=torch.float16))  # out of the wrong shape
+
+
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_into"))
+def test_read_batch_every_backend_checks_indices(small_cache, backend):
+    """read_batch leaves the index check to the kernel: every backend's kernel must make it."""
+    cache, _ = small_cache
+    expected, _ = read_batch(cache, [5, 1, 5])
+    got, _ = read_batch(cache, np.array([5, 1, 5]), backend=backend)
+    assert torch.equal(got, expected)
+    for bad in (6, -2):
+        with pytest.raises(IndexError, match=rf"indices\[1\] = {bad} is out of range"):
+            read_batch(cache, np.array([5, bad, 1]), backend=backend)

@@ -11,6 +11,9 @@
 // Every index, width and offset is checked against the data before the first byte is copied, so a
 // bad request raises instead of reading outside the memmap. The copy itself runs with the GIL
 // released (other Python threads, e.g. a training loop, keep running) on at::parallel_for threads.
+// Batches are small (64 rows of a few KiB are ~0.5 MiB), so fixed costs matter: a row's lines are
+// copied by inlined vector moves rather than a memcpy call per line, and a batch is split between
+// threads only in tasks of at least kMinTaskBytes.
 #include <ATen/Parallel.h>
 #include <Python.h>
 #include <torch/library.h>
@@ -153,46 +156,114 @@ inline void copy_line(const at::Half* src, out_t* dst, int64_t n) {
   for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<out_t>(static_cast<float>(src[k]));
 }
 
-// Lines are short (a few hundred bytes) and rows sit at random places of a file larger than the
-// caches, so the hardware prefetcher rarely runs ahead: ask for the line kPrefetchAhead lines on.
-constexpr int64_t kPrefetchAhead = 24;
-inline void prefetch_line(const std::vector<RowSpan>& rows, int64_t b, int64_t l, int64_t lines) {
-  l += kPrefetchAhead;
-  while (l >= lines) {  // that line is in a later row
-    l -= lines;
-    if (++b >= static_cast<int64_t>(rows.size())) return;
+// Rows sit at random places of a file larger than the caches. While row b is copied, the same line
+// of row b + 1 is prefetched (into L2): a row's lines are then found there when it is copied, and the
+// hardware prefetcher, which needs a few lines of a stride to catch on, is not relied on.
+inline void prefetch_line_of(const RowSpan* next, int64_t l) {
+  const char* start = reinterpret_cast<const char*>(next->src + l * next->line_pitch);
+  const char* end = reinterpret_cast<const char*>(next->src + l * next->line_pitch + next->width);
+  for (const char* p = start; p < end; p += 64) __builtin_prefetch(p, 0, 2);
+}
+
+#ifdef LATENTFAST_F16C
+// float16 -> float16 rows, the default and hottest case. Lines are tens to hundreds of bytes, where a
+// call to memcpy per line (and another for the padding) costs about as much as the bytes: these are
+// inlined 32-byte moves, the tail done by one overlapping move. The padding is stored from a register
+// holding the line's white value, first, so the real columns written next may overwrite its start.
+__attribute__((target("avx2"))) inline void copy_halves_avx2(const at::Half* src, at::Half* dst, int64_t n) {
+  constexpr int64_t V = 16;  // halves per vector
+  if (n < V) {
+    std::memcpy(dst, src, n * sizeof(at::Half));
+    return;
   }
-  const RowSpan& row = rows[b];
-  const char* start = reinterpret_cast<const char*>(row.src + l * row.line_pitch);
-  for (int64_t byte = 0; byte < row.width * static_cast<int64_t>(sizeof(at::Half)); byte += 64) {
-    __builtin_prefetch(start + byte);
+  int64_t k = 0;
+  for (; k + V <= n; k += V) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
   }
+  if (k < n) {  // the tail: one more vector, ending at n, overlapping what was just written
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + n - V),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + n - V)));
+  }
+}
+
+__attribute__((target("avx2"))) void copy_row_half_avx2(const RowSpan& row, const RowSpan* next,
+                                                        const at::Half* white, int64_t lines, at::Half* dst,
+                                                        int64_t W) {
+  constexpr int64_t V = 16;  // halves per vector
+  const int64_t w = row.width;
+  for (int64_t l = 0; l < lines; ++l, dst += W) {
+    if (next) prefetch_line_of(next, l);
+    if (w < W) {
+      const __m256i fill = _mm256_set1_epi16(static_cast<short>(white[l].x));
+      if (W >= V) {
+        int64_t k = w & ~(V - 1);
+        for (; k + V <= W; k += V) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), fill);
+        if (k < W) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + W - V), fill);
+      } else {
+        for (int64_t k = w; k < W; ++k) dst[k] = white[l];
+      }
+    }
+    copy_halves_avx2(row.src + l * row.line_pitch, dst, w);
+  }
+}
+
+// One row's real columns, back to back as [lines, w] (the packed staging of the GPU path).
+__attribute__((target("avx2"))) void pack_row_half_avx2(const RowSpan& row, const RowSpan* next, int64_t lines,
+                                                        at::Half* dst) {
+  for (int64_t l = 0; l < lines; ++l, dst += row.width) {
+    if (next) prefetch_line_of(next, l);
+    copy_halves_avx2(row.src + l * row.line_pitch, dst, row.width);
+  }
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+// One requested row -> out rows [lines, W]: real columns (cast), then the white column up to W.
+template <typename out_t>
+void copy_row(const RowSpan& row, const RowSpan* next, const at::Half* white, int64_t lines, out_t* dst,
+              int64_t W) {
+  if (row.width == W && row.line_pitch == W) {  // a full-width row stored contiguously: one block
+    copy_line<out_t>(row.src, dst, lines * W);
+    return;
+  }
+#ifdef LATENTFAST_F16C
+  if constexpr (std::is_same_v<out_t, at::Half>) {
+    if (cpu_has_avx2()) return copy_row_half_avx2(row, next, white, lines, dst, W);
+  }
+#endif
+  for (int64_t l = 0; l < lines; ++l, dst += W) {
+    if (next) prefetch_line_of(next, l);
+    copy_line<out_t>(row.src + l * row.line_pitch, dst, row.width);
+    if (row.width < W) std::fill(dst + row.width, dst + W, static_cast<out_t>(static_cast<float>(white[l])));
+  }
+}
+
+// Threads only pay off once a task has this many bytes to move: waking a pool thread costs
+// microseconds, about what copying 64 KiB costs.
+constexpr int64_t kMinTaskBytes = 256 * 1024;
+
+int64_t rows_per_task(int64_t row_bytes) {
+  return std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(row_bytes, 1));
 }
 
 template <typename out_t>
 void gather_padded(const std::vector<RowSpan>& rows, const at::Half* white, int64_t lines, out_t* out,
                    int64_t W) {
-  // A [lines, W] block of white in the output dtype, built once: a row's padding is then one memcpy
-  // per line from it (glibc's memcpy beats a fill loop compiled for baseline x86-64).
   // A null white means no row needs padding (checked by the caller).
-  std::vector<out_t> white_block(white ? lines * W : 0);
-  for (int64_t l = 0; white && l < lines; ++l) {
-    std::fill_n(white_block.data() + l * W, W, static_cast<out_t>(static_cast<float>(white[l])));
-  }
-  const int64_t total = static_cast<int64_t>(rows.size()) * lines;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(W, 1));
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / lines, l = job % lines;
-      const RowSpan& row = rows[b];
-      out_t* dst = out + job * W;
-      prefetch_line(rows, b, l, lines);
-      copy_line<out_t>(row.src + l * row.line_pitch, dst, row.width);
-      if (row.width < W) {
-        std::memcpy(dst + row.width, white_block.data() + l * W + row.width, (W - row.width) * sizeof(out_t));
-      }
-    }
-  });
+  const int64_t B = static_cast<int64_t>(rows.size());
+  const int64_t row_elems = lines * W;
+  at::parallel_for(0, B, rows_per_task(row_elems * static_cast<int64_t>(sizeof(out_t))),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t b = begin; b < end; ++b) {
+                       copy_row<out_t>(rows[b], b + 1 < end ? &rows[b + 1] : nullptr, white, lines,
+                                       out + b * row_elems, W);
+                     }
+                   });
 }
 
 void gather_rows_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets, const at::Tensor& widths,
@@ -249,7 +320,9 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
   if (starts.back() == 0) return;
   at::Half* dst = out.data_ptr<at::Half>();
   GilRelease no_gil;
-  at::parallel_for(0, static_cast<int64_t>(rows.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t B = static_cast<int64_t>(rows.size());
+  const int64_t mean_row_bytes = starts.back() * static_cast<int64_t>(sizeof(at::Half)) / std::max<int64_t>(1, B);
+  at::parallel_for(0, B, rows_per_task(mean_row_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const RowSpan& row = rows[b];
       at::Half* row_dst = dst + starts[b];
@@ -257,8 +330,15 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
         std::memcpy(row_dst, row.src, lines * row.width * sizeof(at::Half));
         continue;
       }
+      const RowSpan* next = b + 1 < end ? &rows[b + 1] : nullptr;
+#ifdef LATENTFAST_F16C
+      if (cpu_has_avx2()) {
+        pack_row_half_avx2(row, next, lines, row_dst);
+        continue;
+      }
+#endif
       for (int64_t l = 0; l < lines; ++l) {
-        prefetch_line(rows, b, l, lines);
+        if (next) prefetch_line_of(next, l);
         std::memcpy(row_dst + l * row.width, row.src + l * row.line_pitch, row.width * sizeof(at::Half));
       }
     }

@@ -2,7 +2,10 @@
 
 CPU target: one compiled gather (``latentfast::gather_rows_into``) copies each requested row's real
 columns from the memmap straight into the output, pads with the white column and casts, on several
-threads with the GIL released.
+threads with the GIL released. A batch of small rows costs about as much in fixed per-call work as
+in copying, so that path is kept short: the kernel, which checks every index before copying
+anyway, is the one that validates them (Python reads their widths clipped into range to size the
+output; if a width check then fails, the indices are validated first so a bad index is reported).
 
 CUDA target: the same rows' real columns only are gathered back to back into a slot of a pinned
 ring buffer (allocated once per process and device, reused), copied to the device on a side
@@ -47,43 +50,92 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         row's width up to W hold the cache's white column.
     """
     data, row_offsets, widths, pitch = cache.gather_source()
-    pitch = int(pitch)
-    index = ops.as_row_indices(indices, len(cache))
-    selected_np = np.asarray(cache.widths)[index.numpy()].astype(np.int32, copy=False)
-    selected = torch.from_numpy(selected_np)
     dtype = torch.float16 if dtype is None else dtype
     if dtype not in ops.GATHER_DTYPES:
         raise ValueError(f"dtype must be one of {ops.GATHER_DTYPES}, got {dtype}")
-    channels, latent_h = int(cache.channels), int(cache.latent_h)
-    widest = int(selected_np.max()) if selected_np.size else 0
-    W = widest if width is None else ops._batch_width(selected, width)
-    white = cache.white_column
-    if white is None and bool((selected_np < W).any()):
-        raise ValueError(
-            "this batch needs padding but the cache has no white column; pass white_column= when opening the cache"
-        )
-    device = torch.device(device)
-    if device.type == "cpu":
-        shape = (index.numel(), channels, latent_h, W)
-        if out is None:
-            out = torch.empty(shape, dtype=dtype)
-        else:
-            ops.check_out_tensor("out", out, shape, dtype, device)
-        flat_white = None if white is None else white.reshape(-1)
-        # straight to the kernel: the source comes from the cache, and the kernel checks every bound
-        _kernel("gather_rows_into", "cpu", backend)(data, row_offsets, widths, pitch, index, flat_white, out)
-        return out, selected
+    device = device if device == "cpu" else torch.device(device)
+    if device == "cpu" or device.type == "cpu":
+        return _read_batch_cpu(cache, data, row_offsets, widths, int(pitch), indices, dtype, width, out, backend)
     if device.type != "cuda":
         raise ValueError(f"device must be a CPU or CUDA device, got {device}")
     if not torch.cuda.is_available():
         raise RuntimeError(f"read_batch(device={str(device)!r}): CUDA is not available here; use device='cpu'")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    index = ops.as_row_indices(indices, len(cache))
+    selected_np = np.asarray(cache.widths)[index.numpy()].astype(np.int32, copy=False)
+    selected = torch.from_numpy(selected_np)
+    W = _checked_width(cache.white_column, selected_np, int(selected_np.max()) if selected_np.size else 0, width)
+    channels, latent_h = int(cache.channels), int(cache.latent_h)
     ring = _ring_for(device, channels * latent_h * int(cache.w_max), index.numel())
     latents = ring.to_device(
-        data, row_offsets, widths, pitch, index, selected, white, channels, latent_h, W, dtype, out, backend
+        data, row_offsets, widths, int(pitch), index, selected, cache.white_column, channels, latent_h, W, dtype,
+        out, backend,
     )
     return latents, selected
+
+
+def _read_batch_cpu(cache, data, row_offsets, widths, pitch, indices, dtype, width, out, backend):
+    """The CPU path, trimmed for small batches, where fixed per-call costs rival the copy: the indices
+    go to the kernel unchecked (it checks every one before copying and raises IndexError naming it),
+    so Python only reads their widths, clipped into range, to size the output."""
+    index, index_np = _as_int64_vector(indices)
+    if index is None:  # not a plain int64 vector: the full conversion (and its errors)
+        index = ops.as_row_indices(indices, len(cache))
+        index_np = index.numpy()
+    try:
+        selected_np = np.asarray(cache.widths).take(index_np, mode="clip").astype(np.int32, copy=False)
+    except IndexError:  # an empty cache: nothing to clip to
+        ops.as_row_indices(index, len(cache))  # raises naming the index
+        raise
+    widest = int(selected_np.max()) if selected_np.size else 0
+    white = cache.white_column
+    channels, latent_h = int(cache.channels), int(cache.latent_h)
+    try:
+        W = _checked_width(white, selected_np, widest, width)
+        if out is not None:
+            ops.check_out_tensor("out", out, (index.numel(), channels, latent_h, W), dtype, torch.device("cpu"))
+    except (TypeError, ValueError):  # W came from clipped indices: a bad index, if any, is the error to report
+        ops.as_row_indices(index, len(cache))
+        raise
+    if out is None:
+        out = torch.empty(index.numel(), channels, latent_h, W, dtype=dtype)
+    if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
+        white = white.to(torch.float16).contiguous()
+    _kernel("gather_rows_into", "cpu", backend)(data, row_offsets, widths, pitch, index, white, out)
+    return out, torch.from_numpy(selected_np)
+
+
+def _as_int64_vector(indices):
+    """``(tensor, array)``: ``indices`` as a contiguous 1-D int64 CPU tensor and a numpy view of it,
+    when that is cheap (a list of ints, an int64 numpy array or CPU tensor), else ``(None, None)``
+    (anything else takes the full conversion)."""
+    if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
+            index = indices.detach().contiguous()
+            return index, index.numpy()
+        return None, None
+    array = np.asarray(indices)
+    if array.dtype == np.int64 and array.ndim == 1:
+        array = np.ascontiguousarray(array)
+        return torch.from_numpy(array), array
+    return None, None
+
+
+def _checked_width(white, selected_np, widest: int, width) -> int:
+    """W of the batch: ``width`` (checked against the widest selected row) or that row's width; and
+    the white column must exist if any row is narrower."""
+    if width is None:
+        W = widest
+    elif isinstance(width, bool) or not isinstance(width, int) or width < widest:
+        raise ValueError(f"width must be an int >= the batch's widest row ({widest}), got {width!r}")
+    else:
+        W = width
+    if white is None and bool((selected_np < W).any()):
+        raise ValueError(
+            "this batch needs padding but the cache has no white column; pass white_column= when opening the cache"
+        )
+    return W
 
 
 _KERNELS: dict[tuple, object] = {}
