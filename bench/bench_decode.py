@@ -285,7 +285,20 @@ def run_report(quick: bool = False) -> dict:
               + " (GIL)")
         r["ratios"] = ratios
         results.append(r)
-    return {"batch": BATCH, "threads": thread_counts, "results": results}
+    summary = {}
+    for r in results:
+        g = r["geometry"]
+        tag = f"C{g['channels']}h{g['latent_h']}w{g['w_max']}"
+        for t in thread_counts:
+            sec = r["seconds_per_batch"][t]
+            lf = sec["latentfast"]
+            summary[f"{tag}@{t}thr_x_seed"] = round(sec["seed"] / lf, 2)
+            summary[f"{tag}@{t}thr_fraction_of_memcpy"] = round(sec["memcpy-64MiB"] / lf, 3)
+            if "tensordict" in sec:
+                summary[f"{tag}@{t}thr_x_tensordict"] = round(sec["tensordict"] / lf, 2)
+        for name, figures in (r["cuda"] or {}).items():
+            summary[f"{tag}_{name}_share_of_pinned_h2d"] = round(figures["share_of_pinned_h2d"], 3)
+    return {"batch": BATCH, "threads": thread_counts, "results": results, "summary": summary}
 
 
 # ---- pytest-benchmark --------------------------------------------------------------------------
