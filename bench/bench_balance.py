@@ -24,7 +24,7 @@ from latentfast.vision import demo_balanced_encode, lpt_makespan, plan_assignmen
 from latentfast.vision.plan import lpt_bins
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import format_table, machine_summary, median_seconds  # noqa: E402
+from common import format_table, machine_summary, median_seconds, pyplot, save  # noqa: E402
 
 RANKS = (8, 32, 64)
 UNITS_PER_RANK = (4, 16)
@@ -156,6 +156,24 @@ def test_skewed_encode_step(benchmark, step):
     for key in ("unbalanced_s", "balanced_s", "speedup", "planned_speedup"):
         benchmark.extra_info[key] = result[key]
 
+
+
+def plot(report: dict, out_dir: str) -> list[str]:
+    """Mean makespan / lower bound per planner, by number of ranks."""
+    plt = pyplot()
+    if plt is None:
+        return []
+    rows = report["quality"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.27
+    for k, (key, label) in enumerate((("no_balancing", "no balancing"), ("lpt", "plain LPT"), ("latentfast", "latentfast"))):
+        xs = [i + (k - 1) * width for i in range(len(rows))]
+        ax.bar(xs, [r[f"{key}_mean"] for r in rows], width, label=label)
+    ax.set_xticks(range(len(rows)), [str(r["ranks"]) for r in rows])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(xlabel="ranks", ylabel="mean makespan / lower bound", title="encode balancing plan quality")
+    ax.legend()
+    return [save(fig, out_dir, "balance_makespan.png")]
 
 if __name__ == "__main__":
     run_report(quick="--quick" in sys.argv)

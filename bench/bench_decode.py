@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the cache test double lives with the tests
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # writes caches of arbitrary rows (shared with the tests)
 
-from cache_double import CacheDouble, write_cache  # noqa: E402
+from cache_rows import write_cache  # noqa: E402
+from latentfast.cache import LatentCache, cache_path  # noqa: E402
 
 from latentfast.cache.decode import read_batch  # noqa: E402
 
@@ -36,7 +37,7 @@ BATCH = 64
 GEOMETRIES = [(16, 8, 256), (4, 8, 128)]  # (C, h, w_max): 64 KiB and 8 KiB padded rows
 
 
-def build_caches(directory: str, n_rows: int, geometry=GEOMETRIES[0], seed: int = 0) -> dict[str, CacheDouble]:
+def build_caches(directory: str, n_rows: int, geometry=GEOMETRIES[0], seed: int = 0) -> dict[str, LatentCache]:
     """Padded and ragged caches of the same ``n_rows`` random rows, widths uniform in [20%, 100%] of w_max."""
     channels, latent_h, w_max = geometry
     rng = np.random.default_rng(seed)
@@ -72,11 +73,11 @@ def tensordict_path(mmt, widths: torch.Tensor, white: torch.Tensor, indices: tor
     return torch.where(real, batch, white[None])
 
 
-def providers(caches: dict[str, CacheDouble]) -> dict:
+def providers(caches: dict[str, LatentCache]) -> dict:
     """name -> function(indices as int64 numpy array) -> padded batch."""
     padded = caches["padded"]
     shape = (len(padded), padded.channels, padded.latent_h, padded.w_max)
-    mm = np.memmap(padded._path("f16.dat"), dtype=np.float16, mode="r", shape=shape)
+    mm = np.memmap(cache_path(padded.cache_dir, padded.split, "data"), dtype=np.float16, mode="r", shape=shape)
     widths, white = padded.widths, padded.white_column
     found = {
         "seed": lambda idx: seed_path(mm, widths, white, idx),
@@ -85,7 +86,7 @@ def providers(caches: dict[str, CacheDouble]) -> dict:
     try:
         from tensordict import MemoryMappedTensor
 
-        mmt = MemoryMappedTensor.from_filename(padded._path("f16.dat"), dtype=torch.float16, shape=torch.Size(shape))
+        mmt = MemoryMappedTensor.from_filename(cache_path(padded.cache_dir, padded.split, "data"), dtype=torch.float16, shape=torch.Size(shape))
         widths_t = torch.from_numpy(widths)
         found["tensordict"] = lambda idx: tensordict_path(mmt, widths_t, white, torch.from_numpy(idx))
     except ImportError:  # the [bench] extra is not installed
@@ -95,11 +96,11 @@ def providers(caches: dict[str, CacheDouble]) -> dict:
     return found
 
 
-def useful_bytes(cache: CacheDouble, indices: np.ndarray) -> int:
+def useful_bytes(cache: LatentCache, indices: np.ndarray) -> int:
     return int(cache.widths[indices].sum()) * cache.channels * cache.latent_h * 2
 
 
-def memcpy_fn(cache: CacheDouble, nbytes: int, rng: np.random.Generator):
+def memcpy_fn(cache: LatentCache, nbytes: int, rng: np.random.Generator):
     """Contiguous copies of ``nbytes`` from random places of the same hot memmap into one buffer."""
     data = cache.gather_source()[0]
     n = min(nbytes // 2, data.numel())
@@ -130,14 +131,14 @@ def time_per_batch(fn, batches, repeats: int) -> float:
     return min(samples)
 
 
-def cold_seconds(cache: CacheDouble, fn, batches) -> float | None:
+def cold_seconds(cache: LatentCache, fn, batches) -> float | None:
     """Mean seconds per batch right after the data file was evicted from the page cache
     (posix_fadvise DONTNEED; None where the OS lacks it)."""
     if not hasattr(os, "posix_fadvise"):
         return None
     total = 0.0
     for idx in batches:
-        fd = os.open(cache._path("f16.dat"), os.O_RDONLY)
+        fd = os.open(cache_path(cache.cache_dir, cache.split, "data"), os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
@@ -175,7 +176,7 @@ def python_progress_while(fn, batches, seconds: float = 0.3) -> float:
     return busy / idle
 
 
-def measure_cuda(padded: CacheDouble, batches, mean_useful: float, repeats: int) -> dict:
+def measure_cuda(padded: LatentCache, batches, mean_useful: float, repeats: int) -> dict:
     """Batch-to-device throughput of read_batch(device="cuda") vs the plain pinned host-to-device copy
     of the same bytes; passes are pipelined (one synchronize per pass, so batch k+1's gather overlaps
     batch k's copy and expand)."""
@@ -336,6 +337,28 @@ if pytest is not None:
         benchmark.extra_info["useful_bytes_per_batch"] = mean_useful
         benchmark(one_batch)
 
+
+
+def plot(report: dict, out_dir: str) -> list[str]:
+    """Useful GB/s per provider, per geometry and thread count."""
+    sys.path.insert(0, HERE)
+    from common import pyplot, save
+
+    plt = pyplot()
+    if plt is None:
+        return []
+    fig, axes = plt.subplots(1, len(report["results"]), figsize=(6 * len(report["results"]), 4), squeeze=False)
+    for ax, r in zip(axes[0], report["results"]):
+        g = r["geometry"]
+        names = list(r["seconds_per_batch"][report["threads"][0]])
+        width = 0.8 / len(report["threads"])
+        for k, t in enumerate(report["threads"]):
+            gbps = [r["useful_bytes_per_batch"] / r["seconds_per_batch"][t][n] / 1e9 for n in names]
+            ax.bar([i + k * width for i in range(len(names))], gbps, width, label=f"{t} thread(s)")
+        ax.set_xticks([i + width * (len(report["threads"]) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
+        ax.set(ylabel="useful GB/s", title=f"read_batch B={report['batch']}, C{g['channels']} h{g['latent_h']} w{g['w_max']}")
+        ax.legend()
+    return [save(fig, out_dir, "decode.png")]
 
 if __name__ == "__main__":
     run_report(quick="--quick" in sys.argv)

@@ -30,7 +30,7 @@ from latentfast.replay import scatter_cotangents
 from latentfast.replay.demo import build_toy_problem, generator_gradients, max_relative_error, plain_step, replay_step
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import format_table, median_seconds, sync  # noqa: E402
+from common import format_table, median_seconds, pyplot, save, sync  # noqa: E402
 
 STEP = dict(local_samples=32, gradient_local_samples=4, microbatch=4)
 # out = 3 x 8 x 32 x 32 = 24576 values per sample; hidden = 8 keeps the parameters (~0.9 MB)
@@ -50,8 +50,15 @@ RATIO_KEYS = ("op_views_vs_loop", "reuse_views_vs_loop", "reuse_all_views_vs_loo
 
 
 # ---- replay step ---------------------------------------------------------------------------
-def step_problem(device: str):
-    return build_toy_problem(**STEP, dtype=torch.float32, dropout=0.1, generator_kwargs=GENERATOR, device=device)
+# the memory-vs-B sweep (b fixed at 4): plain backprop grows with B, replay with b only
+SWEEP_B = (8, 16, 32, 64)
+QUICK_SWEEP_B = (8, 32)
+
+
+def step_problem(device: str, local_samples: int = STEP["local_samples"]):
+    return build_toy_problem(
+        **{**STEP, "local_samples": local_samples}, dtype=torch.float32, dropout=0.1, generator_kwargs=GENERATOR, device=device
+    )
 
 
 def _cpu_peak_bytes(fn) -> int:
@@ -158,32 +165,36 @@ def run_report(quick: bool = False, device: str | None = None) -> dict:
     results: dict = {"device": device, "threads": torch.get_num_threads(), "step": [], "scatter": []}
     repeat = 3 if quick else 5
 
-    # 1. replay step vs plain
-    problem = step_problem(device)
-    parameters_mb = sum(p.numel() * p.element_size() for p in problem.generator.parameters()) / 1e6
-    plain_step(problem)
-    reference = generator_gradients(problem)
-    replay_step(problem)
-    error = max_relative_error(reference, generator_gradients(problem))
-    row = {}
-    for provider in ("plain", "replay"):
-        fn = step_fn(problem, provider)
-        fn()
-        # the largest of three profiled runs: the CPU event trace varies a little between runs
-        row[f"{provider}_peak_MB"] = max(peak_bytes(fn, device) for _ in range(3)) / 1e6
-        row[f"{provider}_ms"] = median_seconds(fn, repeat=repeat, warmup=1, device=device) * 1e3
-    row["peak_ratio"] = row["replay_peak_MB"] / row["plain_peak_MB"]
-    row["time_ratio"] = row["replay_ms"] / row["plain_ms"]
-    results["step"].append(row)
+    # 1. replay step vs plain, for several B at b = 4
+    table = []
+    for B in QUICK_SWEEP_B if quick else SWEEP_B:
+        problem = step_problem(device, B)
+        parameters_mb = sum(p.numel() * p.element_size() for p in problem.generator.parameters()) / 1e6
+        plain_step(problem)
+        reference = generator_gradients(problem)
+        replay_step(problem)
+        error = max_relative_error(reference, generator_gradients(problem))
+        row = {"B": B, "b": STEP["gradient_local_samples"], "max_rel_error": error}
+        for provider in ("plain", "replay"):
+            fn = step_fn(problem, provider)
+            fn()
+            # the largest of three profiled runs: the CPU event trace varies a little between runs
+            row[f"{provider}_peak_MB"] = max(peak_bytes(fn, device) for _ in range(3)) / 1e6
+            row[f"{provider}_ms"] = median_seconds(fn, repeat=repeat, warmup=1, device=device) * 1e3
+        row["peak_ratio"] = row["replay_peak_MB"] / row["plain_peak_MB"]
+        row["time_ratio"] = row["replay_ms"] / row["plain_ms"]
+        results["step"].append(row)
+        table.append([B, row["plain_peak_MB"], row["replay_peak_MB"], row["peak_ratio"], row["plain_ms"], row["replay_ms"],
+                      row["time_ratio"], error])
     print(
         format_table(
-            f"replay step vs plain backprop (B={STEP['local_samples']}, b={STEP['gradient_local_samples']},"
-            f" microbatch={STEP['microbatch']}, generator params {parameters_mb:.2f} MB, {device},"
-            f" replay gradient max rel. error vs plain {error:.1e})",
-            ["plain peak MB", "replay peak MB", "replay/plain", "plain ms", "replay ms", "replay/plain"],
-            [[row["plain_peak_MB"], row["replay_peak_MB"], row["peak_ratio"], row["plain_ms"], row["replay_ms"], row["time_ratio"]]],
+            f"replay step vs plain backprop (b={STEP['gradient_local_samples']}, microbatch={STEP['microbatch']},"
+            f" generator params {parameters_mb:.2f} MB, {device})",
+            ["B", "plain peak MB", "replay peak MB", "replay/plain", "plain ms", "replay ms", "replay/plain", "max rel err"],
+            table,
         )
     )
+    error = max(row["max_rel_error"] for row in results["step"])
 
     # 2. scatter
     scatter_rows = []
@@ -221,7 +232,7 @@ def run_report(quick: bool = False, device: str | None = None) -> dict:
             scatter_rows,
         )
     )
-    conservative = results["step"][0]
+    conservative = next(row for row in results["step"] if row["B"] == STEP["local_samples"])
     results["summary"] = {
         "replay_gradient_max_rel_error": error,
         "step_peak_ratio_replay_over_plain": round(conservative["peak_ratio"], 3),
@@ -276,6 +287,20 @@ def test_scatter(benchmark, provider, size):
 
     benchmark(timed)
 
+
+
+def plot(report: dict, out_dir: str) -> list[str]:
+    """Peak memory of one step vs B (b fixed): plain backprop vs replay."""
+    plt = pyplot()
+    if plt is None:
+        return []
+    rows = report["step"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for provider in ("plain", "replay"):
+        ax.plot([r["B"] for r in rows], [r[f"{provider}_peak_MB"] for r in rows], marker="o", label=provider)
+    ax.set(xlabel=f"B (samples in the loss; b = {rows[0]['b']} differentiated)", ylabel="peak MB", title=f"replay step memory ({report['device']})")
+    ax.legend()
+    return [save(fig, out_dir, "replay_memory.png")]
 
 if __name__ == "__main__":
     run_report(quick="--quick" in sys.argv)

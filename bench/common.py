@@ -68,3 +68,25 @@ def machine_summary() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed (plots are optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save(fig, out_dir: str, name: str) -> str:
+    import os
+
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    fig.clf()
+    return path

@@ -54,7 +54,10 @@ def run_benchmarks(out_dir: str = "latentfast-bench", quick: bool = False, suite
         print(f"\n=== {name} ===", flush=True)
         start = time.perf_counter()
         try:
-            results["suites"][name] = load_suite(name).run_report(quick=quick)
+            module = load_suite(name)
+            results["suites"][name] = module.run_report(quick=quick)
+            if hasattr(module, "plot"):
+                results.setdefault("plots", []).extend(module.plot(results["suites"][name], out_dir))
         except FileNotFoundError as exc:
             results["errors"][name] = str(exc)
             print(f"skipped: {exc}")
@@ -65,42 +68,8 @@ def run_benchmarks(out_dir: str = "latentfast-bench", quick: bool = False, suite
     path = os.path.join(out_dir, "bench.json")
     with open(path, "w") as fh:
         json.dump(results, fh, indent=2, default=str)
-    plots = _plot(results, out_dir)
-    print(f"\nresults written to {path}" + (f"; plots: {', '.join(plots)}" if plots else " (install matplotlib for plots)"))
+    plots = results.get("plots", [])
+    print(f"\nresults written to {path}" + (f"; plots: {', '.join(plots)}" if plots else " (no plots: install matplotlib)"))
     if results["errors"]:
         raise SystemExit(f"benchmark suites failed: {results['errors']}")
     return results
-
-
-def _plot(results: dict, out_dir: str) -> list[str]:
-    """GB/s vs size per provider for every suite that reports such rows; optional (matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    written = []
-    for name, report in results["suites"].items():
-        rows = report.get("rows") if isinstance(report, dict) else None
-        if not rows or not isinstance(rows, list) or not isinstance(rows[0], dict):
-            continue
-        xkey = next((k for k in rows[0] if k.endswith("_MB")), None)
-        series = [k for k in rows[0] if k.endswith("_GBps")]
-        if not xkey or not series:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for key in series:
-            ax.plot([r[xkey] for r in rows], [r[key] for r in rows], marker="o", label=key.removesuffix("_GBps"))
-        ax.set_xscale("log")
-        ax.set_xlabel(xkey.replace("_", " "))
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"latentfast {name}")
-        ax.legend()
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{name}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written

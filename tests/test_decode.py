@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cache_double import random_rows, write_cache
+from cache_rows import random_rows, write_cache
 from conftest import poisoned_like, runnable_backends
 
 from latentfast import ops, reference

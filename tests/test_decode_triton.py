@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
     sys.path.insert(0, sys.argv[1])
-    from cache_double import random_rows
+    from cache_rows import random_rows
     from conftest import poisoned_like
     from latentfast import backends, ops
 
