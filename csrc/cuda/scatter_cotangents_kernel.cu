@@ -11,6 +11,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "scatter_cotangents_checks.h"
+
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -67,37 +69,9 @@ __global__ void scatter_cotangents_kernel(const int64_t* __restrict__ table, int
 
 void scatter_cotangents_into_cuda(at::TensorList grads_list, at::IntArrayRef batch_sizes, double scale,
                                   at::Tensor arena) {
-  TORCH_CHECK(!grads_list.empty(), "scatter_cotangents: grads must hold at least one tensor");
-  TORCH_CHECK(!batch_sizes.empty(), "scatter_cotangents: batch_sizes must hold at least one microbatch size");
   TORCH_CHECK(arena.is_cuda(), "scatter_cotangents (cuda kernel): arena must be a CUDA tensor, got ", arena.device());
-  TORCH_CHECK(arena.dim() == 1 && arena.is_contiguous(), "scatter_cotangents: arena must be contiguous 1-D, got shape ",
-              arena.sizes(), " strides ", arena.strides());
+  const std::vector<at::Tensor> grads = check_scatter_cotangents_args(grads_list, batch_sizes, arena);
   const auto dtype = arena.scalar_type();
-  TORCH_CHECK(at::isFloatingType(dtype), "scatter_cotangents: arena must be floating point, got ", dtype);
-  int64_t b_local = 0;
-  for (size_t m = 0; m < batch_sizes.size(); ++m) {
-    TORCH_CHECK(batch_sizes[m] > 0, "scatter_cotangents: batch_sizes[", m, "] must be positive, got ", batch_sizes[m]);
-    b_local += batch_sizes[m];
-  }
-  std::vector<at::Tensor> grads(grads_list.begin(), grads_list.end());
-  int64_t slab_sum = 0;
-  for (size_t k = 0; k < grads.size(); ++k) {
-    const at::Tensor& g = grads[k];
-    TORCH_CHECK(g.device() == arena.device(), "scatter_cotangents: grads[", k, "] is on ", g.device(),
-                " but arena is on ", arena.device());
-    TORCH_CHECK(g.dim() == 3, "scatter_cotangents: grads[", k, "] must be [b_local, N, D], got shape ", g.sizes());
-    TORCH_CHECK(g.scalar_type() == dtype, "scatter_cotangents: grads[", k, "] dtype ", g.scalar_type(),
-                " differs from arena dtype ", dtype);
-    TORCH_CHECK(g.size(0) == b_local, "scatter_cotangents: grads[", k, "] has ", g.size(0),
-                " rows but batch_sizes sum to ", b_local);
-    for (int64_t d = 0; d < 3; ++d) {
-      TORCH_CHECK(g.stride(d) >= 0, "scatter_cotangents: grads[", k, "] has a negative stride");
-    }
-    at::assert_no_overlap(arena, g);
-    slab_sum += g.size(1) * g.size(2);
-  }
-  TORCH_CHECK(arena.numel() == 2 * b_local * slab_sum, "scatter_cotangents: arena must hold 2 * b_local * sum(N*D) = ",
-              2 * b_local * slab_sum, " elements, got ", arena.numel());
 
   const int64_t element_size = static_cast<int64_t>(arena.element_size());
   std::vector<int64_t> rows;  // descriptor rows, kNumFields each
