@@ -17,7 +17,7 @@ import torch
 from latentfast import backends, ops
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import format_table, median_seconds, pyplot, save, sync  # noqa: E402
+from common import format_table, line_plot, median_seconds, sync  # noqa: E402
 
 NUM_VIEWS = 2
 # input frames of [3, T, 512, 512] uint8: 1.5 MB ... 100 MB (T=32 is the 25M-element target case)
@@ -124,16 +124,11 @@ def test_normalize(benchmark, provider, frames):
 
 def plot(report: dict, out_dir: str) -> list[str]:
     """GB/s vs input size, one line per provider (and the copy ceiling)."""
-    plt = pyplot()
-    if plt is None:
-        return []
     rows = report["rows"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in [k for k in rows[0] if k.endswith("_GBps")]:
-        ax.plot([r["input_MB"] for r in rows], [r[key] for r in rows], marker="o", label=key.removesuffix("_GBps"))
-    ax.set(xscale="log", xlabel="input MB (uint8)", ylabel="GB/s (read + written)", title=f"normalize_uint8 ({report['device']})")
-    ax.legend()
-    return [save(fig, out_dir, "normalize.png")]
+    series = {k.removesuffix("_GBps"): [r[k] for r in rows] for k in rows[0] if k.endswith("_GBps")}
+    return line_plot(out_dir, "normalize.png", [r["input_MB"] for r in rows], series, xscale="log",
+                     xlabel="input MB (uint8)", ylabel="GB/s (read + written)", title=f"normalize_uint8 ({report['device']})")
+
 
 if __name__ == "__main__":
     run_report(quick="--quick" in sys.argv)

@@ -30,7 +30,7 @@ from latentfast.replay import scatter_cotangents
 from latentfast.replay.demo import build_toy_problem, generator_gradients, max_relative_error, plain_step, replay_step
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import format_table, median_seconds, pyplot, save, sync  # noqa: E402
+from common import format_table, line_plot, median_seconds, sync  # noqa: E402
 
 STEP = dict(local_samples=32, gradient_local_samples=4, microbatch=4)
 # out = 3 x 8 x 32 x 32 = 24576 values per sample; hidden = 8 keeps the parameters (~0.9 MB)
@@ -291,16 +291,12 @@ def test_scatter(benchmark, provider, size):
 
 def plot(report: dict, out_dir: str) -> list[str]:
     """Peak memory of one step vs B (b fixed): plain backprop vs replay."""
-    plt = pyplot()
-    if plt is None:
-        return []
     rows = report["step"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for provider in ("plain", "replay"):
-        ax.plot([r["B"] for r in rows], [r[f"{provider}_peak_MB"] for r in rows], marker="o", label=provider)
-    ax.set(xlabel=f"B (samples in the loss; b = {rows[0]['b']} differentiated)", ylabel="peak MB", title=f"replay step memory ({report['device']})")
-    ax.legend()
-    return [save(fig, out_dir, "replay_memory.png")]
+    series = {p: [r[f"{p}_peak_MB"] for r in rows] for p in ("plain", "replay")}
+    return line_plot(out_dir, "replay_memory.png", [r["B"] for r in rows], series,
+                     xlabel=f"B (samples in the loss; b = {rows[0]['b']} differentiated)", ylabel="peak MB",
+                     title=f"replay step memory ({report['device']})")
+
 
 if __name__ == "__main__":
     run_report(quick="--quick" in sys.argv)

@@ -90,3 +90,16 @@ def save(fig, out_dir: str, name: str) -> str:
     fig.savefig(path, dpi=100)
     fig.clf()
     return path
+
+
+def line_plot(out_dir: str, name: str, x: Sequence[float], series: dict[str, Sequence[float]], **axes) -> list[str]:
+    """One PNG with a line per series over ``x`` (``axes``: xlabel, ylabel, title, xscale...); [] without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, ys in series.items():
+        ax.plot(x, ys, marker="o", label=label)
+    ax.set(**axes)
+    ax.legend()
+    return [save(fig, out_dir, name)]
