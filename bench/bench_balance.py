@@ -23,8 +23,7 @@ import pytest
 from latentfast.vision import demo_balanced_encode, lpt_makespan, plan_assignment
 from latentfast.vision.plan import lpt_bins
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import format_table, machine_summary, median_seconds, pyplot, save  # noqa: E402
+from latentfast.bench.common import format_table, machine_summary, median_seconds, pyplot, save
 
 RANKS = (8, 32, 64)
 UNITS_PER_RANK = (4, 16)

@@ -28,8 +28,7 @@ from latentfast.cache import format as fmt
 from latentfast.synthetic import render_text_lines
 from latentfast.toy import ToyVAE
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import format_table, median_seconds  # noqa: E402
+from latentfast.bench.common import format_table, median_seconds
 
 LINE_HEIGHT, MAX_WIDTH = 32, 512
 

@@ -23,13 +23,9 @@ import time
 import numpy as np
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # writes caches of arbitrary rows (shared with the tests)
-
-from cache_rows import write_cache  # noqa: E402
-from latentfast.cache import LatentCache, cache_path  # noqa: E402
-
-from latentfast.cache.decode import read_batch  # noqa: E402
+from latentfast.cache import LatentCache, cache_path
+from latentfast.cache.decode import read_batch
+from latentfast.testing import write_cache  # caches of arbitrary rows, shared with the tests
 
 BATCH = 64
 
@@ -341,8 +337,7 @@ if pytest is not None:
 
 def plot(report: dict, out_dir: str) -> list[str]:
     """Useful GB/s per provider, per geometry and thread count."""
-    sys.path.insert(0, HERE)
-    from common import pyplot, save
+    from latentfast.bench.common import pyplot, save
 
     plt = pyplot()
     if plt is None:

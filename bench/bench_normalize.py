@@ -16,8 +16,7 @@ import torch
 
 from latentfast import backends, ops
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import format_table, line_plot, median_seconds, sync  # noqa: E402
+from latentfast.bench.common import format_table, line_plot, median_seconds, sync
 
 NUM_VIEWS = 2
 # input frames of [3, T, 512, 512] uint8: 1.5 MB ... 100 MB (T=32 is the 25M-element target case)

@@ -29,8 +29,7 @@ from latentfast import backends
 from latentfast.replay import scatter_cotangents
 from latentfast.replay.demo import build_toy_problem, generator_gradients, max_relative_error, plain_step, replay_step
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import format_table, line_plot, median_seconds, sync  # noqa: E402
+from latentfast.bench.common import format_table, line_plot, median_seconds, sync
 
 STEP = dict(local_samples=32, gradient_local_samples=4, microbatch=4)
 # out = 3 x 8 x 32 x 32 = 24576 values per sample; hidden = 8 keeps the parameters (~0.9 MB)

@@ -22,8 +22,7 @@ from . import _ops, reference
 BACKENDS = ("auto", "cpp", "cuda", "triton", "torch")
 
 
-class BackendUnavailableError(RuntimeError):
-    """A backend was forced (argument or LATENTFAST_BACKEND) but cannot run this op here."""
+from .errors import BackendUnavailableError  # noqa: E402  (re-exported: backends.BackendUnavailableError)
 
 
 @lru_cache(maxsize=None)

@@ -1,44 +1,26 @@
 """`latentfast bench`: run every benchmark suite's side-by-side report, write JSON (+ PNG plots).
 
-The suites live in the repository's ``bench/`` folder (``bench_<suite>.py``, each with a
-``run_report(quick) -> dict``); they are the same files ``pytest bench/ --benchmark-only`` runs.
+The suites live in the repository's ``bench/`` folder, installed as ``latentfast.bench``
+(``bench_<suite>.py``, each with a ``run_report(quick) -> dict``); they are the same files
+``pytest bench/ --benchmark-only`` runs.
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
-import pathlib
-import sys
 import time
 import traceback
 
 SUITES = ("normalize", "decode", "cache", "balance", "replay")
 
 
-def bench_dir() -> pathlib.Path:
-    """The bench/ folder: $LATENTFAST_BENCH_DIR, the checkout this package was installed from, or ./bench."""
-    candidates = [os.environ.get("LATENTFAST_BENCH_DIR"), pathlib.Path(__file__).resolve().parent.parent / "bench", "bench"]
-    for candidate in candidates:
-        if candidate and (pathlib.Path(candidate) / "common.py").exists():
-            return pathlib.Path(candidate).resolve()
-    raise FileNotFoundError(
-        "latentfast bench needs the repository's bench/ folder (install from a clone with `pip install -e .`, "
-        "run from the clone, or set LATENTFAST_BENCH_DIR)"
-    )
-
-
 def load_suite(name: str):
-    folder = bench_dir()
-    path = folder / f"bench_{name}.py"
-    if not path.exists():
-        raise FileNotFoundError(f"no benchmark suite {name!r} ({path} does not exist)")
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(f"latentfast_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The suite module ``latentfast.bench.bench_<name>`` (the repository's ``bench/`` folder, installed
+    as a subpackage)."""
+    if name not in SUITES:
+        raise SystemExit(f"unknown suite {name!r}; choose from {SUITES}")
+    return importlib.import_module(f"latentfast.bench.bench_{name}")
 
 
 def run_benchmarks(out_dir: str = "latentfast-bench", quick: bool = False, suites: list[str] | None = None) -> dict:
@@ -58,9 +40,6 @@ def run_benchmarks(out_dir: str = "latentfast-bench", quick: bool = False, suite
             results["suites"][name] = module.run_report(quick=quick)
             if hasattr(module, "plot"):
                 results.setdefault("plots", []).extend(module.plot(results["suites"][name], out_dir))
-        except FileNotFoundError as exc:
-            results["errors"][name] = str(exc)
-            print(f"skipped: {exc}")
         except Exception as exc:  # one broken suite must not hide the others' figures
             results["errors"][name] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()

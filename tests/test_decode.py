@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cache_rows import random_rows, write_cache
-from conftest import poisoned_like, runnable_backends
+from latentfast.testing import random_rows, write_cache
+from latentfast.testing import poisoned_like, runnable_backends
 
 from latentfast import ops, reference
 from latentfast.cache.decode import read_batch

@@ -11,13 +11,10 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    import sys
     import numpy as np
     import torch
-    sys.path.insert(0, sys.argv[1])
-    from cache_rows import random_rows
-    from conftest import poisoned_like
     from latentfast import backends, ops
+    from latentfast.testing import poisoned_like, random_rows
 
     assert backends.resolve("expand_rows_into", "cpu", "triton") == "triton"
     rng = np.random.default_rng(0)
@@ -51,9 +48,8 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.timeout(300)
 def test_expand_rows_triton_interpreter():
     pytest.importorskip("triton")
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, tests_dir], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                             timeout=280)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "triton expand ok" in result.stdout

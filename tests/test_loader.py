@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from cache_rows import random_rows, write_cache
+from latentfast.testing import random_rows, write_cache
 from torch.utils.data import DataLoader
 
 from latentfast.cache.decode import read_batch

@@ -8,7 +8,7 @@ import torch
 
 from latentfast import ops, reference
 from latentfast.backends import BackendUnavailableError
-from conftest import poisoned_like, runnable_backends
+from latentfast.testing import poisoned_like, runnable_backends
 
 OP = "normalize_uint8_into"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

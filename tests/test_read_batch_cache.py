@@ -12,7 +12,7 @@ from latentfast.cache.loader import CacheBatchDataset, DevicePrefetcher, WidthBu
 from latentfast.synthetic import render_text_lines
 from latentfast.toy import ToyVAE
 
-from conftest import poisoned_like
+from latentfast.testing import poisoned_like
 
 
 @pytest.fixture(scope="module")

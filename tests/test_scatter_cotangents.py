@@ -7,7 +7,7 @@ import torch
 from latentfast import reference
 from latentfast.replay import scatter_cotangents
 from latentfast.replay.scatter import SCATTER_DTYPES, arena_numel
-from conftest import poisoned_like, runnable_backends
+from latentfast.testing import poisoned_like, runnable_backends
 
 OP = "scatter_cotangents_into"
 

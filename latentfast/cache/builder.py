@@ -29,13 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import ImageError
 from . import format as fmt
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
-
-
-class ImageError(ValueError):
-    """A source image is missing, unreadable or has the wrong geometry."""
 
 
 @dataclass(frozen=True)

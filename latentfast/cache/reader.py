@@ -11,15 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import CacheCorruptError, IncompleteCacheError
 from . import format as fmt
-
-
-class IncompleteCacheError(RuntimeError):
-    """The cache's build started and did not finish."""
-
-
-class CacheCorruptError(ValueError):
-    """verify found a block or row whose contents are wrong."""
 
 
 class LatentCache:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import OffloadEncodeError
 from .plan import Plan, plan_assignment
 
 MAX_NDIM = 6
@@ -39,14 +40,6 @@ UNIT_ROW = 3 + MAX_NDIM  # seconds, dtype code, ndim, shape
 LATENT_ROW = 2 + MAX_NDIM  # dtype code, ndim, shape
 OK, FAILED = 0.0, 1.0
 PACK_ALIGN = 16  # bytes; segment alignment inside a packed message, so views of any dtype are legal
-
-
-class OffloadEncodeError(RuntimeError):
-    """Raised on every rank when any rank's inputs or encode failed; ``failed_ranks`` names them."""
-
-    def __init__(self, message: str, failed_ranks: list[int]):
-        super().__init__(message)
-        self.failed_ranks = failed_ranks
 
 
 def _describe(tensor: torch.Tensor, what: str) -> list[float]:

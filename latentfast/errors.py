@@ -1,0 +1,84 @@
+"""The library's error classes: one base, :class:`LatentfastError`, and a subclass per kind of failure.
+
+Every class also derives from the built-in exception a Python user would expect for that kind
+(``ValueError`` for a bad argument value, ``IndexError`` for an index out of range, ...), so
+``except ValueError`` keeps working while ``except latentfast.LatentfastError`` catches
+everything this library raises on purpose. Every backend of an op raises the same class for the
+same bad input (the op layer translates the compiled kernels' errors, see :mod:`latentfast.backends`).
+
+Messages name the argument, what was expected and what was received.
+"""
+from __future__ import annotations
+
+
+class LatentfastError(Exception):
+    """Base class of every error latentfast raises on purpose."""
+
+
+class InvalidArgumentError(LatentfastError, ValueError):
+    """An argument has the wrong value, shape, dtype, device or layout."""
+
+
+class ArgumentTypeError(LatentfastError, TypeError):
+    """An argument has the wrong Python type."""
+
+
+class IndexOutOfRangeError(LatentfastError, IndexError):
+    """An index (a cache row, a rank, a unit) is outside its valid range."""
+
+
+class BackendUnavailableError(LatentfastError, RuntimeError):
+    """A backend was forced (argument or ``LATENTFAST_BACKEND``) but cannot run this op here."""
+
+
+class CacheError(LatentfastError):
+    """Base class of the latent cache's errors."""
+
+
+class IncompleteCacheError(CacheError, RuntimeError):
+    """The cache's build started and did not finish."""
+
+
+class CacheCorruptError(CacheError, ValueError):
+    """A block, row or index file of the cache holds wrong contents, or a file changed under a reader."""
+
+
+class CacheLockedError(CacheError, RuntimeError):
+    """Another process holds the cache folder's build lock."""
+
+
+class ImageError(CacheError, ValueError):
+    """A source image cannot be read or decoded."""
+
+
+class OffloadEncodeError(LatentfastError, RuntimeError):
+    """A balanced encode step failed on some rank; raised on every rank. ``failed_ranks`` names them."""
+
+    def __init__(self, message: str, failed_ranks=()):
+        super().__init__(message)
+        self.failed_ranks = list(failed_ranks)
+
+
+class ReplayError(LatentfastError, RuntimeError):
+    """Feature gradient replay was used out of order (an expired result, a reused arena, ...)."""
+
+
+class NonFiniteError(LatentfastError, ValueError):
+    """A value that must be finite (a feature, a loss, a cotangent, a cost) is not."""
+
+
+__all__ = [
+    "ArgumentTypeError",
+    "BackendUnavailableError",
+    "CacheCorruptError",
+    "CacheError",
+    "CacheLockedError",
+    "ImageError",
+    "IncompleteCacheError",
+    "IndexOutOfRangeError",
+    "InvalidArgumentError",
+    "LatentfastError",
+    "NonFiniteError",
+    "OffloadEncodeError",
+    "ReplayError",
+]

@@ -1,0 +1,76 @@
+"""Helpers for tests of code that uses latentfast -- this project's own tests and benchmarks, and yours.
+
+- :func:`poisoned_like` -- an output buffer full of garbage, so a kernel that skips an element is caught;
+- :func:`runnable_backends` -- every backend that can run an op on a device type in this process;
+- :func:`random_rows` / :func:`write_cache` -- latent caches with arbitrary rows, written with plain
+  numpy in the original (seed) layouts and opened by the real :class:`~latentfast.cache.LatentCache`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from . import backends
+
+
+def runnable_backends(op: str, device_type: str = "cpu") -> list[str]:
+    """Every concrete backend that can run ``op`` on ``device_type`` tensors in this process."""
+    return [name for name, why in backends.availability(op, device_type).items() if not why]
+
+
+def poisoned_like(shape, dtype, device="cpu") -> torch.Tensor:
+    """An output buffer full of garbage (NaN for floats, 0x5A bytes otherwise)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(0x5A)
+    return t
+
+
+def random_rows(rng: np.random.Generator, n: int, channels: int, latent_h: int, w_max: int, min_width: int = 1):
+    """``(rows, widths)``: ``n`` float16 ``[C, h, w_i]`` arrays with widths uniform in ``[min_width, w_max]``."""
+    widths = rng.integers(min_width, w_max + 1, size=n).astype(np.int32)
+    rows = [rng.standard_normal((channels, latent_h, int(w)), dtype=np.float32).astype(np.float16) for w in widths]
+    return rows, widths
+
+
+def write_cache(directory: str, rows, widths, *, w_max: int, layout: str = "padded", white=None, split: str = "train"):
+    """Write ``rows`` under ``directory`` in ``layout`` ("padded" or "ragged") and open them as a LatentCache.
+
+    Padded: ``{split}.latents.f16.dat`` float16 ``[N, C, h, w_max]`` + ``widths.npy`` + the nine-field
+    ``meta.json``. Ragged: rows ``[C, h, w_i]`` back to back + ``offsets.npy`` int64 ``[N + 1]``.
+    Plus ``white.npy`` (``[C, h, 1]``) when ``white`` is given.
+    """
+    from .cache import LatentCache
+
+    os.makedirs(directory, exist_ok=True)
+    channels, latent_h = rows[0].shape[:2]
+    n = len(rows)
+
+    def path(suffix):
+        return os.path.join(directory, f"{split}.latents.{suffix}")
+
+    if layout == "padded":
+        mm = np.memmap(path("f16.dat"), dtype=np.float16, mode="w+", shape=(n, channels, latent_h, w_max))
+        for i, row in enumerate(rows):
+            mm[i, :, :, : row.shape[-1]] = row
+        mm.flush()
+        del mm
+    else:
+        sizes = np.array([row.size for row in rows], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        np.concatenate([row.reshape(-1) for row in rows]).astype(np.float16).tofile(path("f16.dat"))
+        np.save(path("offsets.npy"), offsets)
+    np.save(path("widths.npy"), np.asarray(widths, dtype=np.int32))
+    if white is not None:
+        np.save(path("white.npy"), np.asarray(white, dtype=np.float16).reshape(channels, latent_h, 1))
+    meta = {"n": n, "channels": int(channels), "latent_h": int(latent_h), "w_max": int(w_max), "layout": layout,
+            "pretrained": "test-rows", "subfolder": "", "line_height": 8 * int(latent_h),
+            "max_line_width": 8 * int(w_max), "downscale_factor": 8}
+    with open(path("meta.json"), "w") as fh:
+        json.dump(meta, fh)
+    return LatentCache(directory, split)
