@@ -38,3 +38,16 @@ def as_device(device, *, name: str = "device") -> torch.device:
 def same_device(a, b) -> bool:
     """Whether two device arguments name the same device (``"cuda"`` equals ``"cuda:<current>"``)."""
     return as_device(a) == as_device(b)
+
+
+def map_tensors(fn, value):
+    """``value`` with every tensor ``t`` in it (nested dicts, lists, tuples and namedtuples) replaced by
+    ``fn(t)``; other values are kept. The one tree walk for moving batches or results between devices."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: map_tensors(fn, item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        mapped = [map_tensors(fn, item) for item in value]
+        return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
+    return value

@@ -67,12 +67,17 @@ class NonFiniteError(LatentfastError, ValueError):
     """A value that must be finite (a feature, a loss, a cotangent, a cost) is not."""
 
 
+class DeviceUnavailableError(LatentfastError, RuntimeError):
+    """The requested device (e.g. ``"cuda"``) does not exist or cannot be used in this process."""
+
+
 __all__ = [
     "ArgumentTypeError",
     "BackendUnavailableError",
     "CacheCorruptError",
     "CacheError",
     "CacheLockedError",
+    "DeviceUnavailableError",
     "ImageError",
     "IncompleteCacheError",
     "IndexOutOfRangeError",

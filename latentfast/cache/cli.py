@@ -106,6 +106,9 @@ def run_inspect(args) -> int:
     print(f"rows: {info['n']}   layout: {info['layout']}")
     print(f"bytes on disk: {info['bytes_on_disk']:,}   data: {info['data_bytes']:,}   padded layout would be: {info['padded_layout_bytes']:,}")
     print(f"padding waste: {info['padding_waste_pct']:.1f}% of the data file")
+    if info["resident_bytes"] is not None:
+        share = info["resident_bytes"] / info["data_bytes"] if info["data_bytes"] else 1.0
+        print(f"in the page cache: {info['resident_bytes']:,} bytes ({share:.0%} of the data file)")
     print("latent width histogram:")
     peak = max((c for _, _, c in info["histogram"]), default=0) or 1
     for lo, hi, count in info["histogram"]:

@@ -6,16 +6,28 @@ Typical use (every worker reads whole batches with the compiled gather; no per-i
     loader = batch_loader(cache, sampler, num_workers=4, pin_memory=True)
     for latents, widths, indices in DevicePrefetcher(loader, "cuda"):
         ...
+
+Read-ahead, on by default at both ends: :func:`batch_loader` has the rows of the next
+``lookahead`` batches read into the page cache in the background (for caches bigger than RAM), and
+:class:`DevicePrefetcher` pulls and moves the next ``lookahead`` batches in a background thread, so
+neither the disk nor the copy waits on the training step.
 """
 from __future__ import annotations
 
+import operator
+import queue
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .. import ops
+from ..devices import as_device, map_tensors
+from ..errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
 from .decode import read_batch
+from .prefetch import DEFAULT_LOOKAHEAD, LookaheadSampler, _check_lookahead
 
 
 class WidthBucketBatchSampler(Sampler[list[int]]):
@@ -30,7 +42,8 @@ class WidthBucketBatchSampler(Sampler[list[int]]):
 
     Call :meth:`set_epoch` before each epoch (as with ``DistributedSampler``). ``state_dict()``
     records the epoch and how many of this rank's batches were consumed; ``load_state_dict()``
-    makes the next iteration continue from exactly there.
+    makes the next iteration continue from exactly there. :meth:`upcoming` lets a reader look ahead
+    (:class:`~latentfast.cache.prefetch.LookaheadSampler`) without consuming anything.
     """
 
     def __init__(
@@ -46,17 +59,21 @@ class WidthBucketBatchSampler(Sampler[list[int]]):
     ):
         self.widths = np.asarray(widths)
         if self.widths.ndim != 1:
-            raise ValueError(f"widths must be 1-D (one per row), got shape {self.widths.shape}")
+            raise InvalidArgumentError(f"widths must be 1-D (one per row), got shape {self.widths.shape}")
+        if self.widths.size and self.widths.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"widths must be integers, got {self.widths.dtype}")
+        values = {}
         for name, value, low in (("batch_size", batch_size, 1), ("world_size", world_size, 1),
-                                 ("bucket_batches", bucket_batches, 1), ("rank", rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if rank >= world_size:
-            raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
-        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
-        self.drop_last, self.bucket_batches = drop_last, bucket_batches
+                                 ("bucket_batches", bucket_batches, 1), ("rank", rank, 0), ("seed", seed, 0)):
+            values[name] = _as_int(name, value, low)
+        if values["rank"] >= values["world_size"]:
+            raise InvalidArgumentError(f"rank must be < world_size={values['world_size']}, got {values['rank']}")
+        self.batch_size, self.seed, self.rank = values["batch_size"], values["seed"], values["rank"]
+        self.world_size, self.bucket_batches = values["world_size"], values["bucket_batches"]
+        self.drop_last = bool(drop_last)
         self.epoch = 0
         self.consumed = 0  # batches of this rank's current epoch already handed out
+        self._epoch_batches: list[list[int]] | None = None  # this rank's batches of the epoch being iterated
 
     def _all_batches(self) -> list[list[int]]:
         rng = np.random.default_rng([self.seed, self.epoch])
@@ -87,12 +104,21 @@ class WidthBucketBatchSampler(Sampler[list[int]]):
         return batches[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
-        batches = self.rank_batches()
+        batches = self._epoch_batches = self.rank_batches()
         start = self.consumed
         for position in range(start, len(batches)):
             self.consumed = position + 1
             yield batches[position]
         self.consumed = 0  # a finished epoch: the next iteration starts the epoch over
+        self._epoch_batches = None
+
+    def upcoming(self, count: int) -> list[list[int]]:
+        """The next ``count`` (or fewer, at the epoch's end) batches the iteration will hand out,
+        without handing them out (``consumed`` is unchanged)."""
+        count = _as_int("count", count, 0)
+        if self._epoch_batches is None:
+            self._epoch_batches = self.rank_batches()
+        return self._epoch_batches[self.consumed : self.consumed + count]
 
     def __len__(self) -> int:
         n_batches = len(self.widths) // self.batch_size if self.drop_last else -(-len(self.widths) // self.batch_size)
@@ -100,8 +126,9 @@ class WidthBucketBatchSampler(Sampler[list[int]]):
         return per_rank
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        self.epoch = _as_int("epoch", epoch, 0)
         self.consumed = 0
+        self._epoch_batches = None
 
     def state_dict(self, consumed: int | None = None) -> dict:
         """``consumed``: batches the training loop really used this epoch; pass it when a DataLoader
@@ -112,36 +139,55 @@ class WidthBucketBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "world_size", "batch_size"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"state_dict was saved with {key}={state[key]}, this sampler has {getattr(self, key)}")
+                raise InvalidArgumentError(f"state_dict was saved with {key}={state[key]}, this sampler has {getattr(self, key)}")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self._epoch_batches = None
+
+
+def _as_int(name: str, value, low: int) -> int:
+    """``value`` as an int >= ``low``; numpy and other integer types are accepted, bools and floats not."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ArgumentTypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
+    if value < low:
+        raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value}")
+    return value
 
 
 class CacheBatchDataset(Dataset):
     """Dataset whose item is a whole batch: ``dataset[indices]`` -> ``(latents, widths, indices)`` via the
     compiled gather. Use with ``DataLoader(batch_size=None, sampler=<batch sampler>)`` (see
-    :func:`batch_loader`), so each worker reads a batch in one call instead of collating items."""
+    :func:`batch_loader`, which also reads ahead), so each worker reads a batch in one call instead of
+    collating items. ``indices`` must be integers (floats are refused, never rounded); ``dtype``,
+    ``width`` and ``cold`` go to :func:`~latentfast.cache.read_batch`."""
 
-    def __init__(self, cache, *, dtype: torch.dtype | None = None, width: int | None = None):
-        self.cache, self.dtype, self.width = cache, dtype, width
+    def __init__(self, cache, *, dtype: torch.dtype | None = None, width: int | None = None, cold="auto"):
+        self.cache, self.dtype, self.width, self.cold = cache, dtype, width, cold
 
     def __len__(self) -> int:
         return len(self.cache)
 
     def __getitem__(self, indices):
-        index = torch.as_tensor(indices, dtype=torch.int64)
-        latents, widths = read_batch(self.cache, index, dtype=self.dtype, width=self.width)
+        index = ops.as_row_indices(indices, len(self.cache))
+        latents, widths = read_batch(self.cache, index, dtype=self.dtype, width=self.width, cold=self.cold)
         return latents, widths, index
 
 
 def batch_loader(
-    cache, batch_sampler: Iterable[list[int]], *, dtype=None, width=None, **dataloader_kwargs
+    cache, batch_sampler: Iterable[list[int]], *, dtype=None, width=None, lookahead: int = DEFAULT_LOOKAHEAD,
+    cold="auto", **dataloader_kwargs
 ) -> DataLoader:
     """A DataLoader yielding ``(latents [B, C, h, W], widths [B], indices [B])`` for each batch of
     ``batch_sampler``; ``dataloader_kwargs`` (num_workers, pin_memory, multiprocessing_context, ...)
-    go to the DataLoader."""
-    return DataLoader(
-        CacheBatchDataset(cache, dtype=dtype, width=width), batch_size=None, sampler=batch_sampler, **dataloader_kwargs
-    )
+    go to the DataLoader.
+
+    ``lookahead``: while a batch is read, the rows of the next ``lookahead`` batches are read into the
+    page cache in the background (:class:`~latentfast.cache.prefetch.LookaheadSampler`; 0 turns it
+    off). It costs nothing measurable when the cache is in RAM and hides the disk when it is not.
+    A sampler with ``upcoming()`` (as :class:`WidthBucketBatchSampler`) is peeked, not advanced."""
+    sampler = LookaheadSampler(batch_sampler, cache, lookahead)
+    dataset = CacheBatchDataset(cache, dtype=dtype, width=width, cold=cold)
+    return DataLoader(dataset, batch_size=None, sampler=sampler, **dataloader_kwargs)
 
 
 def collate(items: Sequence[torch.Tensor], white_column: torch.Tensor, *, dtype: torch.dtype | None = None,
@@ -149,21 +195,21 @@ def collate(items: Sequence[torch.Tensor], white_column: torch.Tensor, *, dtype:
     """Item mode: ``[C, h, w_i]`` latents -> ``(latents [B, C, h, W], widths [B] int32)`` padded with the
     white column (``[C, h, 1]``). Bind ``white_column`` with ``functools.partial`` for a DataLoader."""
     if not items:
-        raise ValueError("collate needs at least one item")
+        raise InvalidArgumentError("collate needs at least one item")
     first = items[0]
     if first.dim() != 3:
-        raise ValueError(f"items must be [C, h, w] latents, got shape {tuple(first.shape)} for item 0")
+        raise InvalidArgumentError(f"items must be [C, h, w] latents, got shape {tuple(first.shape)} for item 0")
     channels, latent_h = first.shape[:2]
     for k, item in enumerate(items):
         if item.dim() != 3 or tuple(item.shape[:2]) != (channels, latent_h):
-            raise ValueError(f"item {k} has shape {tuple(item.shape)}, expected [{channels}, {latent_h}, w]")
+            raise InvalidArgumentError(f"item {k} has shape {tuple(item.shape)}, expected [{channels}, {latent_h}, w]")
     widths = torch.tensor([item.shape[-1] for item in items], dtype=torch.int32)
     widest = int(widths.max())
-    W = widest if width is None else width
+    W = widest if width is None else _as_int("width", width, 0)
     if W < widest:
-        raise ValueError(f"width must be >= the widest item ({widest}), got {width}")
+        raise InvalidArgumentError(f"width must be >= the widest item ({widest}), got {width}")
     if tuple(white_column.shape) not in ((channels, latent_h, 1), (channels, latent_h)):
-        raise ValueError(f"white_column must be [{channels}, {latent_h}, 1], got {tuple(white_column.shape)}")
+        raise InvalidArgumentError(f"white_column must be [{channels}, {latent_h}, 1], got {tuple(white_column.shape)}")
     dtype = first.dtype if dtype is None else dtype
     out = white_column.reshape(1, channels, latent_h, 1).to(dtype).expand(len(items), -1, -1, W).contiguous()
     for b, item in enumerate(items):
@@ -172,64 +218,117 @@ def collate(items: Sequence[torch.Tensor], white_column: torch.Tensor, *, dtype:
 
 
 class DevicePrefetcher:
-    """Iterate ``batches`` on ``device``, copying batch k+1 on a side stream while batch k is used.
+    """Iterate ``batches`` on ``device``, with the next ``lookahead`` batches pulled from ``batches``
+    and copied to the device ahead of the loop.
 
     A batch may be a tensor or a (nested) tuple / list / dict of them; other values pass through.
-    The copies are asynchronous when the host tensors are pinned (``DataLoader(pin_memory=True)``).
-    On a CPU device this is a pass-through.
+
+    Args:
+        batches: any iterable of batches (a DataLoader, a generator of ``cache.read_batch`` calls).
+        device: where batches land, read with :func:`latentfast.devices.as_device`. Default ``"cuda"``
+            (the current CUDA device): moving batches there is this class's job. A CPU device only
+            reads ahead.
+        lookahead: batches prepared ahead of the one in use by a background thread (default 2), so
+            reading them (disk, gather, host-to-device copy on a side stream) overlaps the training
+            step; ``0``: no thread, only batch k+1's copy overlaps step k.
+
+    The copies are asynchronous when the host tensors are pinned (``DataLoader(pin_memory=True)``). A
+    batch already on a CUDA device is ordered after the work that produced it: the side stream waits
+    on the producing thread's current stream of every device the batch is on. Pulling ahead advances
+    a sampler behind ``batches`` ahead of the loop: pass ``consumed=`` to its ``state_dict``.
     """
 
-    def __init__(self, batches: Iterable, device="cuda"):
+    def __init__(self, batches: Iterable, device="cuda", *, lookahead: int = DEFAULT_LOOKAHEAD):
         self.batches = batches
-        self.device = torch.device(device)
+        self.device = as_device(device)
+        self.lookahead = _check_lookahead(lookahead)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"DevicePrefetcher(device={str(self.device)!r}): CUDA is not available here")
+            raise DeviceUnavailableError(f"DevicePrefetcher(device={str(self.device)!r}): CUDA is not available here")
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self):
+        if self.lookahead:
+            return self._threaded()
         if self.device.type != "cuda":
-            yield from self.batches
-            return
+            return iter(self.batches)
+        return self._inline()
+
+    def _inline(self):
         stream = torch.cuda.Stream(self.device)
         pending = None
         for batch in self.batches:
-            with torch.cuda.stream(stream):
-                moved = _to_device(batch, self.device)
-                ready = torch.cuda.Event()
-                ready.record(stream)
+            moved = self._move(batch, stream)
             if pending is not None:
                 yield self._hand_over(*pending)
-            pending = (moved, ready)
+            pending = moved
         if pending is not None:
             yield self._hand_over(*pending)
 
+    def _threaded(self):
+        """Batches from a producer thread, at most ``lookahead`` ahead; its errors are raised here."""
+        ready: queue.Queue = queue.Queue(maxsize=self.lookahead)
+        stop = threading.Event()
+        source = iter(self.batches)  # made in the loop's thread (DataLoader iterators set up signals)
+        producer = threading.Thread(target=self._produce, args=(source, ready, stop), daemon=True,
+                                    name="latentfast-device-prefetch")
+        producer.start()
+        try:
+            while True:
+                kind, item = ready.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise item
+                yield self._hand_over(*item)
+        finally:
+            stop.set()  # a loop that stops early lets the producer finish its current batch and exit
+
+    def _produce(self, source, ready: queue.Queue, stop: threading.Event) -> None:
+        def put(entry) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(entry, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            for batch in source:
+                if not put(("batch", self._move(batch, stream))):
+                    return
+            put(("end", None))
+        except BaseException as exc:  # handed to the loop's thread, which raises it
+            put(("error", exc))
+
+    def _move(self, batch, stream):
+        """``(batch on the device, event after its copy)``, copied on ``stream`` (None: the CPU)."""
+        if stream is None:
+            return batch, None
+        producers = {t.device for t in _tensors(batch) if t.is_cuda}
+        for device in producers:  # the batch's tensors are complete once these streams' work is
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            moved = map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return moved, ready
+
     def _hand_over(self, batch, ready):
+        if ready is None:
+            return batch
         current = torch.cuda.current_stream(self.device)
         current.wait_event(ready)
-        _record_stream(batch, current)  # the memory was allocated on the side stream
+        for tensor in _tensors(batch):  # made on another stream, used on this one from now on
+            if tensor.is_cuda:
+                tensor.record_stream(current)
         return batch
 
 
-def _to_device(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, dict):
-        return {key: _to_device(item, device) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        moved = [_to_device(item, device) for item in value]
-        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
-    return value
-
-
-def _record_stream(value, stream) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.is_cuda:
-            value.record_stream(stream)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _record_stream(item, stream)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _record_stream(item, stream)
+def _tensors(value) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, value)
+    return found

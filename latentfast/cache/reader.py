@@ -189,6 +189,12 @@ class LatentCache:
 
         return read_batch(self, indices, **kwargs)
 
+    def prefetch(self, indices) -> None:
+        """Start reading rows ``indices`` into the page cache and return at once (see :mod:`.prefetch`)."""
+        from .prefetch import prefetch
+
+        prefetch(self, indices)
+
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -274,6 +280,8 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
     real = int(cache.widths.sum(dtype=np.int64)) * cache.channels * cache.latent_h * 2
     padded = len(cache) * fmt.row_elements(cache.meta) * 2
     data_bytes = int(cache.row_starts[-1]) * 2
+    from .prefetch import resident_bytes
+
     edges = np.unique(np.linspace(1, cache.w_max + 1, min(bins, cache.w_max) + 1).astype(np.int64))
     counts, _ = np.histogram(cache.widths, bins=edges)
     return {
@@ -283,6 +291,7 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
         "files": files,
         "bytes_on_disk": sum(files.values()),
         "data_bytes": data_bytes,
+        "resident_bytes": resident_bytes(cache._data_path),  # in the page cache now (None: the OS cannot say)
         "padding_waste_pct": 100.0 * (data_bytes - real) / data_bytes if data_bytes else 0.0,
         "padded_layout_bytes": padded,
         "histogram": [(int(lo), int(hi) - 1, int(c)) for lo, hi, c in zip(edges[:-1], edges[1:], counts)],  # inclusive bounds
