@@ -3,6 +3,8 @@ backend, both layouts, every dtype, odd shapes, duplicates, unsorted and non-con
 poisoned outputs, opcheck, and every error path."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from latentfast.testing import random_rows, write_cache
 from latentfast.testing import poisoned_like, runnable_backends
 
 from latentfast import ops, reference
+from latentfast.cache import decode
 from latentfast.cache.decode import read_batch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -237,6 +240,95 @@ def test_public_op_argument_errors():
                         white, **kwargs)
 
 
+# ---- the CUDA path's host side, checked on the CPU ------------------------------------------------------
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_packed_into"))
+@pytest.mark.parametrize("sample", SAMPLES, ids=[s[0] for s in SAMPLES])
+def test_staging_math_matches_the_reference(sample, backend):
+    """What the pinned ring stages (packed rows, their starts, their widths), expanded, is the padded batch;
+    the starts are the exclusive prefix sum of C*h*w_i computed independently."""
+    _, rows, white, source, indices, width = sample
+    index = torch.as_tensor(indices, dtype=torch.int64).contiguous()
+    index_list = index.tolist()
+    channels, latent_h = rows[0].shape[:2]
+    selected = source[2][index]
+    slot = (poisoned_like((50_000,), torch.float16), torch.full((64,), -7, dtype=torch.int64),
+            torch.full((64,), -7, dtype=torch.int32))  # larger than needed, like a ring slot
+    packed, offsets, widths = decode.stage_rows(source, index, selected, channels, latent_h, *slot, backend=backend)
+    sizes = np.array([rows[i].size for i in index_list], dtype=np.int64)
+    assert offsets.tolist() == np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+    assert widths.tolist() == [rows[i].shape[-1] for i in index_list]
+    assert offsets.data_ptr() == slot[1].data_ptr() and widths.data_ptr() == slot[2].data_ptr()
+    W = width if width is not None else int(selected.max())
+    for expand_backend in runnable_backends("expand_rows_into"):
+        out = poisoned_like((len(index_list), channels, latent_h, W), torch.float32)
+        ops.expand_rows(packed, offsets, widths, torch.from_numpy(white), channels=channels, latent_h=latent_h,
+                        width=W, dtype=torch.float32, out=out, backend=expand_backend)
+        torch.testing.assert_close(out, expected_batch(rows, white, index_list, W, torch.float32), rtol=0, atol=0)
+
+
+def test_ring_grows_once_when_caches_of_different_row_sizes_alternate():
+    """Two caches (wide rows, few lines / narrow rows, many lines) and batch sizes alternating: after the
+    ring has grown to serve both, it is never reallocated again."""
+    requests = []
+    for step in range(40):
+        lines, w_max, B = ((4, 512, 16), (64, 24, 96))[step % 2]
+        widths = np.random.default_rng(step).integers(1, w_max + 1, size=B)
+        requests.append((lines * int(widths.sum()), B, lines * w_max * max(B, decode.DEFAULT_RING_ROWS)))
+    ring, allocations = None, 0
+    for elements, rows, worst in requests:
+        size = decode.ring_size(ring, elements, rows, worst)
+        if size is not None:
+            assert ring is None or (size[0] >= ring[0] and size[1] >= ring[1]), "a ring shrank"
+            ring, allocations = size, allocations + 1
+        assert elements <= ring[0] and rows <= ring[1]
+    assert allocations <= 2, f"the ring was reallocated {allocations} times"
+
+
+def test_widths_and_width_arguments_are_integers_never_truncated(small_cache):
+    cache, _ = small_cache
+    expected, _ = read_batch(cache, [0, 2], width=9)
+    got, _ = read_batch(cache, [0, 2], width=np.int64(9))  # numpy ints are ints
+    assert torch.equal(got, expected)
+    for bad in (9.0, True, "9"):
+        with pytest.raises(ValueError, match="width must be an int >= the batch's widest row"):
+            read_batch(cache, [0, 2], width=bad)
+
+    class Int64Widths:  # a cache whose widths index is int64, with one width past int32
+        def __init__(self, widths):
+            self.widths = widths
+
+        def __getattr__(self, name):
+            return getattr(cache, name)
+
+        def __len__(self):
+            return len(cache)
+
+    wide = np.asarray(cache.widths, dtype=np.int64).copy()
+    assert torch.equal(read_batch(Int64Widths(wide), [0, 2], width=9)[0], expected)
+    wide[3] = 2**32 + 1  # would be width 1 after an int32 cast
+    with pytest.raises(ValueError, match=r"cache.widths\[3\] = 4294967297 is outside \[0, 2\*\*31 - 1\]"):
+        read_batch(Int64Widths(wide), [0, 3])
+    with pytest.raises(TypeError, match="cache.widths must hold integers"):
+        read_batch(Int64Widths(wide.astype(np.float64)), [0, 3])
+
+
+def test_device_argument_is_read_like_every_device_argument(small_cache):
+    cache, _ = small_cache
+    expected, _ = read_batch(cache, [1, 0])
+    for device in ("cpu", torch.device("cpu")):
+        assert torch.equal(read_batch(cache, [1, 0], device=device)[0], expected)
+    with pytest.raises(ValueError, match="device must name a device"):
+        read_batch(cache, [0], device="gpu:0")
+    with pytest.raises(TypeError, match="device must be a str, int or torch.device"):
+        read_batch(cache, [0], device=1.5)
+    if not torch.cuda.is_available():
+        from latentfast.errors import DeviceUnavailableError
+
+        for device in ("cuda", 0, "cuda:1"):
+            with pytest.raises(DeviceUnavailableError, match="CUDA is not available here"):
+                read_batch(cache, [0], device=device)
+
+
 @pytest.mark.gpu
 def test_read_batch_cuda_matches_cpu(tmp_path):
     if not torch.cuda.is_available():
@@ -346,3 +438,40 @@ def test_read_batch_every_backend_checks_indices(small_cache, backend):
     for bad in (6, -2):
         with pytest.raises(IndexError, match=rf"indices\[1\] = {bad} is out of range"):
             read_batch(cache, np.array([5, bad, 1]), backend=backend)
+
+
+@pytest.mark.gpu
+def test_read_batch_on_another_device_runs_there(tmp_path):
+    """From a process whose current device is cuda:0, read_batch(device="cuda:1") copies and expands
+    on cuda:1 (its streams), leaves the current device alone and gives the CPU path's bytes."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    rng = np.random.default_rng(12)
+    rows, widths = random_rows(rng, 64, 4, 4, 40)
+    cache = write_cache(str(tmp_path), rows, widths, w_max=40, layout="ragged", white=np.ones((4, 4, 1)))
+    torch.cuda.set_device(0)
+    for step in range(8):
+        indices = rng.integers(0, 64, size=9 + step)
+        expected, _ = read_batch(cache, indices, dtype=torch.bfloat16)
+        got, _ = read_batch(cache, indices, device="cuda:1", dtype=torch.bfloat16)
+        assert got.device == torch.device("cuda", 1) and torch.cuda.current_device() == 0
+        torch.cuda.synchronize(1)  # only cuda:1's work is waited for: a launch on cuda:0 would race here
+        assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.gpu
+def test_ring_is_not_reallocated_when_caches_alternate_on_cuda(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(13)
+    caches = []
+    for k, (channels, latent_h, w_max) in enumerate(((2, 2, 200), (8, 8, 12))):
+        rows, widths = random_rows(rng, 50, channels, latent_h, w_max)
+        caches.append(write_cache(str(tmp_path / str(k)), rows, widths, w_max=w_max, white=np.zeros((channels, latent_h, 1))))
+    rings = set()
+    for step in range(12):
+        cache = caches[step % 2]
+        got, _ = read_batch(cache, np.arange(10 + step), device="cuda")
+        assert torch.equal(got.cpu(), read_batch(cache, np.arange(10 + step))[0])
+        rings.add(id(decode._RINGS[(os.getpid(), str(torch.device("cuda", torch.cuda.current_device())))]))
+    assert len(rings) <= 2

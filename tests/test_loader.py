@@ -101,6 +101,33 @@ def test_sampler_argument_errors():
         WidthBucketBatchSampler([1, 2], 1, rank=2, world_size=2)
     with pytest.raises(ValueError, match="widths must be 1-D"):
         WidthBucketBatchSampler([[1, 2]], 1)
+    with pytest.raises(TypeError, match="widths must be integers"):
+        WidthBucketBatchSampler([1.5, 2.0], 1)
+    for bad in (2.0, True, "2"):
+        with pytest.raises(TypeError, match="batch_size must be an int >= 1"):
+            WidthBucketBatchSampler([1, 2], bad)
+
+
+def test_sampler_takes_numpy_ints():
+    widths = widths_for(300)
+    plain = list(WidthBucketBatchSampler(widths, 16, seed=2, rank=1, world_size=3, bucket_batches=2))
+    numpy_args = WidthBucketBatchSampler(widths, np.int64(16), seed=np.int32(2), rank=np.int64(1),
+                                         world_size=np.uint8(3), bucket_batches=np.int16(2))
+    assert list(numpy_args) == plain
+    assert all(type(getattr(numpy_args, name)) is int for name in ("batch_size", "seed", "rank", "world_size"))
+
+
+def test_sampler_upcoming_peeks_without_consuming():
+    sampler = WidthBucketBatchSampler(widths_for(400), 16, seed=8, bucket_batches=2)
+    expected = list(WidthBucketBatchSampler(widths_for(400), 16, seed=8, bucket_batches=2))
+    assert sampler.upcoming(3) == expected[:3] and sampler.consumed == 0
+    iterator = iter(sampler)
+    for step in range(len(expected)):
+        assert next(iterator) == expected[step]
+        assert sampler.upcoming(2) == expected[step + 1 : step + 3]
+        assert sampler.consumed == step + 1
+    sampler.set_epoch(1)
+    assert sampler.upcoming(1) == [next(iter(sampler))]
 
 
 @pytest.fixture
@@ -135,6 +162,17 @@ def test_batch_dataset_returns_read_batch(disk_cache):
     expected, expected_widths = read_batch(disk_cache, [7, 3, 7], dtype=torch.bfloat16)
     assert torch.equal(latents, expected) and torch.equal(widths, expected_widths)
     assert index.tolist() == [7, 3, 7]
+    for indices in (np.array([7, 3, 7], dtype=np.uint16), torch.tensor([7, 3, 7], dtype=torch.int32)):
+        assert torch.equal(dataset[indices][0], expected)
+
+
+def test_batch_dataset_refuses_non_integer_indices(disk_cache):
+    dataset = CacheBatchDataset(disk_cache)
+    for bad in ([0.9, 2.7], np.array([1.0, 2.0]), torch.tensor([0.0, 1.0])):
+        with pytest.raises(TypeError, match="indices must be a 1-D sequence of ints"):
+            dataset[bad]
+    with pytest.raises(IndexError, match=r"indices\[1\] = 90 is out of range"):
+        dataset[[0, 90]]
 
 
 @pytest.mark.slow
@@ -150,13 +188,89 @@ def test_dataloader_workers_match_single_process(disk_cache, context):
     assert sorted(i for _, _, index in single for i in index.tolist()) == list(range(len(disk_cache)))
 
 
-def test_prefetcher_passes_through_on_cpu(disk_cache):
+@pytest.mark.parametrize("lookahead", [0, 1, 2, 5])
+def test_prefetcher_on_cpu_gives_every_batch_in_order(disk_cache, lookahead):
     loader = batch_loader(disk_cache, WidthBucketBatchSampler(disk_cache.widths, 16, seed=2))
     direct = list(loader)
-    prefetched = list(DevicePrefetcher(loader, "cpu"))
+    prefetched = list(DevicePrefetcher(loader, "cpu", lookahead=lookahead))
     assert len(prefetched) == len(direct) == len(DevicePrefetcher(loader, "cpu"))
     for a, b in zip(direct, prefetched):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_prefetcher_reads_ahead_in_a_thread():
+    """While the loop holds batch 0, the next `lookahead` batches are produced (in another thread);
+    never more."""
+    produced, threads = [], set()
+    import threading
+    import time
+
+    def source():
+        for k in range(10):
+            produced.append(k)
+            threads.add(threading.get_ident())
+            yield {"k": torch.tensor([k]), "name": f"b{k}"}
+
+    iterator = iter(DevicePrefetcher(source(), "cpu", lookahead=3))
+    first = next(iterator)
+    deadline = time.monotonic() + 10
+    while len(produced) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert first["k"].item() == 0 and first["name"] == "b0"
+    assert produced == [0, 1, 2, 3, 4], "expected batch 0 handed out, 1-3 queued and 4 waiting for room"
+    assert threading.get_ident() not in threads
+    assert [b["k"].item() for b in iterator] == list(range(1, 10))
+
+
+def test_prefetcher_raises_the_sources_error_and_stops_early():
+    import threading
+
+    def failing():
+        yield torch.zeros(1)
+        raise OSError("disk gone")
+
+    iterator = iter(DevicePrefetcher(failing(), "cpu"))
+    assert next(iterator).shape == (1,)
+    with pytest.raises(OSError, match="disk gone"):
+        next(iterator)
+    before = threading.active_count()
+    endless = iter(DevicePrefetcher((torch.zeros(1) for _ in iter(int, 1)), "cpu", lookahead=2))
+    next(endless)
+    endless.close()  # the loop breaks out: the producer must stop, not run forever
+    import time
+
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= before
+
+
+def test_prefetcher_arguments():
+    with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
+        DevicePrefetcher([], "cpu", lookahead=-1)
+    with pytest.raises(ValueError, match="device must name a device"):
+        DevicePrefetcher([], "gpu")
+    assert DevicePrefetcher([], np.int64(0) if torch.cuda.is_available() else "cpu").device.type in ("cpu", "cuda")
+
+
+@pytest.mark.gpu
+def test_prefetcher_waits_for_the_stream_that_made_a_cuda_batch():
+    """Batches made on the producing thread's current stream (a side stream here, busy with a long
+    kernel first): the prefetcher's copy and the loop see the finished values."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    producer = torch.cuda.Stream()
+
+    def batches():
+        for k in range(6):
+            with torch.cuda.stream(producer):
+                torch.cuda._sleep(50_000_000)  # keeps `producer` busy, so a copy that does not wait reads garbage
+                yield torch.full((1 << 20,), float(k), device="cuda")
+
+    for lookahead in (0, 2):
+        for k, batch in enumerate(DevicePrefetcher(batches(), "cuda", lookahead=lookahead)):
+            assert bool((batch == k).all())
 
 
 @pytest.mark.gpu

@@ -109,7 +109,7 @@ def _read_batch_cpu(cache, source, indices, dtype, width, out, backend, cold):
         white = white.to(torch.float16).contiguous()
     state = _cold_reads(cache, cold, source[0])
     if state is not None:
-        state.before_copy(index_np, always=cold is True)
+        state.before_copy(cache.row_starts, index_np, always=cold is True)
     start = time.perf_counter()
     _kernel("gather_rows_into", "cpu", backend)(source[0], source[1], source[2], int(source[3]), index, white, out)
     if state is not None:
@@ -126,7 +126,7 @@ def _read_batch_cuda(cache, source, indices, device, dtype, width, out, backend,
     ring = _ring_for(device, lines * int(selected_np.sum()), B, lines * int(cache.w_max) * max(B, DEFAULT_RING_ROWS))
     state = _cold_reads(cache, cold, source[0])
     if state is not None:
-        state.before_copy(index.numpy(), always=cold is True)
+        state.before_copy(cache.row_starts, index.numpy(), always=cold is True)
     packed, offsets, widths = ring.stage_and_copy(source, index, torch.from_numpy(selected_np), cache.channels,
                                                    cache.latent_h, backend, state)
     latents = ops.expand_rows(

@@ -75,11 +75,13 @@ def row_spans(row_starts: np.ndarray, index: np.ndarray, element_bytes: int = EL
     ``row_starts[i + 1]``), widened to whole pages, sorted, overlapping or touching spans merged, and
     cut into pieces of at most :data:`CHUNK_BYTES`. ``index`` must already be in range."""
     index = np.asarray(index, dtype=np.int64)
-    if index.size == 0:
+    first_byte, end_byte = row_starts[index] * element_bytes, row_starts[index + 1] * element_bytes
+    nonempty = end_byte > first_byte
+    if not nonempty.any():
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty
-    starts = row_starts[index] * element_bytes // PAGE * PAGE
-    ends = -(-row_starts[index + 1] * element_bytes // PAGE) * PAGE
+    starts = first_byte[nonempty] // PAGE * PAGE
+    ends = -(-end_byte[nonempty] // PAGE) * PAGE
     order = np.argsort(starts, kind="stable")
     starts, ends = starts[order], np.maximum.accumulate(ends[order])
     # a span starts a new group unless it begins at or before the furthest end so far
@@ -88,8 +90,6 @@ def row_spans(row_starts: np.ndarray, index: np.ndarray, element_bytes: int = EL
     group_starts = starts[first]
     group_ends = np.append(ends[np.flatnonzero(first)[1:] - 1], ends[-1])
     lengths = group_ends - group_starts
-    keep = lengths > 0
-    group_starts, lengths = group_starts[keep], lengths[keep]
     pieces = -(-lengths // CHUNK_BYTES)
     if int(pieces.max(initial=1)) == 1:
         return group_starts, lengths
@@ -197,7 +197,9 @@ class DataFile:
         return min(self.size, self.cached_pages(0, self.size) * PAGE)
 
     def evict(self) -> None:
-        """Drop the file's clean pages from the page cache (pages a process still maps stay)."""
+        """Write the file's dirty pages back, then drop its pages from the page cache (pages that a
+        process maps and has touched stay)."""
+        os.fsync(self.fd)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
@@ -268,21 +270,20 @@ class ColdReads:
     """Whether read_batch should bring a cache's batch in with parallel I/O before copying it (one
     per cache per process; see the module docstring)."""
 
-    def __init__(self, file: DataFile, row_starts: np.ndarray):
-        self.file, self.row_starts = file, row_starts
+    def __init__(self, file: DataFile):
+        self.file = file  # (the cache's row_starts are passed in: holding them would keep the memo alive)
         self.hot = False  # start by checking: the first batches say whether the file is in RAM
         self.streak = 0  # consecutive batches found fully resident
         self.advised_map = None  # address of the memory map last marked MADV_RANDOM
 
-    def before_copy(self, index: np.ndarray, always: bool) -> None:
-        """Advise the pages of rows ``index`` that are not resident (all of them when ``always``).
-        Indices out of range are left to the copy, which reports them."""
+    def before_copy(self, row_starts: np.ndarray, index: np.ndarray, always: bool) -> None:
+        """Advise the pages of rows ``index`` (element offsets ``row_starts``) that are not resident
+        (all of them when ``always``). Indices out of range are left to the copy, which reports them."""
         if self.hot and not always:
             return
-        n = self.row_starts.size - 1
-        if index.size == 0 or int(index.min()) < 0 or int(index.max()) >= n:
+        if index.size == 0 or int(index.min()) < 0 or int(index.max()) >= len(row_starts) - 1:
             return
-        offsets, lengths = row_spans(self.row_starts, index)
+        offsets, lengths = row_spans(np.asarray(row_starts, dtype=np.int64), index)
         if always:
             self.file.advise(offsets, lengths)
             return
@@ -315,7 +316,7 @@ def cold_reads(cache) -> ColdReads | None:
         return entry[1]
     state = None
     if hasattr(cache, "cache_dir") and hasattr(cache, "split"):
-        state = ColdReads(_data_file(data_path(cache)), np.asarray(row_starts, dtype=np.int64))
+        state = ColdReads(_data_file(data_path(cache)))
 
     def forget(ref, key=key, states=_states):  # bound now: module globals are gone at interpreter exit
         if states.get(key, (None,))[0] is ref:
@@ -384,7 +385,7 @@ def prefetch(cache, indices) -> None:
     state = cold_reads(cache)
     if state is None or index.size == 0:
         return
-    offsets, lengths = row_spans(state.row_starts, index)
+    offsets, lengths = row_spans(np.asarray(cache.row_starts, dtype=np.int64), index)
     _background().jobs.put((state.file, offsets, lengths))
 
 
