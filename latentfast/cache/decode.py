@@ -26,7 +26,6 @@ pitch)`` (see :class:`latentfast.cache.reader.LatentCache`); with ``row_starts``
 """
 from __future__ import annotations
 
-import operator
 import os
 import threading
 import time
@@ -35,7 +34,7 @@ import warnings
 import numpy as np
 import torch
 
-from .. import backends, ops
+from .. import ops
 from ..devices import as_device
 from ..errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
 from . import prefetch
@@ -111,7 +110,8 @@ def _read_batch_cpu(cache, source, indices, dtype, width, out, backend, cold):
     if state is not None:
         state.before_copy(cache.row_starts, index_np, always=cold is True)
     start = time.perf_counter()
-    _kernel("gather_rows_into", "cpu", backend)(source[0], source[1], source[2], int(source[3]), index, white, out)
+    torch.ops.latentfast.gather_rows_into.default(source[0], source[1], source[2], int(source[3]), index, white, out,
+                                                  backend)
     if state is not None:
         state.after_copy(time.perf_counter() - start, lambda: int(selected_np.sum()) * channels * latent_h * 2)
     return out, torch.from_numpy(selected_np)
@@ -185,34 +185,14 @@ def _selected_widths(widths, index_np: np.ndarray, clip: bool) -> np.ndarray:
 
 
 def _checked_width(white, selected_np, width) -> int:
-    """W of the batch: ``width`` (an int, checked against the widest selected row) or that row's
-    width; and the white column must exist if any row is narrower."""
-    widest = int(selected_np.max()) if selected_np.size else 0
-    if width is None:
-        W = widest
-    else:
-        try:
-            W = operator.index(width) if not isinstance(width, bool) else None
-        except TypeError:
-            W = None
-        if W is None or W < widest:
-            raise InvalidArgumentError(f"width must be an int >= the batch's widest row ({widest}), got {width!r}")
+    """W of the batch (:func:`latentfast.ops.batch_width`); the white column must exist if any row is
+    narrower than W."""
+    W = ops.batch_width(selected_np, width)
     if white is None and bool((selected_np < W).any()):
         raise InvalidArgumentError(
             "this batch needs padding but the cache has no white column; pass white_column= when opening the cache"
         )
     return W
-
-
-_KERNELS: dict[tuple, object] = {}
-
-
-def _kernel(op: str, device_type: str, backend: str):
-    """backends.kernel, memoized per (op, device, backend, LATENTFAST_BACKEND): it runs every batch."""
-    key = (op, device_type, backend, os.environ.get("LATENTFAST_BACKEND"))
-    if key not in _KERNELS:
-        _KERNELS[key] = backends.kernel(op, device_type, backend)[0]
-    return _KERNELS[key]
 
 
 # ---- pinned staging for the CUDA target ------------------------------------------------------------

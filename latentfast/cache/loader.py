@@ -14,7 +14,6 @@ neither the disk nor the copy waits on the training step.
 """
 from __future__ import annotations
 
-import operator
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -65,7 +64,7 @@ class WidthBucketBatchSampler(Sampler[list[int]]):
         values = {}
         for name, value, low in (("batch_size", batch_size, 1), ("world_size", world_size, 1),
                                  ("bucket_batches", bucket_batches, 1), ("rank", rank, 0), ("seed", seed, 0)):
-            values[name] = _as_int(name, value, low)
+            values[name] = ops.as_int(name, value, minimum=low)
         if values["rank"] >= values["world_size"]:
             raise InvalidArgumentError(f"rank must be < world_size={values['world_size']}, got {values['rank']}")
         self.batch_size, self.seed, self.rank = values["batch_size"], values["seed"], values["rank"]
@@ -115,7 +114,7 @@ class WidthBucketBatchSampler(Sampler[list[int]]):
     def upcoming(self, count: int) -> list[list[int]]:
         """The next ``count`` (or fewer, at the epoch's end) batches the iteration will hand out,
         without handing them out (``consumed`` is unchanged)."""
-        count = _as_int("count", count, 0)
+        count = ops.as_int("count", count, minimum=0)
         if self._epoch_batches is None:
             self._epoch_batches = self.rank_batches()
         return self._epoch_batches[self.consumed : self.consumed + count]
@@ -126,7 +125,7 @@ class WidthBucketBatchSampler(Sampler[list[int]]):
         return per_rank
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = _as_int("epoch", epoch, 0)
+        self.epoch = ops.as_int("epoch", epoch, minimum=0)
         self.consumed = 0
         self._epoch_batches = None
 
@@ -142,16 +141,6 @@ class WidthBucketBatchSampler(Sampler[list[int]]):
                 raise InvalidArgumentError(f"state_dict was saved with {key}={state[key]}, this sampler has {getattr(self, key)}")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         self._epoch_batches = None
-
-
-def _as_int(name: str, value, low: int) -> int:
-    """``value`` as an int >= ``low``; numpy and other integer types are accepted, bools and floats not."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ArgumentTypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
-    value = operator.index(value)
-    if value < low:
-        raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value}")
-    return value
 
 
 class CacheBatchDataset(Dataset):
@@ -205,7 +194,7 @@ def collate(items: Sequence[torch.Tensor], white_column: torch.Tensor, *, dtype:
             raise InvalidArgumentError(f"item {k} has shape {tuple(item.shape)}, expected [{channels}, {latent_h}, w]")
     widths = torch.tensor([item.shape[-1] for item in items], dtype=torch.int32)
     widest = int(widths.max())
-    W = widest if width is None else _as_int("width", width, 0)
+    W = widest if width is None else ops.as_int("width", width, minimum=0)
     if W < widest:
         raise InvalidArgumentError(f"width must be >= the widest item ({widest}), got {width}")
     if tuple(white_column.shape) not in ((channels, latent_h, 1), (channels, latent_h)):

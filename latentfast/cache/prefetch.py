@@ -50,7 +50,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import InvalidArgumentError
 from . import format as fmt
 
 ELEMENT_BYTES = 2  # float16
@@ -398,12 +398,9 @@ def wait_for_prefetches() -> None:
 
 # ---- lookahead -----------------------------------------------------------------------------------
 def _check_lookahead(lookahead) -> int:
-    if isinstance(lookahead, bool) or not hasattr(lookahead, "__index__"):
-        raise ArgumentTypeError(f"lookahead must be an int >= 0, got {type(lookahead).__name__}")
-    lookahead = lookahead.__index__()
-    if lookahead < 0:
-        raise InvalidArgumentError(f"lookahead must be an int >= 0, got {lookahead}")
-    return lookahead
+    from .. import ops
+
+    return ops.as_int("lookahead", lookahead, minimum=0)
 
 
 class LookaheadSampler:
