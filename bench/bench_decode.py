@@ -1,104 +1,138 @@
-"""Batch decode benchmark: random batches of 64 rows from a page-cache-hot cache (>= 128 MB).
+"""Batch decode benchmark: batches of 64 random rows, with the page cache hot and with it cold.
 
-Providers, side by side in one run (useful bytes = the real columns of the batch's rows, float16):
-  seed        the specification's path: per-row memmap slice copy + torch.from_numpy, pad each row
-              with the white column, stack
-  numpy       numpy fancy indexing of the memmap ``mm[idx, :, :, :W]`` + white fill with np.where
-  tensordict  tensordict.MemoryMappedTensor indexing + white fill with torch.where (``[bench]`` extra)
-  latentfast  read_batch (compiled gather, padded layout; and the ragged layout)
-  memcpy      one contiguous copy of the same number of bytes out of the same hot memmap (the ceiling)
+Hot section -- caches of 128 MiB (32 in --quick) read once before timing, so the page cache holds
+them. Every provider allocates its output each batch (like for like); GB/s counts useful bytes (the
+rows' real columns, float16). Providers:
+  per-row reader   the specification's path: per-row memmap slice copy + torch.from_numpy, pad each
+                   row with the white column, stack (the baseline)
+  numpy fancy      vectorised numpy: ``mm[idx, :, :, :W]`` of the memmap + white fill with np.where (the
+                   strongest baseline a user would write)
+  tensordict       tensordict.MemoryMappedTensor indexing + white fill with torch.where ([bench] extra)
+  latentfast       read_batch on the padded and on the ragged layout
+  memcpy           one contiguous copy of as many bytes (64 MiB, and batch-sized) out of the same memmap
+                   into a reused buffer: the ceilings; "% of memcpy" uses the faster (stricter) one
 
-Run:  python bench/bench_decode.py [--quick]          (prints the table, ratios side by side)
-      pytest bench/bench_decode.py --benchmark-enable (pytest-benchmark, one test per provider)
+Cold section -- caches >= 1 GiB on disk (256 MiB in --quick), both layouts, padded rows of 8 KiB and
+64 KiB. Before every timed batch every map of the data file is closed, the file is evicted
+(fsync + posix_fadvise DONTNEED) and its resident bytes are measured (cachestat/mincore) and printed.
+Providers: the per-row reader and numpy fancy indexing (each on a fresh np.memmap), per-item
+safetensors files (what most trainers read today; one file per row of the timed batches, evicted
+too), latentfast with the cold path off (pages fault in; MADV_RANDOM), latentfast as shipped
+(read_batch, cold="auto"), and the parallel-pread ceiling (ops.read_spans: the batch's page-aligned
+row spans read by 16 and by 64 pread workers into one buffer; the faster counts). Then a training
+loop with a simulated 20 ms step (time.sleep: the host waits, as for a GPU step) reads from an
+evicted cache with lookahead (the README's loop) and without, and reports how long each step waited
+for its batch.
+
+Run:  python bench/bench_decode.py [--quick] [--hot-only | --cold-only]
+      pytest bench/bench_decode.py --benchmark-enable (pytest-benchmark, hot, one test per provider)
 The lead's ``latentfast bench`` calls ``run_report(quick)``.
 """
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
 import torch
 
-from latentfast.cache import LatentCache, cache_path
+from latentfast import ops
+from latentfast.cache import LatentCache, WidthBucketBatchSampler, cache_path
+from latentfast.cache import prefetch as pf
 from latentfast.cache.decode import read_batch
-from latentfast.testing import write_cache  # caches of arbitrary rows, shared with the tests
+from latentfast.cache.loader import DevicePrefetcher
+from latentfast.testing import write_random_cache
 
 BATCH = 64
-
-
 GEOMETRIES = [(16, 8, 256), (4, 8, 128)]  # (C, h, w_max): 64 KiB and 8 KiB padded rows
+MIN_WIDTH_SHARE = 5  # real widths uniform in [w_max / 5, w_max]: 20-100% of the padded row
+STEP_S = 0.020  # the simulated training step of the lookahead loop
+HOT_NAMES = {"seed": "per-row reader", "numpy": "numpy fancy", "tensordict": "tensordict",
+             "latentfast": "latentfast padded", "latentfast-ragged": "latentfast ragged",
+             "memcpy-64MiB": "memcpy 64 MiB", "memcpy-batch": "memcpy batch-sized"}
 
 
-def build_caches(directory: str, n_rows: int, geometry=GEOMETRIES[0], seed: int = 0) -> dict[str, LatentCache]:
-    """Padded and ragged caches of the same ``n_rows`` random rows, widths uniform in [20%, 100%] of w_max."""
+def geometry_tag(geometry) -> str:
     channels, latent_h, w_max = geometry
-    rng = np.random.default_rng(seed)
-    widths = rng.integers(w_max // 5, w_max + 1, size=n_rows).astype(np.int32)
-    rows = [rng.standard_normal((channels, latent_h, int(w)), dtype=np.float32).astype(np.float16) for w in widths]
-    white = rng.standard_normal((channels, latent_h, 1)).astype(np.float16)
-    caches = {layout: write_cache(os.path.join(directory, layout), rows, widths, w_max=w_max, layout=layout,
-                                  white=white) for layout in ("padded", "ragged")}
-    for cache in caches.values():  # page-cache hot: touch every byte once
-        cache.gather_source()[0].sum(dtype=torch.float32)
-    return caches
+    return f"C{channels} h{latent_h} w{w_max} ({channels * latent_h * w_max * 2 // 1024} KiB rows)"
 
 
-def seed_path(mm: np.memmap, widths: np.ndarray, white: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
-    rows = [torch.from_numpy(np.asarray(mm[i, :, :, : widths[i]]).copy()) for i in indices]
+def data_file(folder: str) -> str:
+    return cache_path(folder, "train", "data")
+
+
+# ---- the providers, hot and cold ---------------------------------------------------------------------
+def open_memmap(folder: str) -> dict:
+    """What the baselines read: the data file as a memmap (padded [N, C, h, w_max] or flat), widths, white."""
+    cache = LatentCache(folder)  # reads the small index files only
+    if cache.layout == "padded":
+        shape = (len(cache), cache.channels, cache.latent_h, cache.w_max)
+    else:
+        shape = (int(cache.row_starts[-1]),)
+    mm = np.memmap(data_file(folder), dtype=np.float16, mode="r", shape=shape)
+    return {"mm": mm, "widths": cache.widths, "white": cache.white_column, "row_starts": cache.row_starts,
+            "lines": (cache.channels, cache.latent_h), "layout": cache.layout}
+
+
+def row_of(state: dict, i: int) -> np.ndarray:
+    w = int(state["widths"][i])
+    if state["layout"] == "padded":
+        return state["mm"][i, :, :, :w]
+    start = int(state["row_starts"][i])
+    return state["mm"][start : start + state["lines"][0] * state["lines"][1] * w].reshape(*state["lines"], w)
+
+
+def pad_and_stack(rows: list[torch.Tensor], white: torch.Tensor) -> torch.Tensor:
     W = max(row.shape[-1] for row in rows)
     return torch.stack([torch.cat([row, white.expand(-1, -1, W - row.shape[-1])], dim=-1) for row in rows])
 
 
-def numpy_path(mm: np.memmap, widths: np.ndarray, white: np.ndarray, indices: np.ndarray) -> torch.Tensor:
-    selected = widths[indices]
+def per_row_reader(state: dict, indices: np.ndarray) -> torch.Tensor:
+    """The specification's path: copy each row out of the memmap, pad it with the white column, stack."""
+    return pad_and_stack([torch.from_numpy(np.asarray(row_of(state, int(i))).copy()) for i in indices], state["white"])
+
+
+def numpy_fancy(state: dict, indices: np.ndarray) -> torch.Tensor:
+    """Vectorised numpy over the padded memmap: one fancy-indexing read, one np.where for the padding."""
+    selected = state["widths"][indices]
     W = int(selected.max())
-    batch = mm[indices, :, :, :W]
+    batch = state["mm"][indices, :, :, :W]
     real = np.arange(W)[None, None, None, :] < selected[:, None, None, None]
-    return torch.from_numpy(np.where(real, batch, white[None]))
+    return torch.from_numpy(np.where(real, batch, state["white"].numpy()[None]))
 
 
-def tensordict_path(mmt, widths: torch.Tensor, white: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    selected = widths[indices]
-    W = int(selected.max())
-    batch = mmt[indices][..., :W]
-    real = torch.arange(W)[None, None, None, :] < selected[:, None, None, None]
-    return torch.where(real, batch, white[None])
-
-
-def providers(caches: dict[str, LatentCache]) -> dict:
-    """name -> function(indices as int64 numpy array) -> padded batch."""
-    padded = caches["padded"]
-    shape = (len(padded), padded.channels, padded.latent_h, padded.w_max)
-    mm = np.memmap(cache_path(padded.cache_dir, padded.split, "data"), dtype=np.float16, mode="r", shape=shape)
-    widths, white = padded.widths, padded.white_column
-    found = {
-        "seed": lambda idx: seed_path(mm, widths, white, idx),
-        "numpy": lambda idx: numpy_path(mm, widths, white.numpy(), idx),
-    }
+def tensordict_reader(folder: str):
+    """tensordict.MemoryMappedTensor indexing + white fill with torch.where, or None without tensordict."""
     try:
         from tensordict import MemoryMappedTensor
-
-        mmt = MemoryMappedTensor.from_filename(cache_path(padded.cache_dir, padded.split, "data"), dtype=torch.float16, shape=torch.Size(shape))
-        widths_t = torch.from_numpy(widths)
-        found["tensordict"] = lambda idx: tensordict_path(mmt, widths_t, white, torch.from_numpy(idx))
     except ImportError:  # the [bench] extra is not installed
-        pass
-    found["latentfast"] = lambda idx: read_batch(padded, idx)[0]
-    found["latentfast-ragged"] = lambda idx: read_batch(caches["ragged"], idx)[0]
-    return found
+        return None
+    cache = LatentCache(folder)
+    shape = torch.Size((len(cache), cache.channels, cache.latent_h, cache.w_max))
+    mmt = MemoryMappedTensor.from_filename(data_file(folder), dtype=torch.float16, shape=shape)
+    widths, white = torch.from_numpy(cache.widths), cache.white_column
+
+    def read(indices):
+        selected = widths[torch.from_numpy(indices)]
+        W = int(selected.max())
+        batch = mmt[torch.from_numpy(indices)][..., :W]
+        return torch.where(torch.arange(W)[None, None, None, :] < selected[:, None, None, None], batch, white[None])
+
+    return read
 
 
-def useful_bytes(cache: LatentCache, indices: np.ndarray) -> int:
-    return int(cache.widths[indices].sum()) * cache.channels * cache.latent_h * 2
+def useful_bytes(widths: np.ndarray, lines: int, indices: np.ndarray) -> int:
+    return int(widths[indices].sum()) * lines * 2
 
 
-def memcpy_fn(cache: LatentCache, nbytes: int, rng: np.random.Generator):
-    """Contiguous copies of ``nbytes`` from random places of the same hot memmap into one buffer."""
-    data = cache.gather_source()[0]
+# ---- hot ---------------------------------------------------------------------------------------------
+def memcpy_fn(data: torch.Tensor, nbytes: int, rng: np.random.Generator):
+    """Contiguous copies of ``nbytes`` from random places of the same hot memmap into one reused buffer."""
     n = min(nbytes // 2, data.numel())
     dst = torch.empty(n, dtype=torch.float16)
     starts = rng.integers(0, data.numel() - n + 1, size=64)
@@ -111,6 +145,19 @@ def memcpy_fn(cache: LatentCache, nbytes: int, rng: np.random.Generator):
         return dst
 
     return copy
+
+
+def hot_providers(folders: dict) -> dict:
+    """name -> function(int64 indices) -> padded batch, every one reading page-cache-hot files."""
+    padded = open_memmap(folders["padded"])
+    caches = {layout: LatentCache(folder) for layout, folder in folders.items()}
+    found = {"seed": lambda idx: per_row_reader(padded, idx), "numpy": lambda idx: numpy_fancy(padded, idx)}
+    td = tensordict_reader(folders["padded"])
+    if td is not None:
+        found["tensordict"] = td
+    found["latentfast"] = lambda idx: read_batch(caches["padded"], idx)[0]
+    found["latentfast-ragged"] = lambda idx: read_batch(caches["ragged"], idx)[0]
+    return found
 
 
 def time_per_batch(fn, batches, repeats: int) -> float:
@@ -127,28 +174,9 @@ def time_per_batch(fn, batches, repeats: int) -> float:
     return min(samples)
 
 
-def cold_seconds(cache: LatentCache, fn, batches) -> float | None:
-    """Mean seconds per batch right after the data file was evicted from the page cache
-    (posix_fadvise DONTNEED; None where the OS lacks it)."""
-    if not hasattr(os, "posix_fadvise"):
-        return None
-    total = 0.0
-    for idx in batches:
-        fd = os.open(cache_path(cache.cache_dir, cache.split, "data"), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        start = time.perf_counter()
-        fn(idx)
-        total += time.perf_counter() - start
-    return total / len(batches)
-
-
 def python_progress_while(fn, batches, seconds: float = 0.3) -> float:
     """Share of its idle pace that a pure-Python loop keeps while another thread decodes batches with
     ``fn`` (about 1 when ``fn`` releases the GIL and a core is free, far below when it holds it)."""
-    import threading
 
     def count_for(duration):
         n, end = 0, time.perf_counter() + duration
@@ -200,105 +228,375 @@ def measure_cuda(padded: LatentCache, batches, mean_useful: float, repeats: int)
                    "share_of_pinned_h2d": seconds["pinned-h2d"] / s} for name, s in seconds.items()}
 
 
-def measure_geometry(geometry, cache_bytes: int, n_batches: int, repeats: int, thread_counts) -> dict:
+def measure_hot(geometry, cache_bytes: int, n_batches: int, repeats: int, thread_counts, root: str) -> dict:
     channels, latent_h, w_max = geometry
     n_rows = cache_bytes // (channels * latent_h * w_max * 2)
+    folders = write_random_cache(os.path.join(root, "hot"), n_rows, channels, latent_h, w_max,
+                                 min_width=w_max // MIN_WIDTH_SHARE)
     rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory(prefix="latentfast-bench-decode-") as directory:
-        caches = build_caches(directory, n_rows, geometry)
-        padded = caches["padded"]
-        batches = [rng.integers(0, n_rows, size=BATCH) for _ in range(n_batches)]
-        mean_useful = statistics.mean(useful_bytes(padded, idx) for idx in batches)
-        found = providers(caches)
-        expected = found["seed"](batches[0])
-        for name, fn in found.items():  # every provider must return the same batch
-            assert torch.equal(fn(batches[0]), expected), f"provider {name} disagrees with the seed path"
-        # the machine's copy bandwidth (a 64 MiB block, as "memcpy" in the issue) and a batch-sized copy
-        # (destination cache-hot, a stricter ceiling)
-        found["memcpy-64MiB"] = memcpy_fn(padded, 64 * 2**20, rng)
-        found["memcpy-batch"] = memcpy_fn(padded, int(mean_useful), rng)
-        default_threads = torch.get_num_threads()
-        seconds = {}
-        for threads in thread_counts:
-            torch.set_num_threads(threads)
-            seconds[threads] = {}
-            for name, fn in found.items():
-                per = 64 * 2**20 if name == "memcpy-64MiB" else mean_useful
-                seconds[threads][name] = time_per_batch(fn, batches, repeats) * mean_useful / per
-        torch.set_num_threads(default_threads)
-        cold = {name: cold_seconds(padded, found[name], batches[:4]) for name in ("seed", "latentfast")}
-        cuda = measure_cuda(padded, batches, mean_useful, repeats) if torch.cuda.is_available() else None
-        torch.set_num_threads(1)  # one decode thread, so a free core is left for the Python loop
-        gil = {name: python_progress_while(found[name], batches) for name in ("seed", "latentfast")}
-        torch.set_num_threads(default_threads)
+    found = hot_providers(folders)
+    padded = LatentCache(folders["padded"])
+    data = padded.gather_source()[0]
+    data.sum(dtype=torch.float32)  # page-cache hot: every byte read once
+    LatentCache(folders["ragged"]).gather_source()[0].sum(dtype=torch.float32)
+    batches = [rng.integers(0, n_rows, size=BATCH) for _ in range(n_batches)]
+    mean_useful = statistics.mean(useful_bytes(padded.widths, channels * latent_h, idx) for idx in batches)
+    expected = found["seed"](batches[0])
+    for name, fn in found.items():  # every provider must return the same batch
+        assert torch.equal(fn(batches[0]), expected), f"provider {name} disagrees with the per-row reader"
+    found["memcpy-64MiB"] = memcpy_fn(data, 64 * 2**20, rng)
+    found["memcpy-batch"] = memcpy_fn(data, int(mean_useful), rng)
+    default_threads = torch.get_num_threads()
+    seconds = {}
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        seconds[threads] = {}
+        for name, fn in found.items():
+            per = 64 * 2**20 if name == "memcpy-64MiB" else mean_useful
+            seconds[threads][name] = time_per_batch(fn, batches, repeats) * mean_useful / per
+    torch.set_num_threads(default_threads)
+    cuda = measure_cuda(padded, batches, mean_useful, repeats) if torch.cuda.is_available() else None
+    torch.set_num_threads(1)  # one decode thread, so a free core is left for the Python loop
+    gil = {HOT_NAMES[name]: python_progress_while(found[name], batches) for name in ("seed", "latentfast")}
+    torch.set_num_threads(default_threads)
     return {"python_progress_while_decoding": gil, "cuda": cuda,
             "geometry": {"channels": channels, "latent_h": latent_h, "w_max": w_max}, "rows": n_rows,
             "cache_mib": n_rows * channels * latent_h * w_max * 2 / 2**20, "useful_bytes_per_batch": mean_useful,
-            "seconds_per_batch": seconds, "cold_seconds_per_batch": cold}
+            "seconds_per_batch": seconds}
 
 
-def run_report(quick: bool = False) -> dict:
-    """Measure every provider in one run, print the side-by-side table, return the figures.
+# ---- cold --------------------------------------------------------------------------------------------
+def evicted(paths) -> int:
+    """Evict ``paths`` (every map of them closed first) and return the bytes still resident."""
+    gc.collect()
+    return sum(pf.evict(path) or 0 for path in paths)
 
-    Times are per batch of 64 random rows; the memcpy rows are scaled to the same useful bytes.
-    """
-    cache_bytes = (32 if quick else 128) * 2**20
-    n_batches, repeats = (8, 3) if quick else (24, 5)
+
+def safetensors_items(folder: str, rows, directory: str) -> dict | None:
+    """One ``<row>.safetensors`` file (tensor "latent" [C, h, w_i]) per row in ``rows``, or None without
+    the safetensors package."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        return None
+    cache = LatentCache(folder)
+    os.makedirs(directory, exist_ok=True)
+    paths = {}
+    for i in sorted(set(int(r) for r in rows)):
+        paths[i] = os.path.join(directory, f"{i}.safetensors")
+        save_file({"latent": cache[i]}, paths[i])
+    return {"paths": paths, "white": cache.white_column}
+
+
+def cold_providers(layout: str, items) -> dict:
+    """name -> (open(folder, indices) -> state, read(state, indices) -> batch or bytes, files(folder, indices)
+    -> the paths the read touches). Opening (maps, index files, the ceiling's spans) is not timed."""
+
+    def data(folder, indices):
+        return [data_file(folder)]
+
+    def memmap(folder, indices):
+        return open_memmap(folder)
+
+    def cache(folder, indices):
+        return LatentCache(folder)
+
+    found = {"per-row reader": (memmap, per_row_reader, data)}
+    if layout == "padded":
+        found["numpy fancy"] = (memmap, numpy_fancy, data)
+    if items is not None:
+        from safetensors.torch import load_file
+
+        found["safetensors per item"] = (
+            lambda folder, indices: items,
+            lambda state, idx: pad_and_stack([load_file(state["paths"][int(i)])["latent"] for i in idx], state["white"]),
+            lambda folder, idx: [items["paths"][int(i)] for i in idx],
+        )
+    found["latentfast cold=False"] = (cache, lambda cache, idx: read_batch(cache, idx, cold=False)[0], data)
+    found["latentfast"] = (cache, lambda cache, idx: read_batch(cache, idx)[0], data)
+    for threads in (16, 64):
+        found[f"pread x{threads}"] = (_spans_of_rows, _pread(threads), data)
+    return found
+
+
+def _spans_of_rows(folder: str, indices) -> dict:
+    """The ceiling's input: the batch's page-aligned row spans (what read_batch asks the kernel for)."""
+    offsets, lengths = pf.row_spans(LatentCache(folder).row_starts, indices)
+    return {"fd": os.open(data_file(folder), os.O_RDONLY), "offsets": offsets, "lengths": lengths}
+
+
+def _pread(threads: int):
+    def read(state, indices):
+        return ops.read_spans(state["fd"], state["offsets"], state["lengths"], threads=threads)
+
+    return read
+
+
+def timed_cold_batch(folder, provider, indices, expected) -> tuple[float, int]:
+    """(seconds, resident bytes before) of one batch read right after its files were evicted."""
+    open_fn, read_fn, files_fn = provider
+    resident = evicted(files_fn(folder, indices))
+    state = open_fn(folder, indices)
+    start = time.perf_counter()
+    got = read_fn(state, indices)
+    seconds = time.perf_counter() - start
+    if isinstance(state, dict) and "fd" in state:
+        os.close(state["fd"])
+    if got.dtype != torch.uint8 and not torch.equal(got, expected):
+        raise AssertionError("a cold provider returned another batch than the hot read")
+    return seconds, resident
+
+
+def lookahead_loop(folder: str, lookahead: int, steps: int, seed: int) -> dict:
+    """The README's loop over an evicted cache: sampler -> read_batch -> DevicePrefetcher, a 20 ms step;
+    how long each step waited for its batch."""
+    resident = evicted([data_file(folder)])
+    cache = LatentCache(folder)
+    sampler = WidthBucketBatchSampler(cache.widths, BATCH, seed=seed)
+    batches = (read_batch(cache, b) for b in pf.LookaheadSampler(sampler, cache, lookahead))
+    loop = iter(DevicePrefetcher(batches, "cpu", lookahead=lookahead))
+    waits = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        next(loop)
+        waits.append(time.perf_counter() - start)
+        time.sleep(STEP_S)
+    loop.close()
+    waits_ms = np.array(waits) * 1e3
+    return {"resident_before": resident, "steps": steps, "share_under_1ms": float(np.mean(waits_ms < 1.0)),
+            "median_ms": float(np.median(waits_ms)), "p95_ms": float(np.percentile(waits_ms, 95)),
+            "max_ms": float(waits_ms.max()), "first_ms": float(waits_ms[0])}
+
+
+def measure_cold(geometry, cache_bytes: int, n_batches: int, steps: int, root: str) -> dict:
+    """Every cold provider on both layouts of caches of >= ``cache_bytes`` each, then the loops."""
+    channels, latent_h, w_max = geometry
+    lines = channels * latent_h
+    mean_ragged = lines * 2 * (w_max // MIN_WIDTH_SHARE + w_max) / 2
+    n_rows = int(cache_bytes / mean_ragged) + 1  # the ragged file (the smaller) holds >= cache_bytes
+    folders = write_random_cache(os.path.join(root, "cold"), n_rows, channels, latent_h, w_max, seed=1,
+                                 min_width=w_max // MIN_WIDTH_SHARE)
+    rng = np.random.default_rng(2)
+    rows = rng.choice(n_rows, size=n_batches * BATCH, replace=False)  # no row is read twice
+    batches = [rows[k * BATCH : (k + 1) * BATCH] for k in range(n_batches)]
+    items = safetensors_items(folders["padded"], rows, os.path.join(root, "items"))
+    widths = LatentCache(folders["padded"]).widths
+    result = {"geometry": dict(zip(("channels", "latent_h", "w_max"), geometry)), "rows": n_rows,
+              "file_gib": {layout: os.path.getsize(data_file(f)) / 2**30 for layout, f in folders.items()},
+              "useful_bytes_per_batch": statistics.mean(useful_bytes(widths, lines, b) for b in batches),
+              "layouts": {}, "loops": {}}
+    for layout, folder in folders.items():
+        hot = LatentCache(folder)
+        expected = [read_batch(hot, b, cold=False)[0] for b in batches]
+        del hot
+        table = {}
+        for name, provider in cold_providers(layout, items).items():
+            timed = [timed_cold_batch(folder, provider, b, e) for b, e in zip(batches, expected)]
+            table[name] = {"ms": [s * 1e3 for s, _ in timed], "resident_before": [r for _, r in timed]}
+        result["layouts"][layout] = table
+        for lookahead in (pf.DEFAULT_LOOKAHEAD, 0):
+            result["loops"][f"{layout}, lookahead {lookahead}"] = lookahead_loop(folder, lookahead, steps, seed=3)
+    return result
+
+
+# ---- report ------------------------------------------------------------------------------------------
+HOT_LEGEND = (
+    "per-row reader: the specification's path (per-row memmap slice copy, torch.from_numpy, pad with the "
+    "white column, stack); numpy fancy: mm[idx, :, :, :W] + np.where, the strongest plain baseline; "
+    "tensordict: MemoryMappedTensor indexing + torch.where; memcpy: one contiguous copy of as many bytes "
+    "into a reused buffer (the ceiling; latentfast's share uses the faster of the two)"
+)
+
+
+def print_hot(r: dict, thread_counts) -> dict:
+    from latentfast.bench.common import format_table
+
+    useful = r["useful_bytes_per_batch"]
+    header = ["provider"]
+    for t in thread_counts:
+        header += [f"ms/batch @{t}thr", f"useful GB/s @{t}thr", f"latentfast faster (x) @{t}thr"]
+    rows = []
+    for name in r["seconds_per_batch"][thread_counts[0]]:
+        row = [HOT_NAMES[name]]
+        for t in thread_counts:
+            sec = r["seconds_per_batch"][t]
+            row += [sec[name] * 1e3, useful / sec[name] / 1e9, sec[name] / sec["latentfast"]]
+        rows.append(row)
+    g = r["geometry"]
+    print("\n" + format_table(
+        f"hot: B={BATCH} random rows of {geometry_tag((g['channels'], g['latent_h'], g['w_max']))}, widths 20-100%, "
+        f"{r['rows']} rows ({r['cache_mib']:.0f} MiB padded, page cache hot), {useful / 2**20:.2f} MiB useful/batch; "
+        "every provider allocates its output", header, rows))
+    print("legend: " + HOT_LEGEND)
+    ratios = {}
+    for t in thread_counts:
+        sec = r["seconds_per_batch"][t]
+        lf = sec["latentfast"]
+        ceiling = min(sec["memcpy-64MiB"], sec["memcpy-batch"])
+        ratios[t] = {f"x_{name}": sec[name] / lf for name in ("seed", "numpy", "tensordict") if name in sec}
+        ratios[t]["share_of_memcpy"] = ceiling / lf
+        print(f"@{t} thread(s), hot: latentfast = {ratios[t]['x_seed']:.1f}x the per-row reader, "
+              f"{ratios[t]['x_numpy']:.1f}x numpy fancy"
+              + (f", {ratios[t]['x_tensordict']:.1f}x tensordict" if "x_tensordict" in ratios[t] else "")
+              + f"; {ceiling / lf:.0%} of memcpy (the faster memcpy; ragged layout "
+              f"{sec['latentfast'] / sec['latentfast-ragged']:.2f}x padded)")
+    for name, figures in (r["cuda"] or {}).items():
+        print(f"{name:<22} {figures['ms']:.3f} ms/batch {figures['useful_gb_per_s']:.2f} GB/s "
+              f"= {figures['share_of_pinned_h2d']:.0%} of pinned host-to-device")
+    progress = r["python_progress_while_decoding"]
+    print("a Python thread keeps " + ", ".join(f"{share:.0%} of its pace while {name} decodes"
+                                              for name, share in progress.items()) + " (GIL)")
+    return ratios
+
+
+COLD_LEGEND = (
+    "per-row reader / numpy fancy: as in the hot table, on a fresh np.memmap; safetensors per item: "
+    "safetensors.torch.load_file of one file per row, pad, stack; latentfast cold=False: read_batch with "
+    "the pages faulted in as touched; latentfast: read_batch as shipped (cold='auto'); pread xN: the "
+    "batch's page-aligned row spans read by N parallel pread workers into one buffer (ops.read_spans), "
+    "no padding or cast: the I/O ceiling"
+)
+
+
+def cold_ratios(table: dict) -> dict:
+    med = {name: statistics.median(entry["ms"]) for name, entry in table.items()}
+    lf = med["latentfast"]
+    ceiling = min(med["pread x16"], med["pread x64"])
+    ratios = {f"x_{name}": med[name] / lf for name in med if not name.startswith(("latentfast", "pread"))}
+    ratios["share_of_pread_ceiling"] = ceiling / lf
+    return ratios
+
+
+def print_cold(r: dict) -> dict:
+    from latentfast.bench.common import format_table
+
+    g = r["geometry"]
+    useful = r["useful_bytes_per_batch"]
+    layouts = list(r["layouts"])
+    header = ["provider"] + [f"{layout} {col}" for layout in layouts
+                             for col in ("ms/batch (median)", "useful MB/s", "latentfast faster (x)")]
+    names = list(dict.fromkeys(name for table in r["layouts"].values() for name in table))
+    rows = []
+    for name in names:
+        row = [name]
+        for layout in layouts:
+            table = r["layouts"][layout]
+            if name not in table:
+                row += ["-", "-", "-"]
+                continue
+            ms = statistics.median(table[name]["ms"])
+            row += [ms, useful / ms / 1e3, ms / statistics.median(table["latentfast"]["ms"])]
+        rows.append(row)
+    files = ", ".join(f"{layout} {gib:.2f} GiB" for layout, gib in r["file_gib"].items())
+    n = len(next(iter(r["layouts"].values()))["latentfast"]["ms"])
+    print("\n" + format_table(
+        f"cold: B={BATCH} random rows of {geometry_tag((g['channels'], g['latent_h'], g['w_max']))}, widths 20-100%, "
+        f"{r['rows']} rows on disk ({files}); the file evicted before every timed batch, no map open; "
+        f"median of {n} batches, {useful / 2**20:.2f} MiB useful/batch", header, rows))
+    print("legend: " + COLD_LEGEND)
+    for layout in layouts:
+        resident = {name: entry["resident_before"] for name, entry in r["layouts"][layout].items()}
+        print(f"resident bytes before each timed batch ({layout}): "
+              + "; ".join(f"{name} {values}" for name, values in resident.items()))
+    ratios = {layout: cold_ratios(r["layouts"][layout]) for layout in layouts}
+    for layout, q in ratios.items():
+        print(f"cold {layout}: latentfast = {q['x_per-row reader']:.1f}x the per-row reader"
+              + (f", {q['x_numpy fancy']:.1f}x numpy fancy" if "x_numpy fancy" in q else "")
+              + (f", {q['x_safetensors per item']:.1f}x safetensors per item" if "x_safetensors per item" in q else "")
+              + f"; {q['share_of_pread_ceiling']:.0%} of the parallel-pread ceiling (targets: >= 10x, >= 70%)")
+    print_loops(r["loops"])
+    return ratios
+
+
+def print_loops(loops: dict) -> None:
+    from latentfast.bench.common import format_table
+
+    rows = [[name, loop["resident_before"], loop["steps"], f"{loop['share_under_1ms']:.0%}", loop["median_ms"],
+             loop["p95_ms"], loop["max_ms"], loop["first_ms"]] for name, loop in loops.items()]
+    print("\n" + format_table(
+        f"training loop over an evicted cache, simulated {STEP_S * 1e3:.0f} ms step (sleep): "
+        "WidthBucketBatchSampler -> LookaheadSampler -> read_batch -> DevicePrefetcher(cpu); wait = time to get "
+        "the next batch (target with lookahead: >= 95% of steps < 1 ms)",
+        ["loop", "resident bytes before", "steps", "steps waiting < 1 ms", "median wait ms", "p95 wait ms",
+         "max wait ms", "first step ms"], rows))
+
+
+def run_report(quick: bool = False, sections=("hot", "cold")) -> dict:
+    """Measure every provider in one run, print the side-by-side tables, return the figures.
+
+    The caches are written under the temporary folder (``TMPDIR``): the cold section needs a file
+    system with a page cache (not tmpfs); its tables print the resident bytes that prove it."""
     thread_counts = sorted({1, torch.get_num_threads()})
-    results = []
+    report = {"batch": BATCH, "threads": thread_counts, "quick": quick, "results": [], "cold": [], "summary": {}}
     for geometry in GEOMETRIES[:1] if quick else GEOMETRIES:
-        r = measure_geometry(geometry, cache_bytes, n_batches, repeats, thread_counts)
-        g = r["geometry"]
-        print(f"\nbatch decode: B={BATCH}, C={g['channels']}, h={g['latent_h']}, w_max={g['w_max']}, "
-              f"{r['rows']} rows ({r['cache_mib']:.0f} MiB padded, page-cache hot), "
-              f"useful {r['useful_bytes_per_batch'] / 2**20:.2f} MiB/batch")
-        header = "".join(f"{f'ms @{t}thr':>11}{'GB/s':>7}{'lf x':>7}" for t in thread_counts)
-        print(f"{'provider':<18}{header}")
-        ratios = {}
-        for name in r["seconds_per_batch"][thread_counts[0]]:
-            cells = ""
-            for t in thread_counts:
-                s = r["seconds_per_batch"][t][name]
-                lf = r["seconds_per_batch"][t]["latentfast"]
-                cells += f"{s * 1e3:>11.3f}{r['useful_bytes_per_batch'] / s / 1e9:>7.2f}{s / lf:>7.2f}"
-            print(f"{name:<18}{cells}")
-        for t in thread_counts:
-            sec = r["seconds_per_batch"][t]
-            lf = sec["latentfast"]
-            ratios[t] = {f"latentfast_vs_{name}": sec[name] / lf for name in sec if name != "latentfast"}
-            print(f"@{t} thread(s): latentfast = {ratios[t]['latentfast_vs_seed']:.1f}x seed, "
-                  + (f"{ratios[t]['latentfast_vs_tensordict']:.1f}x tensordict, " if "tensordict" in sec else "")
-                  + f"{sec['memcpy-64MiB'] / lf:.0%} of memcpy-64MiB, {sec['memcpy-batch'] / lf:.0%} of memcpy-batch")
-        for name, s in r["cold_seconds_per_batch"].items():
-            if s is not None:
-                print(f"cold page cache (file evicted before each batch): {name} {s * 1e3:.2f} ms/batch "
-                      f"({r['useful_bytes_per_batch'] / s / 1e9:.2f} GB/s)")
-        for name, figures in (r["cuda"] or {}).items():
-            print(f"{name:<22} {figures['ms']:.3f} ms/batch {figures['useful_gb_per_s']:.2f} GB/s "
-                  f"= {figures['share_of_pinned_h2d']:.0%} of pinned host-to-device")
-        progress = r["python_progress_while_decoding"]
-        print("a Python thread keeps "
-              + ", ".join(f"{share:.0%} of its pace while {name} decodes" for name, share in progress.items())
-              + " (GIL)")
-        r["ratios"] = ratios
-        results.append(r)
-    summary = {}
-    for r in results:
-        g = r["geometry"]
-        tag = f"C{g['channels']}h{g['latent_h']}w{g['w_max']}"
-        for t in thread_counts:
-            sec = r["seconds_per_batch"][t]
-            lf = sec["latentfast"]
-            summary[f"{tag}@{t}thr_x_seed"] = round(sec["seed"] / lf, 2)
-            summary[f"{tag}@{t}thr_fraction_of_memcpy"] = round(sec["memcpy-64MiB"] / lf, 3)
-            if "tensordict" in sec:
-                summary[f"{tag}@{t}thr_x_tensordict"] = round(sec["tensordict"] / lf, 2)
-        for name, figures in (r["cuda"] or {}).items():
-            summary[f"{tag}_{name}_share_of_pinned_h2d"] = round(figures["share_of_pinned_h2d"], 3)
-    return {"batch": BATCH, "threads": thread_counts, "results": results, "summary": summary}
+        tag = "C{}h{}w{}".format(*geometry)
+        with tempfile.TemporaryDirectory(prefix="latentfast-bench-decode-") as root:
+            if "hot" in sections:
+                r = measure_hot(geometry, (32 if quick else 128) * 2**20, 8 if quick else 24, 3 if quick else 5,
+                                thread_counts, root)
+                r["ratios"] = print_hot(r, thread_counts)
+                report["results"].append(r)
+                for t, q in r["ratios"].items():
+                    report["summary"].update({f"hot_{tag}@{t}thr_{k}": round(v, 3) for k, v in q.items()})
+            if "cold" in sections and pf.SUPPORTED:
+                c = measure_cold(geometry, (128 if quick else 1024) * 2**20, 3 if quick else 8, 15 if quick else 40, root)
+                c["ratios"] = print_cold(c)
+                report["cold"].append(c)
+                for layout, q in c["ratios"].items():
+                    report["summary"].update({f"cold_{tag}_{layout}_{k}": round(v, 3) for k, v in q.items()})
+                for name, loop in c["loops"].items():
+                    report["summary"][f"loop_{tag}_{name}_share_under_1ms"] = round(loop["share_under_1ms"], 3)
+    return report
 
 
-# ---- pytest-benchmark --------------------------------------------------------------------------
+def plot(report: dict, out_dir: str) -> list[str]:
+    """Hot: useful GB/s per provider; cold: ms per batch per provider (log scale); per geometry."""
+    from latentfast.bench.common import outside_legend, pyplot, save
+
+    plt = pyplot()
+    if plt is None:
+        return []
+    paths = []
+    if report["results"]:
+        fig, axes = plt.subplots(1, len(report["results"]), figsize=(6 * len(report["results"]), 4), squeeze=False)
+        for ax, r in zip(axes[0], report["results"]):
+            names = list(r["seconds_per_batch"][report["threads"][0]])
+            width = 0.8 / len(report["threads"])
+            for k, t in enumerate(report["threads"]):
+                gbps = [r["useful_bytes_per_batch"] / r["seconds_per_batch"][t][n] / 1e9 for n in names]
+                ax.bar([i + k * width for i in range(len(names))], gbps, width, label=f"{t} thread(s)")
+            ax.set_xticks([i + width * (len(report["threads"]) - 1) / 2 for i in range(len(names))],
+                          [HOT_NAMES[n] for n in names], rotation=30, ha="right")
+            g = r["geometry"]
+            ax.set(ylabel="useful GB/s", title=f"hot, B={BATCH}, {geometry_tag((g['channels'], g['latent_h'], g['w_max']))}")
+            outside_legend(ax)
+        paths.append(save(fig, out_dir, "decode.png"))
+    if report["cold"]:
+        paths += _plot_cold(plt, report["cold"], out_dir)
+    return paths
+
+
+def _plot_cold(plt, cold: list, out_dir: str) -> list[str]:
+    from latentfast.bench.common import outside_legend, save
+
+    fig, axes = plt.subplots(1, len(cold), figsize=(6 * len(cold), 4), squeeze=False)
+    for ax, c in zip(axes[0], cold):
+        layouts = list(c["layouts"])
+        names = list(dict.fromkeys(n for table in c["layouts"].values() for n in table))
+        width = 0.8 / len(layouts)
+        for k, layout in enumerate(layouts):
+            table = c["layouts"][layout]
+            ms = [statistics.median(table[n]["ms"]) if n in table else 0 for n in names]
+            ax.bar([i + k * width for i in range(len(names))], ms, width, label=layout)
+        ax.set_xticks([i + width * (len(layouts) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
+        g = c["geometry"]
+        ax.set(yscale="log", ylabel="ms per batch (log)",
+               title=f"cold, B={BATCH}, {geometry_tag((g['channels'], g['latent_h'], g['w_max']))}")
+        outside_legend(ax)
+    return [save(fig, out_dir, "decode_cold.png")]
+
+
+# ---- pytest-benchmark (hot) --------------------------------------------------------------------------
 try:
     import pytest
 except ImportError:  # pragma: no cover - running the script without pytest
@@ -308,13 +606,15 @@ if pytest is not None:
 
     @pytest.fixture(scope="module")
     def bench_setup():
-        with tempfile.TemporaryDirectory(prefix="latentfast-bench-decode-") as directory:
-            caches = build_caches(directory, 2048)  # 128 MiB padded
+        with tempfile.TemporaryDirectory(prefix="latentfast-bench-decode-") as root:
+            folders = write_random_cache(root, 2048, *GEOMETRIES[0], min_width=GEOMETRIES[0][2] // MIN_WIDTH_SHARE)
+            found = hot_providers(folders)
+            padded = LatentCache(folders["padded"])
             rng = np.random.default_rng(0)
-            batches = [rng.integers(0, len(caches["padded"]), size=BATCH) for _ in range(16)]
-            found = providers(caches)
-            mean_useful = statistics.mean(useful_bytes(caches["padded"], idx) for idx in batches)
-            found["memcpy-batch"] = memcpy_fn(caches["padded"], int(mean_useful), rng)
+            batches = [rng.integers(0, len(padded), size=BATCH) for _ in range(16)]
+            lines = padded.channels * padded.latent_h
+            mean_useful = statistics.mean(useful_bytes(padded.widths, lines, idx) for idx in batches)
+            found["memcpy-batch"] = memcpy_fn(padded.gather_source()[0], int(mean_useful), rng)
             yield found, batches, mean_useful
 
     @pytest.mark.parametrize("provider", ["seed", "numpy", "tensordict", "latentfast", "latentfast-ragged",
@@ -334,26 +634,6 @@ if pytest is not None:
         benchmark(one_batch)
 
 
-
-def plot(report: dict, out_dir: str) -> list[str]:
-    """Useful GB/s per provider, per geometry and thread count."""
-    from latentfast.bench.common import pyplot, save
-
-    plt = pyplot()
-    if plt is None:
-        return []
-    fig, axes = plt.subplots(1, len(report["results"]), figsize=(6 * len(report["results"]), 4), squeeze=False)
-    for ax, r in zip(axes[0], report["results"]):
-        g = r["geometry"]
-        names = list(r["seconds_per_batch"][report["threads"][0]])
-        width = 0.8 / len(report["threads"])
-        for k, t in enumerate(report["threads"]):
-            gbps = [r["useful_bytes_per_batch"] / r["seconds_per_batch"][t][n] / 1e9 for n in names]
-            ax.bar([i + k * width for i in range(len(names))], gbps, width, label=f"{t} thread(s)")
-        ax.set_xticks([i + width * (len(report["threads"]) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
-        ax.set(ylabel="useful GB/s", title=f"read_batch B={report['batch']}, C{g['channels']} h{g['latent_h']} w{g['w_max']}")
-        ax.legend()
-    return [save(fig, out_dir, "decode.png")]
-
 if __name__ == "__main__":
-    run_report(quick="--quick" in sys.argv)
+    chosen = ("hot",) if "--hot-only" in sys.argv else ("cold",) if "--cold-only" in sys.argv else ("hot", "cold")
+    run_report(quick="--quick" in sys.argv, sections=chosen)

@@ -40,6 +40,8 @@ SCHEMAS: dict[str, str] = {
     # packed rows -> padded [B, C, h, W] with the white column, cast (on the device)
     "expand_rows_into": "expand_rows_into(Tensor packed, Tensor packed_offsets, Tensor widths, Tensor? white, "
     "Tensor(a!) out) -> ()",
+    # bytes [offsets[k], offsets[k] + lengths[k]) of an open file, back to back, by `threads` pread workers
+    "read_spans_into": "read_spans_into(int fd, Tensor offsets, Tensor lengths, int threads, Tensor(a!) out) -> ()",
     # per-branch leaf gradients -> every (microbatch, branch) local + scaled cotangent, one arena
     "scatter_cotangents_into": "scatter_cotangents_into(Tensor[] grads, int[] batch_sizes, float scale, "
     "Tensor(a!) arena) -> ()",
@@ -195,6 +197,20 @@ def _expand_rows_into_check(packed, packed_offsets, widths, white, out, backend=
     _check_output("out", out, 4, FLOAT_OUT_DTYPES, device)
     torch._check_value(out.shape[0] == widths.numel(), lambda: f"out has B={out.shape[0]} rows but widths has {widths.numel()}")
     _check_white(white, out.shape, device)
+
+
+@_shape_check("read_spans_into")
+def _read_spans_into_check(fd, offsets, lengths, threads, out, backend="auto"):
+    torch._check_value(fd >= 0, lambda: f"fd must be an open file descriptor, got {fd}")
+    torch._check_value(1 <= threads <= 256, lambda: f"threads must be in [1, 256], got {threads}")
+    for name, tensor in (("offsets", offsets), ("lengths", lengths)):
+        torch._check_value(tensor.device.type == "cpu", lambda: f"{name} must be a CPU tensor, got {tensor.device}")
+        _check_vector(name, tensor, torch.int64)
+    torch._check_value(
+        offsets.numel() == lengths.numel(),
+        lambda: f"offsets has {offsets.numel()} spans but lengths has {lengths.numel()}",
+    )
+    _check_output("out", out, 1, (torch.uint8,), torch.device("cpu"))
 
 
 @_shape_check("scatter_cotangents_into")

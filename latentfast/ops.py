@@ -259,3 +259,30 @@ def expand_rows(
     white = flat_white(white, channels, latent_h, device)
     torch.ops.latentfast.expand_rows_into(packed, packed_offsets, widths, white, out, backend)
     return out
+
+
+# ---- file reads: byte spans of an open file by parallel pread workers ---------------------------------
+def read_spans(fd: int, offsets, lengths, *, threads: int = 16, out: torch.Tensor | None = None,
+               backend: str = "auto") -> torch.Tensor:
+    """Bytes ``[offsets[k], offsets[k] + lengths[k])`` of the open file ``fd``, every k, back to back in a
+    uint8 tensor, read by ``threads`` pread workers at once (random reads of a cold file run at the
+    disk's queue depth, not one at a time). ``out`` (uint8, 1-D, contiguous) may be longer than needed;
+    the filled prefix is returned. A span past the end of the file raises."""
+    fd = as_int("fd", fd, minimum=0)
+    threads = as_int("threads", threads, minimum=1)
+    spans = []
+    for name, values in (("offsets", offsets), ("lengths", lengths)):
+        array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise ArgumentTypeError(f"{name} must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
+        spans.append(torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)))
+    offsets, lengths = spans
+    total = int(lengths.clamp(min=0).sum())
+    if out is None:
+        out = torch.empty(total, dtype=torch.uint8)
+    elif not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.dim() == 1 and out.is_contiguous()
+              and out.device.type == "cpu" and out.numel() >= total):
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise InvalidArgumentError(f"out must be a contiguous 1-D uint8 CPU tensor of >= {total} bytes, got {got}")
+    torch.ops.latentfast.read_spans_into(fd, offsets, lengths, threads, out, backend)
+    return out[:total]

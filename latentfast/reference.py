@@ -5,6 +5,8 @@ name, same arguments), written for clarity rather than speed.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -96,6 +98,32 @@ def expand_rows_into(packed, packed_offsets, widths, white, out) -> None:
         out[b, :, :, :width] = row
         if width < max_width:
             out[b, :, :, width:] = white.reshape(channels, latent_h, 1)
+
+
+# ---- file reads -----------------------------------------------------------------------------
+def read_spans_into(fd: int, offsets, lengths, threads: int, out) -> None:
+    """Bytes ``[offsets[k], offsets[k] + lengths[k])`` of the open file ``fd``, for each k, back to back
+    into the uint8 tensor ``out``. One span at a time (``threads`` is the compiled kernel's concern)."""
+    spans = list(zip(offsets.tolist(), lengths.tolist()))
+    for k, (offset, length) in enumerate(spans):
+        if offset < 0 or length < 0:
+            raise ValueError(f"span {k} = (offset {offset}, length {length}) is not a byte range of a file")
+    total = sum(length for _, length in spans)
+    if total > out.numel():
+        raise ValueError(f"out holds {out.numel()} bytes, the spans need {total}")
+    view = memoryview(out.numpy()).cast("B") if total else None
+    start = 0
+    for k, (offset, length) in enumerate(spans):
+        done = 0
+        while done < length:
+            try:
+                got = os.preadv(fd, [view[start + done : start + length]], offset + done)
+            except OSError as exc:  # as the compiled kernel reports it
+                raise RuntimeError(f"pread of span {k} failed: {exc.strerror}") from None
+            if got == 0:
+                raise ValueError(f"span {k} = [{offset}, {offset + length}) runs past the end of the file")
+            done += got
+        start += length
 
 
 # ---- replay ------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 - :func:`poisoned_like` -- an output buffer full of garbage, so a kernel that skips an element is caught;
 - :func:`runnable_backends` -- every backend that can run an op on a device type in this process;
 - :func:`random_rows` / :func:`write_cache` -- latent caches with arbitrary rows, written with plain
-  numpy in the original (seed) layouts and opened by the real :class:`~latentfast.cache.LatentCache`.
+  numpy in the original (seed) layouts and opened by the real :class:`~latentfast.cache.LatentCache`;
+  :func:`write_random_cache` -- the same for caches of any size (larger than RAM), written in chunks.
 """
 from __future__ import annotations
 
@@ -65,12 +66,56 @@ def write_cache(directory: str, rows, widths, *, w_max: int, layout: str = "padd
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         np.concatenate([row.reshape(-1) for row in rows]).astype(np.float16).tofile(path("f16.dat"))
         np.save(path("offsets.npy"), offsets)
+    _write_index(directory, split, widths, channels, latent_h, w_max, layout, white)
+    return LatentCache(directory, split)
+
+
+def _write_index(directory: str, split: str, widths, channels: int, latent_h: int, w_max: int, layout: str, white):
+    """The small files beside the data: widths, white column (if any), and the nine-field meta."""
+
+    def path(suffix):
+        return os.path.join(directory, f"{split}.latents.{suffix}")
+
     np.save(path("widths.npy"), np.asarray(widths, dtype=np.int32))
     if white is not None:
         np.save(path("white.npy"), np.asarray(white, dtype=np.float16).reshape(channels, latent_h, 1))
-    meta = {"n": n, "channels": int(channels), "latent_h": int(latent_h), "w_max": int(w_max), "layout": layout,
-            "pretrained": "test-rows", "subfolder": "", "line_height": 8 * int(latent_h),
+    meta = {"n": len(widths), "channels": int(channels), "latent_h": int(latent_h), "w_max": int(w_max),
+            "layout": layout, "pretrained": "test-rows", "subfolder": "", "line_height": 8 * int(latent_h),
             "max_line_width": 8 * int(w_max), "downscale_factor": 8}
     with open(path("meta.json"), "w") as fh:
         json.dump(meta, fh)
-    return LatentCache(directory, split)
+
+
+def write_random_cache(directory: str, n: int, channels: int, latent_h: int, w_max: int, *, seed: int = 0,
+                       min_width: int = 1, layouts=("padded", "ragged"), split: str = "train",
+                       chunk_rows: int = 4096) -> dict[str, str]:
+    """Caches of ``n`` random rows (widths uniform in ``[min_width, w_max]``, values in [0, 1)), one per
+    layout in ``directory/<layout>``, written in chunks of rows: any size, in little memory (for caches
+    larger than RAM). The layouts hold the same rows. Returns layout -> folder (nothing is opened)."""
+    rng = np.random.default_rng(seed)
+    widths = rng.integers(min_width, w_max + 1, size=n).astype(np.int32)
+    white = rng.random((channels, latent_h, 1)).astype(np.float16)
+    folders = {layout: os.path.join(directory, layout) for layout in layouts}
+    files = {}
+    for layout, folder in folders.items():
+        os.makedirs(folder, exist_ok=True)
+        files[layout] = open(os.path.join(folder, f"{split}.latents.f16.dat"), "wb")
+    try:
+        for start in range(0, n, chunk_rows):
+            part = widths[start : start + chunk_rows]
+            rows = rng.integers(0, 0x3C00, size=(len(part), channels, latent_h, w_max), dtype=np.uint16).view(np.float16)
+            real = np.arange(w_max)[None, None, None, :] < part[:, None, None, None]
+            rows = np.where(real, rows, np.float16(0))
+            if "padded" in files:
+                rows.tofile(files["padded"])
+            if "ragged" in files:  # boolean selection keeps C order: row by row, [C, h, w_i] each
+                rows[np.broadcast_to(real, rows.shape)].tofile(files["ragged"])
+    finally:
+        for fh in files.values():
+            fh.close()
+    for layout, folder in folders.items():
+        if layout == "ragged":
+            sizes = widths.astype(np.int64) * channels * latent_h
+            np.save(os.path.join(folder, f"{split}.latents.offsets.npy"), np.concatenate([[0], np.cumsum(sizes)]))
+        _write_index(folder, split, widths, channels, latent_h, w_max, layout, white)
+    return folders

@@ -271,7 +271,7 @@ def test_ring_grows_once_when_caches_of_different_row_sizes_alternate():
     ring has grown to serve both, it is never reallocated again."""
     requests = []
     for step in range(40):
-        lines, w_max, B = ((4, 512, 16), (64, 24, 96))[step % 2]
+        lines, w_max, B = ((64, 512, 16), (4, 24, 200))[step % 2]  # one needs more elements, the other more rows
         widths = np.random.default_rng(step).integers(1, w_max + 1, size=B)
         requests.append((lines * int(widths.sum()), B, lines * w_max * max(B, decode.DEFAULT_RING_ROWS)))
     ring, allocations = None, 0

@@ -169,7 +169,7 @@ def test_batch_dataset_returns_read_batch(disk_cache):
 def test_batch_dataset_refuses_non_integer_indices(disk_cache):
     dataset = CacheBatchDataset(disk_cache)
     for bad in ([0.9, 2.7], np.array([1.0, 2.0]), torch.tensor([0.0, 1.0])):
-        with pytest.raises(TypeError, match="indices must be a 1-D sequence of ints"):
+        with pytest.raises(TypeError, match="indices must be a 1-D (sequence|tensor) of ints"):
             dataset[bad]
     with pytest.raises(IndexError, match=r"indices\[1\] = 90 is out of range"):
         dataset[[0, 90]]

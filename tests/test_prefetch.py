@@ -78,6 +78,28 @@ def evicted(directory) -> str:
     return path
 
 
+def file_system_type(path) -> str:
+    """The type of the file system holding ``path`` (from /proc/mounts, the longest mount point)."""
+    best, kind = "", ""
+    with open("/proc/mounts") as fh:
+        for line in fh:
+            _, mount, fs_type = line.split()[:3]
+            if str(path).startswith(mount) and len(mount) > len(best):
+                best, kind = mount, fs_type
+    return kind
+
+
+def test_evict_drops_a_file_just_written(tmp_path):
+    """Fresh writes are dirty pages, which DONTNEED alone keeps: evict writes them back first."""
+    if file_system_type(tmp_path) in ("tmpfs", "ramfs", ""):
+        pytest.skip(f"{tmp_path} is on {file_system_type(tmp_path) or 'an unknown file system'}: no page cache to drop")
+    path = tmp_path / "fresh.bin"
+    with open(path, "wb") as fh:
+        fh.write(os.urandom(3 * 2**20))
+    assert pf.resident_bytes(str(path)) > 0
+    assert pf.evict(str(path)) == 0
+
+
 @pytest.fixture
 def cache_dir(tmp_path):
     rng = np.random.default_rng(7)

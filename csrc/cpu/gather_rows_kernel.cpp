@@ -25,6 +25,7 @@
 #include <optional>
 #include <vector>
 
+#include "gil_release.h"
 #include "overlap_check.h"
 
 #if defined(__x86_64__)
@@ -33,21 +34,6 @@
 
 namespace latentfast {
 namespace {
-
-// Releases the GIL for its lifetime when the calling thread holds it (a direct call from Python
-// through torch.ops); does nothing when called from a thread that does not (e.g. torch.compile).
-class GilRelease {
- public:
-  GilRelease() : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
-  ~GilRelease() {
-    if (state_) PyEval_RestoreThread(state_);
-  }
-  GilRelease(const GilRelease&) = delete;
-  GilRelease& operator=(const GilRelease&) = delete;
-
- private:
-  PyThreadState* state_;
-};
 
 void check_no_overlap_with_sources(const char* op, const at::Tensor& out, const at::Tensor& data,
                                    const at::Tensor& row_offsets, const at::Tensor& widths, const at::Tensor& indices) {

@@ -14,6 +14,7 @@ from .format import (
 )
 from .decode import read_batch
 from .loader import CacheBatchDataset, DevicePrefetcher, WidthBucketBatchSampler, batch_loader, collate
+from .prefetch import LookaheadSampler
 from .reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "batch_loader",
     "collate",
     "DevicePrefetcher",
+    "LookaheadSampler",
 ]
