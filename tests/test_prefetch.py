@@ -259,9 +259,21 @@ def test_auto_mode_stops_checking_when_hot_and_resumes_after_a_slow_copy(cache_d
     state.after_copy(0.5e-3, lambda: 10**9)  # fast: stays hot
     assert state.hot
     state.after_copy(0.2, lambda: 1 << 20)  # 1 MiB in 200 ms: page-fault speed
-    assert not state.hot and state.streak == 0
+    assert not state.hot
     read_batch(cache, [1, 2, 3])
     assert len(checks) == pf.HOT_AFTER, "a slow copy did not turn the checks back on"
+    assert state.hot, "a resident batch after a false alarm should end the checks at once"
+    monkeypatch.setattr(pf, "SLOW_FLOOR_S", -1.0)  # every copy now looks slow to read_batch's clock
+    monkeypatch.setattr(pf, "SLOW_BYTES_PER_S", 1e30)
+    read_batch(cache, [1, 2, 3])
+    assert not state.hot, "read_batch did not report a slow copy"
+    del cache
+    evicted(cache_dir / "padded")  # now really cold: the checks stay on until batches are resident
+    cache = LatentCache(str(cache_dir / "padded"))
+    state = pf.cold_reads(cache)
+    state.hot, state.streak = False, pf.HOT_AFTER - 1  # on probation, as after a slow copy
+    read_batch(cache, [1, 2, 3])
+    assert not state.hot and state.streak == 0
 
 
 def test_state_is_per_opened_cache_and_views_share_it(cache_dir):

@@ -106,14 +106,14 @@ def _read_batch_cpu(cache, source, indices, dtype, width, out, backend, cold):
         out = torch.empty(index.numel(), channels, latent_h, W, dtype=dtype)
     if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
         white = white.to(torch.float16).contiguous()
-    state = _cold_reads(cache, cold, source[0])
-    if state is not None:
-        state.before_copy(cache.row_starts, index_np, always=cold is True)
+    state = _before_copy(cache, cold, source[0], index_np)
     start = time.perf_counter()
     torch.ops.latentfast.gather_rows_into.default(source[0], source[1], source[2], int(source[3]), index, white, out,
                                                   backend)
-    if state is not None:
-        state.after_copy(time.perf_counter() - start, lambda: int(selected_np.sum()) * channels * latent_h * 2)
+    if state is not None and state.hot:  # a hot batch pays this clock read and a compare
+        seconds = time.perf_counter() - start
+        if seconds > prefetch.SLOW_FLOOR_S:
+            state.after_copy(seconds, lambda: int(selected_np.sum()) * channels * latent_h * 2)
     return out, torch.from_numpy(selected_np)
 
 
@@ -124,9 +124,7 @@ def _read_batch_cuda(cache, source, indices, device, dtype, width, out, backend,
     lines = int(cache.channels) * int(cache.latent_h)
     B = index.numel()
     ring = _ring_for(device, lines * int(selected_np.sum()), B, lines * int(cache.w_max) * max(B, DEFAULT_RING_ROWS))
-    state = _cold_reads(cache, cold, source[0])
-    if state is not None:
-        state.before_copy(cache.row_starts, index.numpy(), always=cold is True)
+    state = _before_copy(cache, cold, source[0], index.numpy())
     packed, offsets, widths = ring.stage_and_copy(source, index, torch.from_numpy(selected_np), cache.channels,
                                                    cache.latent_h, backend, state)
     latents = ops.expand_rows(
@@ -137,15 +135,20 @@ def _read_batch_cuda(cache, source, indices, device, dtype, width, out, backend,
     return latents, torch.from_numpy(selected_np)
 
 
-def _cold_reads(cache, cold, data):
-    """The cache's :class:`~latentfast.cache.prefetch.ColdReads` (None when ``cold`` is False or the
-    cache cannot have one); marks its mapping MADV_RANDOM once per map."""
+def _before_copy(cache, cold, data, index_np):
+    """The cold-read path before a batch's copy: the cache's
+    :class:`~latentfast.cache.prefetch.ColdReads` (None when ``cold`` is False or the cache cannot have
+    one), which asks for the batch's missing pages unless batches have been found hot; a map seen
+    for the first time is marked MADV_RANDOM."""
     if cold is False:
         return None
     state = prefetch.cold_reads(cache)
-    if state is not None and state.advised_map != data.data_ptr():
+    if state is None or (state.hot and cold is not True):
+        return state
+    if state.advised_map != data.data_ptr():
         prefetch.advise_random(data)
         state.advised_map = data.data_ptr()
+    state.before_copy(cache.row_starts, index_np, always=cold is True)
     return state
 
 
@@ -295,7 +298,7 @@ class PinnedRing:
             start = time.perf_counter()
             staged = stage_rows(source, index, selected, channels, latent_h, self.data[slot], self.offsets[slot],
                                 self.widths[slot], backend)
-            if cold_reads is not None:
+            if cold_reads is not None and cold_reads.hot:
                 cold_reads.after_copy(time.perf_counter() - start, lambda: staged[0].numel() * 2)
             with torch.cuda.stream(self.stream):
                 moved = tuple(tensor.to(self.device, non_blocking=True) for tensor in staged)

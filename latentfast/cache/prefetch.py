@@ -28,7 +28,7 @@ Pieces:
 - :class:`ColdReads` -- the per-cache switch read_batch consults: while batches are found cold it
   checks each batch's residency and advises what is missing; after :data:`HOT_AFTER` fully resident
   batches it stops checking (a hot batch then pays two clock reads), and one batch that copies at
-  page-fault speed turns the checks back on.
+  page-fault speed turns the checks back on (off again at once if the next batch is resident).
 - :func:`prefetch` -- start reading rows in the background and return at once (a daemon thread
   per process issues the advice; pages read for one process serve every process).
 - :class:`LookaheadSampler` -- wraps a batch sampler and prefetches the next ``k`` batches.
@@ -296,11 +296,13 @@ class ColdReads:
             self.hot = self.streak >= HOT_AFTER
 
     def after_copy(self, seconds: float, nbytes) -> None:
-        """A copy that ran at page-fault speed while the checks were off turns them back on.
-        ``nbytes`` is a function giving the batch's bytes (computed only for slow copies)."""
+        """A copy that ran at page-fault speed while the checks were off turns them back on, on
+        probation: if the next batch is found resident after all (the copy was slow for another
+        reason, e.g. a busy machine), one check was the whole cost. ``nbytes`` is a function giving
+        the batch's bytes (computed only for slow copies)."""
         if self.hot and seconds > SLOW_FLOOR_S and seconds > SLOW_FLOOR_S + nbytes() / SLOW_BYTES_PER_S:
             self.hot = False
-            self.streak = 0
+            self.streak = HOT_AFTER - 1
 
 
 def cold_reads(cache) -> ColdReads | None:
