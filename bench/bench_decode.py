@@ -521,6 +521,20 @@ def print_loops(loops: dict) -> None:
          "max wait ms", "first step ms"], rows))
 
 
+def conditions(root: str) -> dict:
+    """What the figures depend on besides the code: the machine's load, its cores, the disk's read-ahead."""
+    device = os.stat(root).st_dev
+    read_ahead = f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/queue/read_ahead_kb"
+    if not os.path.exists(read_ahead):  # a partition: its disk's queue
+        read_ahead = f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/../queue/read_ahead_kb"
+    found = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+             "load_average_1min": round(os.getloadavg()[0], 2), "folder": root}
+    if os.path.exists(read_ahead):
+        with open(read_ahead) as fh:
+            found["disk_read_ahead_kb"] = int(fh.read())
+    return found
+
+
 def run_report(quick: bool = False, sections=("hot", "cold")) -> dict:
     """Measure every provider in one run, print the side-by-side tables, return the figures.
 
@@ -539,7 +553,10 @@ def run_report(quick: bool = False, sections=("hot", "cold")) -> dict:
                 for t, q in r["ratios"].items():
                     report["summary"].update({f"hot_{tag}@{t}thr_{k}": round(v, 3) for k, v in q.items()})
             if "cold" in sections and pf.SUPPORTED:
+                before = conditions(root)
                 c = measure_cold(geometry, (128 if quick else 1024) * 2**20, 3 if quick else 8, 15 if quick else 40, root)
+                c["conditions"] = {"before": before, "after": conditions(root)}
+                print(f"\nconditions of the cold run: {before} (load after: {c['conditions']['after']['load_average_1min']})")
                 c["ratios"] = print_cold(c)
                 report["cold"].append(c)
                 for layout, q in c["ratios"].items():

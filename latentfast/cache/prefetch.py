@@ -110,6 +110,7 @@ class _CacheStat(ctypes.Structure):
 
 
 _SYS_CACHESTAT = 451  # the same number on every architecture (added in Linux 6.5)
+_MINCORE_WINDOW_PAGES = 1 << 16  # pages per mincore call (a 64 KiB vector)
 _libc = None
 
 
@@ -146,7 +147,7 @@ class DataFile:
             probe = "cachestat" if _cachestat_works(self.fd) else "mincore"
         self.probe = probe
         self._map = None  # (mmap, base address) for the mincore probe
-        self._range, self._stat = _CacheStatRange(), _CacheStat()
+        self._map_lock = threading.Lock()
 
     def close(self) -> None:
         if self._map is not None:
@@ -156,6 +157,10 @@ class DataFile:
             os.close(self.fd)
             self.fd = -1
 
+    def __del__(self):  # the last ColdReads or queued prefetch using this file is gone
+        if getattr(self, "fd", -1) >= 0 and os is not None:
+            self.close()
+
     def advise(self, offsets: np.ndarray, lengths: np.ndarray) -> None:
         """Queue the reads of these spans (returns once they are submitted, not read)."""
         fd, willneed = self.fd, os.POSIX_FADV_WILLNEED
@@ -163,26 +168,28 @@ class DataFile:
             os.posix_fadvise(fd, offset, length, willneed)
 
     def cached_pages(self, offset: int, length: int) -> int:
-        """Pages of ``[offset, offset + length)`` in the page cache (being read counts as cached)."""
+        """Pages of ``[offset, offset + length)`` in the page cache (being read counts as cached).
+        Thread-safe: several threads may read one cache."""
         if length <= 0:
             return 0
         if self.probe == "cachestat":
-            self._range.off, self._range.len = offset, length
-            libc = _c_library()
-            if libc.syscall(_SYS_CACHESTAT, self.fd, ctypes.byref(self._range), ctypes.byref(self._stat), 0) != 0:
+            span, stat = _CacheStatRange(offset, length), _CacheStat()
+            if _c_library().syscall(_SYS_CACHESTAT, self.fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
                 raise OSError(ctypes.get_errno(), f"cachestat({self.path})")
-            return int(self._stat.nr_cache)
-        return int(np.count_nonzero(self._mincore(offset, length) & 1))
-
-    def _mincore(self, offset: int, length: int) -> np.ndarray:
-        if self._map is None:
-            mapped = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ) if self.size else None
-            address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data if mapped is not None else 0
-            self._map = (mapped, address)
-        first = offset // PAGE * PAGE
+            return int(stat.nr_cache)
         end = min(offset + length, self.size)
-        vector = np.zeros(max(0, -(-(end - first) // PAGE)), dtype=np.uint8)
-        if vector.size and _c_library().mincore(self._map[1] + first, end - first, vector.ctypes.data) != 0:
+        window = _MINCORE_WINDOW_PAGES * PAGE  # bounded memory for the residency vector of a huge file
+        return sum(int(np.count_nonzero(self._mincore(start, min(end, start + window)) & 1))
+                   for start in range(offset // PAGE * PAGE, end, window))
+
+    def _mincore(self, first: int, end: int) -> np.ndarray:
+        """mincore over the page-aligned ``first`` to ``end`` of the file (a private map of it)."""
+        with self._map_lock:
+            if self._map is None:
+                mapped = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ)
+                self._map = (mapped, np.frombuffer(mapped, dtype=np.uint8).ctypes.data)
+        vector = np.zeros(-(-(end - first) // PAGE), dtype=np.uint8)
+        if _c_library().mincore(self._map[1] + first, end - first, vector.ctypes.data) != 0:
             raise OSError(ctypes.get_errno(), f"mincore({self.path})")
         return vector
 
@@ -236,7 +243,7 @@ def evict(path: str) -> int | None:
 # Everything below belongs to one process: a forked child (a DataLoader worker) starts afresh, and
 # never touches a lock or a thread of its parent.
 _lock = threading.Lock()
-_files: dict[tuple, DataFile] = {}
+_files: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (path, dev, inode, size) -> DataFile
 _states: dict[int, tuple] = {}  # id(row_starts) -> (weak reference to it, the cache's ColdReads or None)
 _prefetcher = None
 
@@ -244,11 +251,8 @@ _prefetcher = None
 def _forget_parent_state() -> None:
     global _lock, _prefetcher
     _lock = threading.Lock()
-    for handle in _files.values():
-        handle.fd = -1  # the parent's descriptor: leave it to the parent
-        handle._map = None
     _files.clear()
-    _states.clear()
+    _states.clear()  # the parent's handles close their (inherited, this process's own) descriptors
     _prefetcher = None
 
 
