@@ -298,8 +298,10 @@ def cold_providers(layout: str, items) -> dict:
     def memmap(folder, indices):
         return open_memmap(folder)
 
-    def cache(folder, indices):
-        return LatentCache(folder)
+    def cache(folder, indices):  # opened and mapped, like the baselines' np.memmap (no data page is read)
+        opened = LatentCache(folder)
+        opened.gather_source()
+        return opened
 
     found = {"per-row reader": (memmap, per_row_reader, data)}
     if layout == "padded":

@@ -274,6 +274,19 @@ def test_prefetcher_waits_for_the_stream_that_made_a_cuda_batch():
 
 
 @pytest.mark.gpu
+def test_prefetcher_thread_uses_the_loops_current_device():
+    """A generator that allocates on "cuda" runs in the producer thread with the loop's current device."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    torch.cuda.set_device(1)
+    try:
+        made = list(DevicePrefetcher((torch.zeros(4, device="cuda") for _ in range(3)), "cuda"))
+        assert all(t.device == torch.device("cuda", 1) for t in made)
+    finally:
+        torch.cuda.set_device(0)
+
+
+@pytest.mark.gpu
 def test_prefetcher_cuda(disk_cache):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available here"):

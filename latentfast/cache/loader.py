@@ -219,7 +219,8 @@ class DevicePrefetcher:
             reads ahead.
         lookahead: batches prepared ahead of the one in use by a background thread (default 2), so
             reading them (disk, gather, host-to-device copy on a side stream) overlaps the training
-            step; ``0``: no thread, only batch k+1's copy overlaps step k.
+            step; ``0``: no thread, only batch k+1's copy overlaps step k. The thread runs
+            ``batches`` with the loop's current CUDA device; errors it meets are raised in the loop.
 
     The copies are asynchronous when the host tensors are pinned (``DataLoader(pin_memory=True)``). A
     batch already on a CUDA device is ordered after the work that produced it: the side stream waits
@@ -260,7 +261,10 @@ class DevicePrefetcher:
         ready: queue.Queue = queue.Queue(maxsize=self.lookahead)
         stop = threading.Event()
         source = iter(self.batches)  # made in the loop's thread (DataLoader iterators set up signals)
-        producer = threading.Thread(target=self._produce, args=(source, ready, stop), daemon=True,
+        # the producer runs `batches` as the loop's thread would: with its current CUDA device ("cuda" in
+        # a read_batch call means that one), never initialising CUDA for a loop that does not use it
+        current = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        producer = threading.Thread(target=self._produce, args=(source, ready, stop, current), daemon=True,
                                     name="latentfast-device-prefetch")
         producer.start()
         try:
@@ -274,7 +278,7 @@ class DevicePrefetcher:
         finally:
             stop.set()  # a loop that stops early lets the producer finish its current batch and exit
 
-    def _produce(self, source, ready: queue.Queue, stop: threading.Event) -> None:
+    def _produce(self, source, ready: queue.Queue, stop: threading.Event, cuda_device: int | None) -> None:
         def put(entry) -> bool:
             while not stop.is_set():
                 try:
@@ -285,6 +289,8 @@ class DevicePrefetcher:
             return False
 
         try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             for batch in source:
                 if not put(("batch", self._move(batch, stream))):
