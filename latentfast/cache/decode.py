@@ -71,11 +71,11 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     dtype = torch.float16 if dtype is None else dtype
     if dtype not in ops.GATHER_DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {ops.GATHER_DTYPES}, got {dtype}")
-    if not (cold is True or cold is False or (isinstance(cold, str) and cold == "auto")):
+    if not (cold == "auto" if cold.__class__ is str else cold is True or cold is False):
         raise InvalidArgumentError(f"cold must be 'auto', True or False, got {cold!r}")
-    device = as_device(device)
-    if device.type == "cpu":
+    if device.__class__ is str and device == "cpu" or as_device(device).type == "cpu":  # the default first, cheaply
         return _read_batch_cpu(cache, source, indices, dtype, width, out, backend, cold)
+    device = as_device(device)
     if device.type != "cuda":
         raise InvalidArgumentError(f"device must be a CPU or CUDA device, got {device}")
     if not torch.cuda.is_available():
@@ -94,9 +94,10 @@ def _read_batch_cpu(cache, source, indices, dtype, width, out, backend, cold):
         index_np = index.numpy()
     white = cache.white_column
     channels, latent_h = int(cache.channels), int(cache.latent_h)
-    try:
+    try:  # (inline: a batch of small rows costs tens of microseconds, this part must stay a few)
         selected_np = _selected_widths(cache.widths, index_np, clip=True)
-        W = _checked_width(white, selected_np, width)
+        W = int(selected_np.max()) if selected_np.size and width is None and white is not None else (
+            _checked_width(white, selected_np, width))
         if out is not None:
             ops.check_out_tensor("out", out, (index.numel(), channels, latent_h, W), dtype, torch.device("cpu"))
     except (TypeError, ValueError, IndexError):  # from clipped indices: a bad index, if any, is the error to report
@@ -106,8 +107,8 @@ def _read_batch_cpu(cache, source, indices, dtype, width, out, backend, cold):
         out = torch.empty(index.numel(), channels, latent_h, W, dtype=dtype)
     if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
         white = white.to(torch.float16).contiguous()
-    state = _before_copy(cache, cold, source[0], index_np)
-    start = time.perf_counter()
+    state = _before_copy(cache, cold, source[0], index_np) if cold is not False else None
+    start = time.perf_counter() if state is not None else 0.0
     torch.ops.latentfast.gather_rows_into.default(source[0], source[1], source[2], int(source[3]), index, white, out,
                                                   backend)
     if state is not None and state.hot:  # a hot batch pays this clock read and a compare
@@ -171,7 +172,8 @@ def _as_int64_vector(indices):
 def _selected_widths(widths, index_np: np.ndarray, clip: bool) -> np.ndarray:
     """int32 widths of rows ``index_np`` (indices clipped into range when ``clip``: the kernel reports
     bad ones). Widths that do not fit int32 are refused, never truncated."""
-    widths = np.asarray(widths)
+    if widths.__class__ is not np.ndarray:
+        widths = np.asarray(widths)
     if widths.size == 0 and index_np.size:
         raise IndexError("indices given for a cache of 0 rows")
     selected = widths.take(index_np, mode="clip") if clip else widths[index_np]
