@@ -357,12 +357,14 @@ def lookahead_loop(folder: str, lookahead: int, steps: int, seed: int) -> dict:
     sampler = WidthBucketBatchSampler(cache.widths, BATCH, seed=seed)
     batches = (read_batch(cache, b) for b in pf.LookaheadSampler(sampler, cache, lookahead))
     loop = iter(DevicePrefetcher(batches, "cpu", lookahead=lookahead))
-    waits = []
+    waits, batch = [], None
     for _ in range(steps):
         start = time.perf_counter()
-        next(loop)
+        fresh = next(loop)
         waits.append(time.perf_counter() - start)
+        batch = fresh  # the previous batch is freed here, in the step, as in a training loop
         time.sleep(STEP_S)
+    del batch
     loop.close()
     waits_ms = np.array(waits) * 1e3
     return {"resident_before": resident, "steps": steps, "share_under_1ms": float(np.mean(waits_ms < 1.0)),
@@ -391,10 +393,13 @@ def measure_cold(geometry, cache_bytes: int, n_batches: int, steps: int, root: s
         hot = LatentCache(folder)
         expected = [read_batch(hot, b, cold=False)[0] for b in batches]
         del hot
-        table = {}
-        for name, provider in cold_providers(layout, items).items():
-            timed = [timed_cold_batch(folder, provider, b, e) for b, e in zip(batches, expected)]
-            table[name] = {"ms": [s * 1e3 for s, _ in timed], "resident_before": [r for _, r in timed]}
+        providers = cold_providers(layout, items)
+        table = {name: {"ms": [], "resident_before": []} for name in providers}
+        for b, e in zip(batches, expected):  # providers take turns on each batch: a disturbance hits all alike
+            for name, provider in providers.items():
+                seconds, resident = timed_cold_batch(folder, provider, b, e)
+                table[name]["ms"].append(seconds * 1e3)
+                table[name]["resident_before"].append(resident)
         result["layouts"][layout] = table
         for lookahead in (pf.DEFAULT_LOOKAHEAD, 0):
             result["loops"][f"{layout}, lookahead {lookahead}"] = lookahead_loop(folder, lookahead, steps, seed=3)
@@ -556,7 +561,7 @@ def run_report(quick: bool = False, sections=("hot", "cold")) -> dict:
                     report["summary"].update({f"hot_{tag}@{t}thr_{k}": round(v, 3) for k, v in q.items()})
             if "cold" in sections and pf.SUPPORTED:
                 before = conditions(root)
-                c = measure_cold(geometry, (128 if quick else 1024) * 2**20, 3 if quick else 8, 15 if quick else 40, root)
+                c = measure_cold(geometry, (128 if quick else 1024) * 2**20, 3 if quick else 12, 15 if quick else 40, root)
                 c["conditions"] = {"before": before, "after": conditions(root)}
                 print(f"\nconditions of the cold run: {before} (load after: {c['conditions']['after']['load_average_1min']})")
                 c["ratios"] = print_cold(c)

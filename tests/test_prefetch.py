@@ -254,9 +254,9 @@ def test_auto_mode_stops_checking_when_hot_and_resumes_after_a_slow_copy(cache_d
     cache = LatentCache(str(cache_dir / "padded"))
     read_batch(cache, np.arange(400))  # all resident
     state = pf.cold_reads(cache)
-    checks = []
-    original = pf.DataFile.missing
-    monkeypatch.setattr(pf.DataFile, "missing", lambda handle, o, n: checks.append(1) or original(handle, o, n))
+    checks = []  # one per batch whose pages were looked at
+    original = pf.row_spans
+    monkeypatch.setattr(pf, "row_spans", lambda *args: checks.append(1) or original(*args))
     for _ in range(pf.HOT_AFTER + 5):
         read_batch(cache, [1, 2, 3])
     assert len(checks) == pf.HOT_AFTER - 1 and state.hot, "residency kept being checked on a hot cache"
@@ -390,3 +390,25 @@ def test_inspect_reports_resident_bytes(cache_dir):
         fh.read()
     hot = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=120)
     assert json.loads(hot.stdout)["resident_bytes"] == os.path.getsize(path), hot.stdout[-300:]
+
+
+def test_cold_batch_is_asked_for_after_a_short_probe_and_a_warm_one_row_by_row(cache_dir, monkeypatch):
+    """A batch whose first spans are all missing is advised whole without checking every span; a batch
+    that is partly resident has each span checked and only the missing ones advised."""
+    directory = cache_dir / "padded"
+    evicted(directory)
+    spy = AdviceSpy(monkeypatch)
+    looked = []
+    original = pf.DataFile.missing
+    monkeypatch.setattr(pf.DataFile, "missing", lambda handle, o, n: looked.append(len(o)) or original(handle, o, n))
+    cache = LatentCache(str(directory))
+    cold_rows = np.arange(100, 140, 2)  # 20 rows, none resident
+    read_batch(cache, cold_rows)
+    assert looked == [pf.PROBE_SPANS] and spy.pages() == pages_of(cache.row_starts, cold_rows)
+    looked.clear()
+    spy.calls.clear()
+    warm_first = np.concatenate([np.arange(0, 8, 2), np.arange(300, 340, 2)])  # rows 0-6 are read below
+    read_batch(cache, np.arange(0, 8, 2), cold=False)
+    read_batch(cache, warm_first)
+    assert sum(looked) == len(warm_first), "a partly resident batch must have every span checked"
+    assert spy.pages() == pages_of(cache.row_starts, warm_first[4:]), "only the missing rows are asked for"

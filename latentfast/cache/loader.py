@@ -276,7 +276,10 @@ class DevicePrefetcher:
                     raise item
                 yield self._hand_over(*item)
         finally:
-            stop.set()  # a loop that stops early lets the producer finish its current batch and exit
+            # a loop that stops early: the producer finishes the batch it is making and exits, and with
+            # it go its references (to the source, to its batches), before this returns
+            stop.set()
+            producer.join()
 
     def _produce(self, source, ready: queue.Queue, stop: threading.Event, cuda_device: int | None) -> None:
         def put(entry) -> bool:

@@ -59,6 +59,7 @@ PAGE = mmap.PAGESIZE
 # device (128 KiB by default), so longer spans are advised in pieces of this size.
 CHUNK_BYTES = 128 * 1024
 HOT_AFTER = 8  # consecutive fully resident batches before residency checks stop
+PROBE_SPANS = 4  # spans checked first: all missing means a cold batch, advised without checking the rest
 # A batch is "slow" (its pages were faulted in from disk) when its copy took longer than this
 # floor plus its bytes at this bandwidth: a hot copy runs at several GB/s even on one busy core,
 # a copy that faults pages in from any disk at well under this.
@@ -288,10 +289,12 @@ class ColdReads:
         if index.size == 0 or int(index.min()) < 0 or int(index.max()) >= len(row_starts) - 1:
             return
         offsets, lengths = row_spans(np.asarray(row_starts, dtype=np.int64), index)
-        if always:
+        head = self.file.missing(offsets[:PROBE_SPANS], lengths[:PROBE_SPANS]) if not always else None
+        if always or (head.all() and len(offsets) > PROBE_SPANS):  # a cold batch: ask for all, unchecked
+            self.streak = 0 if not always else self.streak
             self.file.advise(offsets, lengths)
             return
-        missing = self.file.missing(offsets, lengths)
+        missing = np.concatenate([head, self.file.missing(offsets[PROBE_SPANS:], lengths[PROBE_SPANS:])])
         if missing.any():
             self.streak = 0
             self.file.advise(offsets[missing], lengths[missing])
