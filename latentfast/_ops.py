@@ -90,6 +90,7 @@ def compiled_op(op: str):
 # shape checks = fake kernels (shapes, dtypes and devices only; they run traced and eager)
 # ---------------------------------------------------------------------------------------------
 FLOAT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT64_MAX = 2**63 - 1
 CHECKS: dict = {}
 
 
@@ -176,6 +177,10 @@ def _gather_rows_packed_into_check(data, row_offsets, widths, pitch, indices, ch
     _check_gather_source(data, row_offsets, widths, pitch, indices)
     torch._check_value(
         channels >= 0 and latent_h >= 0, lambda: f"channels and latent_h must be >= 0, got {channels}, {latent_h}"
+    )
+    torch._check_value(
+        channels * latent_h <= INT64_MAX,
+        lambda: f"channels * latent_h = {channels} * {latent_h} does not fit in int64",
     )
     _check_output("out", out, 1, (torch.float16,), torch.device("cpu"))
 

@@ -78,19 +78,28 @@ def gather_rows_packed_into(data, row_offsets, widths, pitch: int, indices, chan
         start += row.numel()
 
 
-def expand_rows_into(packed, packed_offsets, widths, white, out) -> None:
-    """``out[b, c, y, x] = packed[packed_offsets[b] + (c*h + y)*widths[b] + x]`` for ``x < widths[b]``,
-    else ``white[c*h + y]``; cast to out's dtype. ``out``: ``[B, C, h, W]``; ``white`` may be None
-    only when every row is W wide."""
+def check_expand_rows(packed, packed_offsets, widths, white, out) -> None:
+    """Refuse, on the host, rows :func:`expand_rows_into` cannot serve: a width outside ``[0, W]``, a row
+    not inside ``packed``, or a row narrower than W without a white column (shared with the Triton
+    kernel's CPU path, which has no bounds checks of its own)."""
     _, channels, latent_h, max_width = out.shape
+    lines = channels * latent_h
     for b, (start, width) in enumerate(zip(packed_offsets.tolist(), widths.tolist())):
-        if not 0 <= width <= max_width or start < 0 or start + channels * latent_h * width > packed.numel():
+        if not 0 <= width <= max_width or start < 0 or start + lines * width > packed.numel():
             raise ValueError(
                 f"row {b} (offset {start}, width {width}) needs 0 <= width <= W={max_width} and to lie inside "
                 f"packed's {packed.numel()} elements"
             )
         if width < max_width and white is None:
             raise ValueError(f"row {b} (width {width}) needs padding to W={max_width} but no white column was given")
+
+
+def expand_rows_into(packed, packed_offsets, widths, white, out) -> None:
+    """``out[b, c, y, x] = packed[packed_offsets[b] + (c*h + y)*widths[b] + x]`` for ``x < widths[b]``,
+    else ``white[c*h + y]``; cast to out's dtype. ``out``: ``[B, C, h, W]``; ``white`` may be None
+    only when every row is W wide."""
+    check_expand_rows(packed, packed_offsets, widths, white, out)
+    _, channels, latent_h, max_width = out.shape
     for b, (start, width) in enumerate(zip(packed_offsets.tolist(), widths.tolist())):
         row = packed[start : start + channels * latent_h * width].reshape(channels, latent_h, width)
         out[b, :, :, :width] = row
