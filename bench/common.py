@@ -103,3 +103,28 @@ def line_plot(out_dir: str, name: str, x: Sequence[float], series: dict[str, Seq
     ax.set(**axes)
     ax.legend()
     return [save(fig, out_dir, name)]
+
+
+def interleaved_median_seconds(fns: dict[str, Callable[[], object]], *, repeat: int = 7, warmup: int = 2, device=None,
+                               min_time: float = 0.0) -> dict[str, float]:
+    """Median wall time of each ``fns[name]()``, sampled round-robin: each round takes one sample of every
+    function, so a busy neighbour on a shared machine slows every contender alike rather than whichever
+    happened to run at the time. Short functions are looped so one sample lasts ``min_time`` seconds."""
+    inner = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        inner[name] = max(1, int(min_time / max(time.perf_counter() - start, 1e-9))) if min_time > 0 else 1
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            sync(device)
+            samples[name].append((time.perf_counter() - start) / inner[name])
+    return {name: statistics.median(values) for name, values in samples.items()}

@@ -4,7 +4,9 @@ Every function takes ``backend="auto" | "cpp" | "cuda" | "triton" | "torch"``, w
 the op (the op's dispatch-key kernel picks the implementation, see :mod:`latentfast.backends`), so
 these functions trace under ``torch.compile(fullgraph=True)`` on every backend. The op itself
 checks shapes, dtypes, devices and overlapping outputs; what is checked here is what is needed to
-size the outputs, and the public contract (an ``out=`` of exactly the requested dtype).
+size the outputs, and the public contract (an ``out=`` of exactly the requested dtype). Integer
+arguments accept any integer type (numpy's too) and are refused, naming the argument, outside the
+int64 range the ops' schemas hold; outputs too large for int64 sizes are refused before allocating.
 """
 from __future__ import annotations
 
@@ -19,8 +21,6 @@ from . import backends  # noqa: F401  (registers their kernels)
 from .errors import ArgumentTypeError, IndexOutOfRangeError, InvalidArgumentError
 
 NORMALIZE_DTYPES = _ops.FLOAT_OUT_DTYPES
-
-
 INT64_MAX = _ops.INT64_MAX  # the largest value an ``int`` argument of an op's schema holds
 
 
@@ -91,7 +91,8 @@ def normalize_uint8(
 
     Returns:
         One tensor when ``num_views == 1``, else a list of ``num_views`` contiguous tensors. All
-        views are written in a single pass over ``x``.
+        views are written in a single pass over ``x``; an ``out`` overlapping ``x`` or another
+        output is refused. A meta ``x`` gives meta outputs (shapes only), like any torch op.
     """
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
