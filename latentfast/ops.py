@@ -45,8 +45,9 @@ def _as_size(name: str, value) -> int:
 
 
 def _check_elements(name: str, count: int) -> None:
-    """Refuse an output of more elements than int64 counts (the product of sizes, exact in Python)."""
-    if count > INT64_MAX:
+    """Refuse an output of more elements than int64 counts (the product of sizes, exact in Python).
+    A symbolic count (under ``torch.compile``, a value of the data) is left to the allocation."""
+    if not torch.compiler.is_compiling() and count > INT64_MAX:
         raise InvalidArgumentError(f"{name} would hold {count} elements, more than int64 can count")
 
 
