@@ -67,6 +67,11 @@ class NonFiniteError(LatentfastError, ValueError):
     """A value that must be finite (a feature, a loss, a cotangent, a cost) is not."""
 
 
+class NonFiniteReplayError(NonFiniteError, FloatingPointError):
+    """A replay feature, loss or cotangent is not finite (also a ``FloatingPointError``, the class
+    the feature replay specification raises for non-finite features)."""
+
+
 __all__ = [
     "ArgumentTypeError",
     "BackendUnavailableError",
@@ -79,6 +84,7 @@ __all__ = [
     "InvalidArgumentError",
     "LatentfastError",
     "NonFiniteError",
+    "NonFiniteReplayError",
     "OffloadEncodeError",
     "ReplayError",
 ]
