@@ -5,11 +5,13 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/safe_numerics.h>
 
+#include <string>
 #include <vector>
+
+#include "overlap_check.h"
 
 namespace latentfast {
 
@@ -19,13 +21,13 @@ inline bool is_scatter_dtype(at::ScalarType t) {
 
 inline int64_t scatter_checked_mul(int64_t a, int64_t b, const char* what) {
   int64_t out = 0;
-  TORCH_CHECK(!c10::mul_overflows(a, b, &out), "scatter_cotangents: ", what, " overflows int64 (", a, " * ", b, ")");
+  TORCH_CHECK_VALUE(!c10::mul_overflows(a, b, &out), "scatter_cotangents: ", what, " overflows int64 (", a, " * ", b, ")");
   return out;
 }
 
 inline int64_t scatter_checked_add(int64_t a, int64_t b, const char* what) {
   int64_t out = 0;
-  TORCH_CHECK(!c10::add_overflows(a, b, &out), "scatter_cotangents: ", what, " overflows int64 (", a, " + ", b, ")");
+  TORCH_CHECK_VALUE(!c10::add_overflows(a, b, &out), "scatter_cotangents: ", what, " overflows int64 (", a, " + ", b, ")");
   return out;
 }
 
@@ -35,43 +37,43 @@ inline int64_t scatter_checked_add(int64_t a, int64_t b, const char* what) {
 // scales.size() * b_local * sum_k N_k*D_k elements, overlapping no input. Returns the grads.
 inline std::vector<at::Tensor> check_scatter_cotangents_args(at::TensorList grads_list, at::IntArrayRef batch_sizes,
                                                              c10::ArrayRef<double> scales, const at::Tensor& arena) {
-  TORCH_CHECK(!grads_list.empty(), "scatter_cotangents: grads must hold at least one tensor");
-  TORCH_CHECK(!batch_sizes.empty(), "scatter_cotangents: batch_sizes must hold at least one microbatch size");
-  TORCH_CHECK(scales.size() == 1 || scales.size() == 2, "scatter_cotangents: scales must hold 1 or 2 factors, got ",
+  TORCH_CHECK_VALUE(!grads_list.empty(), "scatter_cotangents: grads must hold at least one tensor");
+  TORCH_CHECK_VALUE(!batch_sizes.empty(), "scatter_cotangents: batch_sizes must hold at least one microbatch size");
+  TORCH_CHECK_VALUE(scales.size() == 1 || scales.size() == 2, "scatter_cotangents: scales must hold 1 or 2 factors, got ",
               scales.size());
-  TORCH_CHECK(arena.dim() == 1 && arena.is_contiguous(), "scatter_cotangents: arena must be contiguous 1-D, got shape ",
+  TORCH_CHECK_VALUE(arena.dim() == 1 && arena.is_contiguous(), "scatter_cotangents: arena must be contiguous 1-D, got shape ",
               arena.sizes(), " strides ", arena.strides());
-  TORCH_CHECK(is_scatter_dtype(arena.scalar_type()),
+  TORCH_CHECK_VALUE(is_scatter_dtype(arena.scalar_type()),
               "scatter_cotangents: arena dtype must be float32, float64, float16 or bfloat16, got ", arena.scalar_type());
   int64_t b_local = 0;
   for (size_t m = 0; m < batch_sizes.size(); ++m) {
-    TORCH_CHECK(batch_sizes[m] > 0, "scatter_cotangents: batch_sizes[", m, "] must be positive, got ", batch_sizes[m]);
+    TORCH_CHECK_VALUE(batch_sizes[m] > 0, "scatter_cotangents: batch_sizes[", m, "] must be positive, got ", batch_sizes[m]);
     b_local = scatter_checked_add(b_local, batch_sizes[m], "sum(batch_sizes)");
   }
   std::vector<at::Tensor> grads(grads_list.begin(), grads_list.end());
   const auto dtype = grads[0].scalar_type();
-  TORCH_CHECK(is_scatter_dtype(dtype), "scatter_cotangents: grads dtype must be float32, float64, float16 or bfloat16, got ",
+  TORCH_CHECK_VALUE(is_scatter_dtype(dtype), "scatter_cotangents: grads dtype must be float32, float64, float16 or bfloat16, got ",
               dtype);
   int64_t slab_sum = 0;  // sum_k N_k * D_k
   for (size_t k = 0; k < grads.size(); ++k) {
     const at::Tensor& g = grads[k];
-    TORCH_CHECK(g.device() == arena.device(), "scatter_cotangents: grads[", k, "] is on ", g.device(),
+    TORCH_CHECK_VALUE(g.device() == arena.device(), "scatter_cotangents: grads[", k, "] is on ", g.device(),
                 " but arena is on ", arena.device());
-    TORCH_CHECK(g.dim() == 3, "scatter_cotangents: grads[", k, "] must be [b_local, N, D], got shape ", g.sizes());
-    TORCH_CHECK(g.scalar_type() == dtype, "scatter_cotangents: grads[", k, "] dtype ", g.scalar_type(),
+    TORCH_CHECK_VALUE(g.dim() == 3, "scatter_cotangents: grads[", k, "] must be [b_local, N, D], got shape ", g.sizes());
+    TORCH_CHECK_VALUE(g.scalar_type() == dtype, "scatter_cotangents: grads[", k, "] dtype ", g.scalar_type(),
                 " differs from grads[0] dtype ", dtype);
-    TORCH_CHECK(g.size(0) == b_local, "scatter_cotangents: grads[", k, "] has ", g.size(0),
+    TORCH_CHECK_VALUE(g.size(0) == b_local, "scatter_cotangents: grads[", k, "] has ", g.size(0),
                 " rows but batch_sizes sum to ", b_local);
     for (int64_t d = 0; d < 3; ++d) {
-      TORCH_CHECK(g.stride(d) >= 0, "scatter_cotangents: grads[", k, "] has a negative stride");
+      TORCH_CHECK_VALUE(g.stride(d) >= 0, "scatter_cotangents: grads[", k, "] has a negative stride");
     }
-    at::assert_no_overlap(arena, g);
+    check_no_overlap("scatter_cotangents", arena, "arena", g, "grads[" + std::to_string(k) + "]");
     slab_sum = scatter_checked_add(slab_sum, scatter_checked_mul(g.size(1), g.size(2), "N * D"), "sum(N * D)");
   }
   const int64_t copies = static_cast<int64_t>(scales.size());
   const int64_t needed = scatter_checked_mul(copies, scatter_checked_mul(b_local, slab_sum, "b_local * sum(N * D)"),
                                              "copies * b_local * sum(N * D)");
-  TORCH_CHECK(arena.numel() == needed, "scatter_cotangents: arena must hold len(scales) * b_local * sum(N*D) = ", needed,
+  TORCH_CHECK_VALUE(arena.numel() == needed, "scatter_cotangents: arena must hold len(scales) * b_local * sum(N*D) = ", needed,
               " elements, got ", arena.numel());
   return grads;
 }

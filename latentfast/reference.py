@@ -19,7 +19,7 @@ def normalize_uint8_into(x: torch.Tensor, out: list[torch.Tensor]) -> None:
         target.copy_(part.to(torch.float32).div_(127.5).sub_(1.0))
 
 
-# ---- cache decode (issue 4) -----------------------------------------------------------------
+# ---- cache decode ----------------------------------------------------------------------------
 def _row_views(data, row_offsets, widths, pitch, indices, channels, latent_h, max_width):
     """Every requested row as a strided ``[C, h, w_i]`` view of ``data``, all checked before any copy.
 
@@ -84,29 +84,39 @@ def expand_rows_into(packed, packed_offsets, widths, white, out) -> None:
     only when every row is W wide."""
     _, channels, latent_h, max_width = out.shape
     for b, (start, width) in enumerate(zip(packed_offsets.tolist(), widths.tolist())):
+        if not 0 <= width <= max_width or start < 0 or start + channels * latent_h * width > packed.numel():
+            raise ValueError(
+                f"row {b} (offset {start}, width {width}) needs 0 <= width <= W={max_width} and to lie inside "
+                f"packed's {packed.numel()} elements"
+            )
+        if width < max_width and white is None:
+            raise ValueError(f"row {b} (width {width}) needs padding to W={max_width} but no white column was given")
+    for b, (start, width) in enumerate(zip(packed_offsets.tolist(), widths.tolist())):
         row = packed[start : start + channels * latent_h * width].reshape(channels, latent_h, width)
         out[b, :, :, :width] = row
         if width < max_width:
             out[b, :, :, width:] = white.reshape(channels, latent_h, 1)
 
 
-# ---- replay (issue 6) -----------------------------------------------------------------------
+# ---- replay ------------------------------------------------------------------------------------
 def scatter_cotangents_into(
-    grads: list[torch.Tensor], batch_sizes: list[int], scale: float, arena: torch.Tensor
+    grads: list[torch.Tensor], batch_sizes: list[int], scales: list[float], arena: torch.Tensor
 ) -> None:
-    """Split per-branch leaf gradients into per-microbatch blocks, each stored twice in ``arena``.
+    """Split per-branch leaf gradients into per-microbatch blocks, each stored once per scale in ``arena``.
 
-    ``grads[k]``: ``[b_local, N_k, D_k]`` (any strides); ``batch_sizes``: the microbatch sizes,
-    summing to ``b_local``; ``arena``: contiguous 1-D of ``2 * b_local * sum_k N_k * D_k``
-    elements. Segment ``(m, k)`` (microbatch-major, branch-minor) holds
-    ``grads[k][rows of m]`` followed by ``grads[k][rows of m] * scale``.
+    ``grads[k]``: ``[b_local, N_k, D_k]`` (any strides, one dtype); ``batch_sizes``: the microbatch
+    sizes, summing to ``b_local``; ``scales``: one or two factors; ``arena``: contiguous 1-D of
+    ``len(scales) * b_local * sum_k N_k * D_k`` elements, of any floating dtype. Segment ``(m, k)``
+    (microbatch-major, branch-minor) holds ``grads[k][rows of m] * scales[c]`` for each ``c`` in
+    turn, computed in float32 (float64 for float64 gradients) and rounded to the arena's dtype.
     """
+    opmath = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
     offset, row = 0, 0
     for size in batch_sizes:
         for grad in grads:
-            block = grad[row : row + size]
+            block = grad[row : row + size].to(opmath)
             count = block.numel()
-            arena[offset : offset + count].view_as(block).copy_(block)
-            torch.mul(block, scale, out=arena[offset + count : offset + 2 * count].view_as(block))
-            offset += 2 * count
+            for scale in scales:
+                torch.mul(block, scale, out=arena[offset : offset + count].view_as(block))
+                offset += count
         row += size

@@ -86,9 +86,9 @@ std::vector<Chunk> make_chunks(const std::vector<at::Tensor>& grads, at::IntArra
   return chunks;
 }
 
-void scatter_into_cpu(at::TensorList grads_list, at::IntArrayRef batch_sizes, c10::ArrayRef<double> scales,
-                      at::Tensor arena) {
-  TORCH_CHECK(arena.device().is_cpu(), "scatter_cotangents (cpu kernel): arena must be a CPU tensor, got ",
+void scatter_cotangents_into_cpu(at::TensorList grads_list, at::IntArrayRef batch_sizes, c10::ArrayRef<double> scales,
+                                 at::Tensor arena) {
+  TORCH_CHECK_VALUE(arena.device().is_cpu(), "scatter_cotangents (cpu kernel): arena must be a CPU tensor, got ",
               arena.device());
   const std::vector<at::Tensor> grads = check_scatter_cotangents_args(grads_list, batch_sizes, scales, arena);
   if (arena.numel() == 0) return;
@@ -102,15 +102,8 @@ void scatter_into_cpu(at::TensorList grads_list, at::IntArrayRef batch_sizes, c1
   });
 }
 
-// The schema's form before the scales list: a local copy and a scaled one.
-void scatter_cotangents_into_cpu(at::TensorList grads_list, at::IntArrayRef batch_sizes, double scale,
-                                 at::Tensor arena) {
-  const double scales[2] = {1.0, scale};
-  scatter_into_cpu(grads_list, batch_sizes, c10::ArrayRef<double>(scales, 2), arena);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(latentfast, CPU, m) { m.impl("scatter_cotangents_into", &scatter_cotangents_into_cpu); }
+TORCH_LIBRARY_IMPL(latentfast_compiled, CPU, m) { m.impl("scatter_cotangents_into", &scatter_cotangents_into_cpu); }
 
 }  // namespace latentfast

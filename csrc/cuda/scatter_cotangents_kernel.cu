@@ -130,9 +130,9 @@ void launch(const at::Tensor& table, const SegmentTable& t, const Factors& facto
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void scatter_into_cuda(at::TensorList grads_list, at::IntArrayRef batch_sizes, c10::ArrayRef<double> scales,
-                       at::Tensor arena) {
-  TORCH_CHECK(arena.is_cuda(), "scatter_cotangents (cuda kernel): arena must be a CUDA tensor, got ", arena.device());
+void scatter_cotangents_into_cuda(at::TensorList grads_list, at::IntArrayRef batch_sizes, c10::ArrayRef<double> scales,
+                                  at::Tensor arena) {
+  TORCH_CHECK_VALUE(arena.is_cuda(), "scatter_cotangents (cuda kernel): arena must be a CUDA tensor, got ", arena.device());
   const std::vector<at::Tensor> grads = check_scatter_cotangents_args(grads_list, batch_sizes, scales, arena);
   const int64_t copies = static_cast<int64_t>(scales.size());
   const SegmentTable t = make_table(grads, batch_sizes, copies, grads[0].element_size());
@@ -153,15 +153,8 @@ void scatter_into_cuda(at::TensorList grads_list, at::IntArrayRef batch_sizes, c
   });
 }
 
-// The schema's form before the scales list: a local copy and a scaled one.
-void scatter_cotangents_into_cuda(at::TensorList grads_list, at::IntArrayRef batch_sizes, double scale,
-                                  at::Tensor arena) {
-  const double scales[2] = {1.0, scale};
-  scatter_into_cuda(grads_list, batch_sizes, c10::ArrayRef<double>(scales, 2), arena);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(latentfast, CUDA, m) { m.impl("scatter_cotangents_into", &scatter_cotangents_into_cuda); }
+TORCH_LIBRARY_IMPL(latentfast_compiled, CUDA, m) { m.impl("scatter_cotangents_into", &scatter_cotangents_into_cuda); }
 
 }  // namespace latentfast

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import functools
 import numbers
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from .. import backends
+from .. import backends  # noqa: F401  (registers the kernels of torch.ops.latentfast.*)
 from ..errors import ArgumentTypeError, InvalidArgumentError, ReplayError
 
 SCATTER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -47,8 +46,7 @@ def arena_copies(grads: Sequence[torch.Tensor], scale: float, dtype: torch.dtype
 
 def arena_size(grads: Sequence[torch.Tensor], batch_sizes: Sequence[int], *, scale: float, dtype=None) -> int:
     """Elements of the arena :func:`scatter_cotangents` writes for these arguments (the size of ``out=``)."""
-    copies = 2  # the compiled op's form: a local copy and a scaled one
-    return arena_numel([g.shape for g in grads], batch_sizes, copies)
+    return arena_numel([g.shape for g in grads], batch_sizes, arena_copies(grads, scale, dtype))
 
 
 @functools.lru_cache(maxsize=256)
@@ -215,13 +213,14 @@ def scatter_cotangents(
     dtype = dtype_in if dtype is None else dtype
     if dtype not in SCATTER_DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {SCATTER_DTYPES}, got {dtype}")
-    copies = 2  # the compiled op's form: a local copy and a scaled one
+    scale = float(scale)
+    copies = arena_copies(grads, scale, dtype)
     layout = _layout(tuple(slabs), sizes, copies)
     arena = _target_arena(out, reuse, copies * b_local * sum(n * d for n, d in slabs), dtype, device)
-    local, scaled = _blocks(grads, arena, layout, copies, float(scale), reuse)
+    local, scaled = _blocks(grads, arena, layout, copies, scale, reuse)
     if arena.numel():
-        fn = _kernel(device.type, backend, os.environ.get("LATENTFAST_BACKEND"))
-        fn(list(grads), list(sizes), float(scale), arena)
+        scales = [1.0, scale] if copies == 2 else [scale]
+        torch.ops.latentfast.scatter_cotangents_into(list(grads), list(sizes), scales, arena, backend)
     return ScatteredCotangents(local, scaled, arena)
 
 
@@ -303,11 +302,3 @@ def _target_arena(out, reuse, numel: int, dtype: torch.dtype, device: torch.devi
     if out.dtype != dtype or out.device != device:
         raise InvalidArgumentError(f"{label} must be {dtype} on {device}, got {out.dtype} on {out.device}")
     return out
-
-
-@functools.lru_cache(maxsize=32)
-def _kernel(device_type: str, backend: str, env_backend: str | None):
-    """The kernel for this device and backend, memoized (the lookup costs a third of a small
-    scatter); ``LATENTFAST_BACKEND`` is part of the key since "auto" follows it. There is no Triton
-    kernel for this op, so TRITON_INTERPRET does not change the choice."""
-    return backends.kernel("scatter_cotangents_into", device_type, backend)[0]
