@@ -103,6 +103,7 @@ def _replay_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_rank_replay_equals_single_process_plain(tmp_path):
     _spawn(_replay_worker, tmp_path)
@@ -204,6 +205,7 @@ def _sync_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ddp_and_fsdp2_reduce_once_per_step_with_gradient_sync(tmp_path):
     _spawn(_sync_worker, tmp_path)

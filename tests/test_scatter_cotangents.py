@@ -410,6 +410,7 @@ except ValueError as exc:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [*(["compiled"] if COMPILED else []), "torch", "auto"])
 def test_sizes_that_overflow_int64_are_refused(path):
     """Regression: the unchecked product wrapped to 16 elements and the compiled kernel wrote

@@ -202,12 +202,9 @@ def scatter_cotangents(
         :class:`ScatteredCotangents`. Segment ``(m, k)`` of the arena (microbatch-major) holds the
         scaled block, preceded by the local block when it could not be a view (2 copies).
     """
-    dtype_in, device, slabs = _check_grads(grads)
     sizes = _checked_sizes(batch_sizes)
     b_local = sum(sizes)
-    for k, grad in enumerate(grads):
-        if grad.shape[0] != b_local:
-            raise InvalidArgumentError(f"grads[{k}] has {grad.shape[0]} rows, but batch_sizes {list(sizes)} sum to {b_local}")
+    dtype_in, device, slabs, slab_sum = _check_grads(grads, b_local, sizes)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ArgumentTypeError(f"scale must be a float, got {type(scale).__name__}")
     dtype = dtype_in if dtype is None else dtype
@@ -215,8 +212,8 @@ def scatter_cotangents(
         raise InvalidArgumentError(f"dtype must be one of {SCATTER_DTYPES}, got {dtype}")
     scale = float(scale)
     copies = arena_copies(grads, scale, dtype)
-    layout = _layout(tuple(slabs), sizes, copies)
-    arena = _target_arena(out, reuse, copies * b_local * sum(n * d for n, d in slabs), dtype, device)
+    layout = _layout(slabs, sizes, copies)
+    arena = _target_arena(out, reuse, copies * b_local * slab_sum, dtype, device)
     local, scaled = _blocks(grads, arena, layout, copies, scale, reuse)
     if arena.numel():
         scales = [1.0, scale] if copies == 2 else [scale]
@@ -242,26 +239,31 @@ def _blocks(grads, arena, layout, copies: int, scale: float, reuse) -> tuple[Cot
     return CotangentBlocks(tuple(grads), layout, 0, lease), scaled
 
 
-def _check_grads(grads) -> tuple[torch.dtype, torch.device, list[tuple[int, int]]]:
-    """(dtype, device, per-branch ``(N, D)``) of valid gradients."""
+def _check_grads(grads, b_local: int, sizes) -> tuple[torch.dtype, torch.device, tuple[tuple[int, int], ...], int]:
+    """(dtype, device, per-branch ``(N, D)``, sum of ``N * D``) of valid gradients."""
     if isinstance(grads, torch.Tensor) or not isinstance(grads, Sequence):
         raise ArgumentTypeError(f"grads must be a sequence of tensors, got {type(grads).__name__}")
     if not grads:
         raise InvalidArgumentError("grads must hold at least one branch gradient, got an empty sequence")
-    slabs = []
+    if not isinstance(grads[0], torch.Tensor):
+        raise ArgumentTypeError(f"grads[0] must be a torch.Tensor, got {type(grads[0]).__name__}")
+    dtype, device = grads[0].dtype, grads[0].device
+    if dtype not in SCATTER_DTYPES:
+        raise InvalidArgumentError(f"grads[0] dtype must be one of {SCATTER_DTYPES}, got {dtype}")
+    slabs, slab_sum = [], 0
     for k, grad in enumerate(grads):
         if not isinstance(grad, torch.Tensor):
             raise ArgumentTypeError(f"grads[{k}] must be a torch.Tensor, got {type(grad).__name__}")
-        if k == 0 and grad.dtype not in SCATTER_DTYPES:
-            raise InvalidArgumentError(f"grads[0] dtype must be one of {SCATTER_DTYPES}, got {grad.dtype}")
-        if grad.ndim != 3:
-            raise InvalidArgumentError(f"grads[{k}] must be [b_local, N, D], got shape {tuple(grad.shape)}")
-        if grad.dtype != grads[0].dtype or grad.device != grads[0].device:
-            raise InvalidArgumentError(
-                f"grads[{k}] is {grad.dtype} on {grad.device}, but grads[0] is {grads[0].dtype} on {grads[0].device}"
-            )
-        slabs.append((int(grad.shape[1]), int(grad.shape[2])))
-    return grads[0].dtype, grads[0].device, slabs
+        shape = grad.shape
+        if len(shape) != 3:
+            raise InvalidArgumentError(f"grads[{k}] must be [b_local, N, D], got shape {tuple(shape)}")
+        if grad.dtype != dtype or grad.device != device:
+            raise InvalidArgumentError(f"grads[{k}] is {grad.dtype} on {grad.device}, but grads[0] is {dtype} on {device}")
+        if shape[0] != b_local:
+            raise InvalidArgumentError(f"grads[{k}] has {shape[0]} rows, but batch_sizes {list(sizes)} sum to {b_local}")
+        slabs.append((shape[1], shape[2]))
+        slab_sum += shape[1] * shape[2]
+    return dtype, device, tuple(slabs), slab_sum
 
 
 def _checked_sizes(batch_sizes) -> tuple[int, ...]:
