@@ -283,8 +283,11 @@ def test_offload_commit_discard():
     for i in range(2):
         for n in SHAPES:
             torch.testing.assert_close(result.local_cotangents[i][n], finalized.local_cotangents[i][n])
-    for value in (result.loss, result.optimized_loss, *[v for v in result.metadata.values() if torch.is_tensor(v)]):
-        assert value.device.type == "cpu"
+    before = [finalized.loss, finalized.optimized_loss, *[v for v in finalized.metadata.values() if torch.is_tensor(v)]]
+    after = [result.loss, result.optimized_loss, *[v for v in result.metadata.values() if torch.is_tensor(v)]]
+    for old, value in zip(before, after):
+        assert value.device.type == "cpu" and torch.equal(value, old)
+        assert value.data_ptr() != old.data_ptr()  # a copy, also from CPU tensors
     assert cache._store.device.type == "cpu"
     cache.commit()
     assert not cache.finalized and cache.local_samples == 0 and cache.selected_local_samples == 0

@@ -360,8 +360,8 @@ class FeatureGradientReplay:
         batch_size, device = self._validate_mapping(generated_features, "generated_features")
         self._check_capacity(batch_size, device, gradient_selected)
         ids = self._check_ids(batch_size, gradient_selected, sample_ids, current_teacher_sample_ids)
-        teacher = current_teacher_features if self._check_teacher(batch_size, gradient_selected, current_teacher_features) else None
-        self._store_rows(generated_features, teacher, batch_size, device)
+        stores_teacher = self._check_teacher(batch_size, gradient_selected, current_teacher_features)
+        self._store_rows(generated_features, current_teacher_features if stores_teacher else None, batch_size, device)
         index = len(self._batch_sizes)
         self._batch_sizes.append(batch_size)
         if gradient_selected:
@@ -488,9 +488,8 @@ class FeatureGradientReplay:
         world, rank = len(stores), self._rank()
         per_rank = [self._store_views(store) for store in stores]
         suffix = self.target_local_samples - self.gradient_local_samples
-        indices = torch.cat(
-            [torch.arange(r * self.target_local_samples + suffix, (r + 1) * self.target_local_samples) for r in range(world)]
-        ).to(self._device)
+        B = self.target_local_samples
+        indices = torch.cat([torch.arange(r * B + suffix, (r + 1) * B) for r in range(world)]).to(self._device)
         leaves, distribution, differentiation = {}, {}, {}
         teacher = {} if self.current_teacher_attraction_enabled else None
         for name in self.branch_names:
@@ -546,12 +545,14 @@ class FeatureGradientReplay:
                 continue
             where = f" on rank {rank}" if world > 1 else ""
             if not row[0]:
-                raise NonFiniteReplayError(f"the replay loss is not finite{where}: {_nonfinite_terms(metadata, self.branch_names)}")
+                terms = _nonfinite_terms(metadata, self.branch_names)
+                raise NonFiniteReplayError(f"the replay loss is not finite{where}: {terms}")
             names = [name for name, ok in zip(self.branch_names, row[1:]) if not ok]
             dtype = f" in {out_dtype}" if rank == self._rank() else ""
             raise NonFiniteReplayError(
-                f"the cotangents of branch {names[0]!r}{where} are not finite{dtype} (all failing: {names}); the loss"
-                " is finite, so its gradient overflowed the cotangents' dtype: scale the loss down or add float32 features"
+                f"the cotangents of branch {names[0]!r}{where} are not finite{dtype} (all failing: {names}); the"
+                " loss is finite, so its gradient overflowed the cotangents' dtype: scale the loss down or add"
+                " float32 features"
             )
 
     def _reusable_scatter(self, grads: list[torch.Tensor], scale: float) -> ScatteredCotangents | None:
