@@ -85,15 +85,19 @@ def test_replay_gradient_equals_plain_backprop(mode, attraction):
 
 
 @pytest.mark.parametrize("mode", ["exact", "nystrom"])
-@pytest.mark.parametrize("B, b", [(8, 8), (12, 12), (8, 6)])
+@pytest.mark.parametrize("B, b", [(4, 4), (8, 8), (12, 12), (8, 6)])
 def test_more_replays_and_every_row_selected_equal_plain_backprop(mode, B, b):
-    """b = B is plain GradCache; three or more replays sum in another order than plain backprop."""
+    """b = B is plain GradCache: bit-equal with two replays; three or more sum in another order
+    than plain backprop."""
     problem = build_toy_problem(local_samples=B, gradient_local_samples=b, microbatch=2, attraction=True, mode=mode)
     plain_loss = plain_step(problem)
     plain = generator_gradients(problem)
     result = replay_step(problem, cotangents="local")
+    replayed = generator_gradients(problem)
     assert torch.equal(result.loss, plain_loss) and result.gradient_local_samples == b
-    assert max_relative_error(plain, generator_gradients(problem)) <= 1e-12
+    if b // 2 <= 2:
+        assert _bit_equal(plain, replayed)
+    assert max_relative_error(plain, replayed) <= 1e-12
 
 
 def test_plain_step_with_unselected_microbatches_detached_gives_the_same_gradients():

@@ -263,6 +263,23 @@ def test_opcheck(case, form):
     torch.library.opcheck(torch.ops.latentfast.scatter_cotangents_into.default, (grads, batch_sizes, scales, arena))
 
 
+@pytest.mark.parametrize("backend", runnable_backends(OP, "cpu"))
+def test_op_traces_under_torch_compile_fullgraph(backend):
+    """The op, called as scatter_cotangents calls it, traces whole (its shape checks are its fake
+    kernel); the wrapper itself returns lazy view objects and runs eagerly, around the op."""
+    grads, batch_sizes, scale = sample_inputs()[1]
+    numel = arena_numel([g.shape for g in grads], batch_sizes, 2)
+
+    def f(g0, g1, g2):
+        arena = torch.empty(numel, dtype=g0.dtype)
+        torch.ops.latentfast.scatter_cotangents_into([g0, g1, g2], batch_sizes, [1.0, scale], arena, backend=backend)
+        return arena
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*grads)
+    assert torch.equal(got, _reference_arena(grads, batch_sizes, [1.0, scale]))
+
+
 @pytest.mark.gpu
 def test_cuda_matches_reference_in_one_launch():
     if not torch.cuda.is_available():
