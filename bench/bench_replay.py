@@ -16,7 +16,9 @@ under DDP.
    views of those blocks (it makes views on first access). Like for like: ``fresh`` --
    every provider allocates its outputs (the op a new arena); ``reuse`` -- every provider writes
    into buffers kept from the previous call (the op: ``reuse=`` the previous result, what
-   ``FeatureGradientReplay`` does from its second step on). Baselines: ``loop`` -- the
+   ``FeatureGradientReplay`` does from its second step on). Each figure is the fastest of many
+   single runs (microsecond work on a shared machine: a preempted run is only ever slower).
+   Baselines: ``loop`` -- the
    specification's split -> contiguous -> mul -> contiguous per block; ``mul+split`` -- one ``mul``
    per branch, then ``split`` (what a user would write).
 3. **DDP**, 2 gloo ranks (spawned processes, CPU), 4 replayed microbatches per step: gradient
@@ -39,7 +41,7 @@ import pytest
 import torch
 
 from latentfast import backends
-from latentfast.bench.common import format_table, line_plot, median_seconds, sync
+from latentfast.bench.common import best_seconds, format_table, line_plot, median_seconds, sync
 from latentfast.replay import scatter_cotangents
 from latentfast.replay.demo import build_toy_problem, generator_gradients, max_relative_error, plain_step, replay_step
 
@@ -231,9 +233,7 @@ def _scatter_row(size: str, device: str, repeat: int, op: str) -> dict:
     grads, batch_sizes = scatter_inputs(size, device)
     row = {"size": size, "MB_in": sum(g.numel() * g.element_size() for g in grads) / 1e6}
     for (mode, name), fn in scatter_providers(device, grads, batch_sizes).items():
-        row[f"{mode}_{name}_us"] = median_seconds(
-            lambda: fn(grads, batch_sizes, WORLD_SCALE), repeat=repeat, device=device, min_time=0.02
-        ) * 1e6  # fmt: skip
+        row[f"{mode}_{name}_us"] = best_seconds(lambda: fn(grads, batch_sizes, WORLD_SCALE), repeat=repeat, device=device) * 1e6
     for mode in ("fresh", "reuse"):
         for base in ("loop", "mul+split"):
             row[f"{mode}_{base}_over_op"] = row[f"{mode}_{base}_us"] / row[f"{mode}_{op}_us"]
@@ -248,7 +248,8 @@ def scatter_report(device: str, quick: bool) -> list[dict]:
     op = "cuda" if device == "cuda" else "cpp"
     if backends.availability("scatter_cotangents_into", device)[op]:
         op = "torch"  # no compiled kernel here: the reference stands in
-    rows = [_scatter_row(size, device, 5 if quick else 9, op) for size in (QUICK_SCATTER_SIZES if quick else SCATTER_SIZES)]
+    repeat = 30 if quick else 100
+    rows = [_scatter_row(size, device, repeat, op) for size in (QUICK_SCATTER_SIZES if quick else SCATTER_SIZES)]
     names = ("loop", "mul+split", op)
     header = ["features", "MB in"] + [f"{mode} {n} us" for mode in ("fresh", "reuse") for n in names]
     header += ["fresh loop/op", "reuse loop/op", "fresh mul+split/op", "reuse mul+split/op"]
@@ -258,7 +259,8 @@ def scatter_report(device: str, quick: bool) -> list[dict]:
         for r in rows
     ]  # fmt: skip
     title = (f"scatter_cotangents, 3 branches x {MICROBATCHES} microbatches of {MICROBATCH_ROWS} rows, scale "
-             f"{WORLD_SCALE:g} ({device}, {torch.get_num_threads()} threads; microseconds, ratios > 1: op faster)")  # fmt: skip
+             f"{WORLD_SCALE:g} ({device}, {torch.get_num_threads()} threads; microseconds, fastest of {repeat} runs; "
+             "ratios > 1: op faster)")  # fmt: skip
     print(format_table(title, header, table))
     print("legend: " + SCATTER_LEGEND.format(backend=op))
     return rows

@@ -109,3 +109,20 @@ def line_plot(out_dir: str, name: str, x: Sequence[float], series: dict[str, Seq
 def outside_legend(ax) -> None:
     """The legend to the right of the axes, so it never covers a line or a bar."""
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
+def best_seconds(fn: Callable[[], object], *, repeat: int = 50, warmup: int = 5, device=None) -> float:
+    """Fastest wall time of ``fn()`` over ``repeat`` single runs (after ``warmup``), synchronizing ``device``.
+
+    For microsecond-scale functions on a shared machine: every run that another process preempts is
+    slower, never faster, so the fastest run is the best estimate of the function's own cost."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
