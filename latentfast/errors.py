@@ -67,6 +67,13 @@ class NonFiniteError(LatentfastError, ValueError):
     """A value that must be finite (a feature, a loss, a cotangent, a cost) is not."""
 
 
+class MissingCostError(LatentfastError, KeyError):
+    """No predicted encode cost for a shape (measure it, or allow interpolation)."""
+
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
 __all__ = [
     "ArgumentTypeError",
     "BackendUnavailableError",
@@ -78,6 +85,7 @@ __all__ = [
     "IndexOutOfRangeError",
     "InvalidArgumentError",
     "LatentfastError",
+    "MissingCostError",
     "NonFiniteError",
     "OffloadEncodeError",
     "ReplayError",

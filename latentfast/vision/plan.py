@@ -169,12 +169,11 @@ class _Problem:
 
     def by_cost(self, r: int) -> tuple[list[int], list[int]]:
         """``(costs, units)`` of rank ``r``'s own units, cheapest first (ties: lowest unit first);
-        sorted once per rank, on first use (fresh lists for the caller to edit)."""
+        sorted once per rank, on first use. Shared: callers copy before editing."""
         if r not in self._by_cost:
             units = sorted(range(self.offsets[r], self.offsets[r + 1]), key=self.cost.__getitem__)
             self._by_cost[r] = (list(map(self.cost.__getitem__, units)), units)
-        costs, units = self._by_cost[r]
-        return list(costs), list(units)
+        return self._by_cost[r]
 
 
 def _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank) -> _Problem:
@@ -236,7 +235,7 @@ class _Assignment:
                 units = sorted([u for u in units if where[u] == r] + list(self.visitors.get(r, ())))
                 units.sort(key=p.cost.__getitem__)  # stable: (cost, unit) order
                 costs = list(map(p.cost.__getitem__, units))
-            self._sorted[r] = (costs, units)
+            self._sorted[r] = (list(costs), list(units))
         return self._sorted[r]
 
     def move(self, u: int, dest: int) -> None:
@@ -346,7 +345,7 @@ def _move_once(p: _Problem, max_iterations: int = ANCHOR_MAX_ITERATIONS) -> list
         over, under = high[0][1], low[0][1]
         spread = totals[over] - totals[under]
         if over not in available:
-            available[over] = p.by_cost(over)
+            available[over] = tuple(map(list, p.by_cost(over)))
         costs, units = available[over]
         position = _nearest_half(costs, units, spread) if spread > 0 and costs else None
         if position is None:
@@ -472,7 +471,7 @@ def _local_search(a: _Assignment, goal: int, max_steps: int) -> _Assignment:
 def _send_home_where_free(a: _Assignment) -> _Assignment:
     """Moved units go back home (heaviest first) wherever that keeps the step time."""
     p, limit = a.p, a.makespan()
-    for u in sorted(a.away, key=lambda u: (-p.weight[u], u)):
+    for u in sorted(sorted(a.away), key=p.weight.__getitem__, reverse=True):  # ties: lowest unit first
         if p.transfer_aware:
             fits = _score(a, ((u, p.home[u]),))[0] <= limit
         else:  # inlined: only the home rank's load rises
@@ -486,16 +485,16 @@ def _lighter_substitutes(a: _Assignment, scan: int = 8) -> _Assignment:
     """Each moved unit (heaviest first) trades places with a lighter unit still at its home when
     that keeps the step time: the same work moves, fewer bytes travel. Candidates are the home
     units whose cost keeps both ranks within the step time (at most ``scan`` of them)."""
-    p, limit = a.p, a.makespan()
-    for u in sorted(a.away, key=lambda u: (-p.weight[u], u)):
-        h, r, c = p.home[u], a.where[u], p.cost[u]
-        if a.where[u] == h:
+    p, limit, where, weight = a.p, a.makespan(), a.where, a.p.weight
+    for u in sorted(sorted(a.away), key=weight.__getitem__, reverse=True):  # ties: lowest unit first
+        h, r, c = p.home[u], where[u], p.cost[u]
+        if r == h:
             continue
-        costs, units = a.units_on(h)
+        costs, units = p.by_cost(h)  # h's own units; those still at home are candidates
         lo = bisect.bisect_left(costs, c - (limit - a.load[r]))
-        hi = bisect.bisect_right(costs, c + (limit - a.load[h]))
-        lighter = [v for v in units[lo : min(hi, lo + scan)] if p.home[v] == h and p.weight[v] < p.weight[u]]
-        for v in sorted(lighter, key=lambda v: (p.weight[v], v)):
+        hi = min(bisect.bisect_right(costs, c + (limit - a.load[h])), lo + scan)
+        lighter = [v for v in units[lo:hi] if where[v] == h and weight[v] < weight[u]]
+        for v in sorted(lighter, key=lambda v: (weight[v], v)) if len(lighter) > 1 else lighter:
             if _score(a, ((u, h), (v, r)))[0] <= limit:
                 a.move(u, h)
                 a.move(v, r)
