@@ -357,3 +357,35 @@ def test_packed_message_round_trips_mixed_dtypes_and_odd_sizes():
     assert buffer.dtype == torch.uint8 and buffer.ndim == 1
     unpacked = _unpack(buffer, [(t.dtype, tuple(t.shape)) for t in tensors])
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(unpacked, tensors))
+
+
+CUDA_STEP = """
+import os, sys, tempfile, torch, torch.distributed as dist
+from latentfast.toy import ToyVAE
+from latentfast.vision import BalanceGroup, EncodeCostModel, VisionEncoder
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1), rank=0, world_size=1)
+vae = ToyVAE().cuda()
+items = [torch.randint(0, 256, (3, 8, 16, 16), dtype=torch.uint8), torch.rand(3, 4, 16, 16, device="cuda") * 2 - 1]
+encoder = VisionEncoder(cost_model=EncodeCostModel({(4, 16, 16): 0.01}), parallel_dims=BalanceGroup(), encode_fn=vae.encode_video,
+                        device="cuda")  # no index: units land on cuda:0 and must be accepted there
+assert encoder.balancing_available()
+balanced = encoder.encode_balanced(items, [2, 1], [4, None])
+local = encoder.encode_local(items, [2, 1], [4, None])
+assert all(b.is_cuda and torch.equal(b, l) for b, l in zip(balanced, local))
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_balanced_encode_with_device_cuda_runs_under_nccl():
+    """device="cuda" used to reject every unit (they land on cuda:0, and cuda:0 != cuda)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", CUDA_STEP], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

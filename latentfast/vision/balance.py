@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..devices import as_device
 from ..errors import ArgumentTypeError, InvalidArgumentError, OffloadEncodeError
-from .plan import Plan, plan_assignment
+from .plan import Plan, as_bandwidth, plan_assignment
 
 MAX_NDIM = 6
 DEFAULT_CAPACITY = 4096  # most units one rank may bring to a step (bounds every rank's metadata buffers)
@@ -425,7 +425,7 @@ def _settings(g: _Group, capacity, bandwidth, errors: list) -> tuple[int, float 
     here, where the peers would be left waiting."""
     try:
         check_collective_device(g.device, dist.get_backend(g.group), _current_cuda_index())
-        return _setting(capacity, "capacity"), _bandwidth(bandwidth)
+        return _setting(capacity, "capacity"), as_bandwidth(bandwidth)
     except (InvalidArgumentError, ArgumentTypeError) as exc:
         errors.append(exc)
         if dist.get_backend(g.group) == "nccl":
@@ -446,17 +446,6 @@ def _setting(value, name: str) -> int:
     if value < 1:
         raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
     return value
-
-
-def _bandwidth(bandwidth, name: str = "bandwidth") -> float | None:
-    """Bytes per second as a float (``None`` stays ``None``)."""
-    if bandwidth is None:
-        return None
-    if isinstance(bandwidth, bool) or not hasattr(bandwidth, "__float__") or isinstance(bandwidth, (str, bytes)):
-        raise ArgumentTypeError(f"{name} must be a number of bytes per second, got {bandwidth!r}")
-    if not (math.isfinite(float(bandwidth)) and float(bandwidth) > 0):
-        raise InvalidArgumentError(f"{name} must be finite and > 0 bytes per second, got {bandwidth}")
-    return float(bandwidth)
 
 
 def measure_link_bandwidth(

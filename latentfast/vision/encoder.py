@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from ..devices import as_device
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from .balance import _bandwidth, offload_encode
-from .plan import Plan
+from .balance import offload_encode
+from .plan import Plan, as_bandwidth
 from .units import VisionEncodeUnit, build_units, check_item_layout, check_item_lists, item_views, normalize_uint8_item, regroup_latents
 
 
@@ -109,7 +109,7 @@ class VisionEncoder:
         self.cost_model, self.device, self.dtype = _resolve_aliases(cost_model, tokenizer, device, dtype, fp32_kwargs)
         self.parallel_dims = parallel_dims
         self.encode_fn = encode_fn
-        self.link_bandwidth = _bandwidth(link_bandwidth, "link_bandwidth")
+        self.link_bandwidth = as_bandwidth(link_bandwidth, "link_bandwidth")
         self.last_plan: Plan | None = None  # the plan of the latest balanced step (step time, bytes moved)
 
     @property

@@ -77,9 +77,9 @@ class Plan:
     home_makespan: float
     moved_units: int
     moved_bytes: int | None
-    transfer_seconds: tuple[float, ...] = ()
-    step_seconds: float = 0.0
-    bandwidth: float | None = None
+    transfer_seconds: tuple[float, ...]
+    step_seconds: float
+    bandwidth: float | None
 
 
 # ---- inputs -------------------------------------------------------------------------------------
@@ -106,7 +106,8 @@ def _flat(per_rank, name: str) -> tuple[np.ndarray, list[int]]:
     return flat, counts
 
 
-def _bad_rank(flat: np.ndarray, bad: np.ndarray, counts: list[int]) -> int:
+def _bad_rank(bad: np.ndarray, counts: list[int]) -> int:
+    """The rank holding the first flagged value."""
     return int(np.searchsorted(np.cumsum(counts), int(np.argmax(bad)), side="right"))
 
 
@@ -124,7 +125,7 @@ def quantize_costs(costs_per_rank: Sequence[Sequence[float]]) -> list[list[int]]
 def _quantized(flat: np.ndarray, counts: list[int]) -> list[int]:
     bad = ~(np.isfinite(flat) & (flat >= 0))
     if bad.any():
-        rank = _bad_rank(flat, bad, counts)
+        rank = _bad_rank(bad, counts)
         start = sum(counts[:rank])
         values = flat[start : start + counts[rank]].tolist()
         raise InvalidArgumentError(f"costs_per_rank[{rank}] must be finite and >= 0 seconds, got {values}")
@@ -137,6 +138,17 @@ def _quantized(flat: np.ndarray, counts: list[int]) -> list[int]:
     return ns.astype(np.int64).tolist()
 
 
+def as_bandwidth(bandwidth, name: str = "bandwidth") -> float | None:
+    """A link's bytes per second as a float (``None`` stays ``None``); numpy numbers welcome."""
+    if bandwidth is None:
+        return None
+    if isinstance(bandwidth, (bool, str, bytes)) or not hasattr(bandwidth, "__float__"):
+        raise ArgumentTypeError(f"{name} must be a number of bytes per second, got {bandwidth!r}")
+    if not (math.isfinite(float(bandwidth)) and float(bandwidth) > 0):
+        raise InvalidArgumentError(f"{name} must be finite and > 0 bytes per second, got {bandwidth}")
+    return float(bandwidth)
+
+
 def _byte_counts(bytes_per_rank, counts: list[int], name: str) -> list[int]:
     """Flattened whole, non-negative byte counts with the same nesting as the costs."""
     flat, got = _flat(bytes_per_rank, name)
@@ -144,7 +156,7 @@ def _byte_counts(bytes_per_rank, counts: list[int], name: str) -> list[int]:
         raise InvalidArgumentError(f"{name} must match costs_per_rank's nesting {counts}, got {got}")
     bad = ~(np.isfinite(flat) & (flat >= 0) & (flat == np.floor(flat)))
     if bad.any():
-        rank = _bad_rank(flat, bad, counts)
+        rank = _bad_rank(bad, counts)
         start = sum(counts[:rank])
         raise InvalidArgumentError(f"{name}[{rank}] must be whole numbers of bytes >= 0, got {flat[start : start + counts[rank]].tolist()}")
     if float(flat.sum()) >= 2**63:
@@ -187,14 +199,11 @@ def _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank) -
     if bandwidth is not None:
         if bytes_per_rank is None:
             raise InvalidArgumentError("bandwidth needs bytes_per_rank (the bytes each unit sends when it moves)")
-        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float, np.number)):
-            raise ArgumentTypeError(f"bandwidth must be a number of bytes per second, got {bandwidth!r}")
-        if not (math.isfinite(bandwidth) and bandwidth > 0):
-            raise InvalidArgumentError(f"bandwidth must be finite and > 0 bytes per second, got {bandwidth}")
+        bandwidth = as_bandwidth(bandwidth)
         latent = [0] * len(cost)
         if latent_bytes_per_rank is not None:
             latent = _byte_counts(latent_bytes_per_rank, counts, "latent_bytes_per_rank")
-        xfer = [math.ceil((w + b) * NS_PER_SECOND / float(bandwidth)) for w, b in zip(weight, latent)]
+        xfer = [math.ceil((w + b) * NS_PER_SECOND / bandwidth) for w, b in zip(weight, latent)]
         if sum(cost) + 2 * sum(xfer) > MAX_TOTAL_NS:
             raise InvalidArgumentError(
                 f"bandwidth={bandwidth} predicts transfers longer than {MAX_TOTAL_NS / NS_PER_SECOND:.3g} s in total"
