@@ -19,7 +19,7 @@ import torch.distributed as dist
 from latentfast.testing import spawn_gloo
 from latentfast.toy import ToyVAE
 from latentfast.vision import BalanceGroup, EncodeCostModel, VisionEncoder, measure_link_bandwidth, offload_encode
-from latentfast.vision.balance import check_collective_device
+from latentfast.vision.balance import _Group, check_collective_device
 from latentfast.vision.demo import demo_balanced_encode, skewed_items
 
 SIZE = 16
@@ -169,6 +169,18 @@ def scenarios(rank: int, world_size: int) -> dict:
 
     out["merged_costs"] = capture(merged_costs)
     out["transfer_aware"] = capture(transfer_aware)
+
+    def host_copies_per_gather():
+        group = _Group(dist.group.WORLD, rank, world_size, torch.device("cpu"), None)
+        calls, real = [], torch.Tensor.cpu
+        torch.Tensor.cpu = lambda self, *args, **kwargs: (calls.append(1), real(self, *args, **kwargs))[1]
+        try:
+            rows = group.all_gather([float(rank), 2.0 * rank], "a test gather")
+        finally:
+            torch.Tensor.cpu = real
+        return len(calls), rows
+
+    out["host_copies"] = capture(host_copies_per_gather)
     return out
 
 
@@ -272,6 +284,14 @@ def test_transfer_aware_balanced_step_with_a_measured_link(group_results):
     plans = [r[2] for r in results]
     assert all(p == plans[0] for p in plans) and plans[0].bandwidth == results[0][1]
     assert plans[0].step_seconds <= plans[0].home_makespan
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_gathered_rows_come_back_in_one_host_copy(group_results):
+    world_size, results = results_of(group_results, "host_copies")
+    for copies, rows in results:
+        assert copies == 1 and rows == [[float(r), 2.0 * r] for r in range(world_size)]
 
 
 @pytest.mark.slow

@@ -212,11 +212,24 @@ def test_equal_makespans_prefer_fewer_moved_bytes():
     assert plan.assignment == ((1, 0), ()) and plan.moved_bytes == 10
 
 
+def test_local_search_moves_prefer_fewer_bytes():
+    # Found by search: several equally good moves off the busiest rank differ only in size.
+    costs = [[3.0], [2.0, 1.0], [], [1.0, 3.0, 2.0, 3.0, 3.0]]
+    sizes = [[20], [30, 20], [], [30, 20, 20, 30, 30]]
+    plan = plan_assignment(costs, sizes)
+    check_consistent(plan, costs, sizes)
+    assert plan.makespan == plan.lower_bound == 5.0 and plan.moved_bytes <= 90
+
+
 def test_units_go_home_when_it_costs_nothing():
     # Rank 0 must shed work; rank 1's own unit never needs to leave.
     plan = plan_assignment([[4.0, 3.0, 1.0], [2.0]], [[1, 1, 1], [1]])
     assert plan.assignment[1] == (1,)
     assert plan.makespan == 5.0 and plan.moved_units == 1
+    # The anchor sends the 5 s unit to rank 1 and the 4 s unit to rank 2; the 4 s unit can come
+    # back without raising the makespan (4 + 1 <= 5): one unit moves, not two.
+    plan = plan_assignment([[4.0, 5.0, 1.0], [], []])
+    assert plan.assignment == ((0, 1, 0), (), ()) and plan.makespan == 5.0 and plan.moved_units == 1
 
 
 def test_lower_bound_set_by_the_largest_unit():
