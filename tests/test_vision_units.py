@@ -319,3 +319,16 @@ def test_importing_the_package_loads_neither_the_demo_nor_the_toys():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_specifications_module_names_still_work():
+    from latentfast.vision import get_vae_pixel_shapes, regroup_vision_latents
+
+    items = [torch.zeros(3, 5, 16, 24), None]
+    assert get_vae_pixel_shapes(items) == vae_pixel_shapes(items) == [(5, 16, 24)]
+    assert regroup_vision_latents is regroup_latents
+    x = pixels(3, 4, 8, 8)
+    spec = normalize_uint8_item(x, {"device": "cpu", "dtype": torch.bfloat16})
+    assert spec.dtype == torch.bfloat16 and torch.equal(spec, normalize_uint8_item(x, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32_kwargs must be a dict"):
+        normalize_uint8_item(x, {"layout": None})
