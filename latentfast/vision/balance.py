@@ -45,7 +45,6 @@ WIRE_DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
 )  # fmt: skip
-HEADER = 1 + MESSAGE_CHARS + 3  # status, error text, unit count, capacity, bandwidth
 UNIT_ROW = 4 + MAX_NDIM  # seconds, latent bytes, dtype code, ndim, shape
 LATENT_ROW = 2 + MAX_NDIM  # dtype code, ndim, shape
 OK, FAILED = 0.0, 1.0
