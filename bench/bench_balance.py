@@ -32,7 +32,7 @@ import time
 import numpy as np
 import pytest
 
-from latentfast.bench.common import format_table, machine_summary, pyplot, save
+from latentfast.bench.common import format_table, machine_summary, outside_legend, pyplot, save
 from latentfast.vision import plan_assignment
 from latentfast.vision.demo import demo_balanced_encode
 from latentfast.vision.plan import NS_PER_SECOND, lpt_bins, quantize_costs
@@ -297,7 +297,7 @@ def plot(report: dict, out_dir: str) -> list[str]:
     if plt is None:
         return []
     rows = report["quality"]
-    fig, (quality_ax, moved_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (quality_ax, moved_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.27
     for k, (key, label) in enumerate((("latentfast", "latentfast"), ("anchor", "anchor (cosmos plan_rebalance)"), ("lpt", "plain LPT"))):
         xs = [i + (k - 1) * width for i in range(len(rows))]
@@ -307,9 +307,10 @@ def plot(report: dict, out_dir: str) -> list[str]:
         ax.set_xticks(range(len(rows)), [r["setting"] for r in rows], rotation=20, ha="right")
         ax.set(xlabel="ranks x units per rank", ylabel=ylabel)
     quality_ax.set_yscale("log")
+    moved_ax.set_yscale("log")
     quality_ax.set_title("plan quality (lower is better)")
     moved_ax.set_title("units moved (lower is better)")
-    moved_ax.legend(loc="upper left", fontsize=8)
+    outside_legend(moved_ax)
     fig.tight_layout()
     return [save(fig, out_dir, "balance_makespan.png")]
 
