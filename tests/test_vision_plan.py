@@ -218,7 +218,7 @@ def test_local_search_moves_prefer_fewer_bytes():
     sizes = [[20], [30, 20], [], [30, 20, 20, 30, 30]]
     plan = plan_assignment(costs, sizes)
     check_consistent(plan, costs, sizes)
-    assert plan.makespan == plan.lower_bound == 5.0 and plan.moved_bytes <= 90
+    assert plan.makespan == 5.0 and plan.moved_bytes <= 90  # 5.0: optimal (18 s of whole seconds on 4 ranks)
 
 
 def test_units_go_home_when_it_costs_nothing():
