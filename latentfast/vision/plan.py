@@ -389,22 +389,26 @@ def _best_move(a: _Assignment, top: int, bottom: int, goal: int):
     """The best single move off ``top``: a unit with a cost near half the gap to the least loaded
     rank goes there (with transfers, also the same units back home). Returns its key
     ``(max(score, goal), bytes added, score, ((unit, dest),))`` or ``None``."""
-    p, best = a.p, None
-    lt, lb = a.load[top], a.load[bottom]
+    p, lt, lb = a.p, a.load[top], a.load[bottom]
     costs, units = a.units_on(top)
-    for i in _around(costs, (lt - lb) / 2, 2):
-        u, c = units[i], costs[i]
-        if p.transfer_aware:
-            keys = []
+    near = _around(costs, (lt - lb) / 2, 2)
+    if p.transfer_aware:
+        keys = []
+        for u in (units[i] for i in near):
             for dest in {bottom, p.home[u]} - {top}:
                 score, added = _score(a, ((u, dest),))
                 keys.append((max(score, goal), added, score, ((u, dest),)))
-        elif bottom != top:  # inlined: the common case, and the planner's hot loop
-            score, h = (lt - c if lt - c > lb + c else lb + c), p.home[u]
-            keys = [(score if score > goal else goal, p.weight[u] * ((bottom != h) - (top != h)), score, ((u, bottom),))]
-        for key in keys:
-            best = key if best is None or key < best else best
-    return best
+        return min(keys, default=None)
+    if bottom == top:
+        return None
+    best = None
+    for i in near:  # inlined: the common case, and the planner's hot loop
+        c, u = costs[i], units[i]
+        score, h = (lt - c if lt - c > lb + c else lb + c), p.home[u]
+        key = (score if score > goal else goal, p.weight[u] * ((bottom != h) - (top != h)), score, u)
+        if best is None or key < best:
+            best = key
+    return None if best is None else (*best[:3], ((best[3], bottom),))
 
 
 def _best_swap(a: _Assignment, top: int, bottom: int, goal: int):
@@ -426,6 +430,7 @@ def _swap_with(a: _Assignment, top: int, r: int, goal: int, best):
     half_gap, last = (lt - lr) / 2, len(theirs) - 1
     if last < 0:
         return best
+    flat = None  # the best here as (max(score, goal), bytes added, score, u, v): cheap to compare
     for cu, u in zip(*a.units_on(top)):
         j = bisect.bisect_left(theirs, cu - half_gap)
         for j in (j - 1, j) if 0 < j <= last else (j,) if j <= last else (last,):
@@ -438,10 +443,13 @@ def _swap_with(a: _Assignment, top: int, r: int, goal: int, best):
                 hu, hv, delta = p.home[u], p.home[v], cu - cv
                 score = lt - delta if lt - delta > lr + delta else lr + delta
                 added = p.weight[u] * ((r != hu) - (top != hu)) + p.weight[v] * ((top != hv) - (r != hv))
-            key = (score if score > goal else goal, added, score, ((u, r), (v, top)))
-            if best is None or key < best:
-                best = key
-    return best
+            key = (score if score > goal else goal, added, score, u, v)
+            if flat is None or key < flat:
+                flat = key
+    if flat is None:
+        return best
+    here = (*flat[:3], ((flat[3], r), (flat[4], top)))
+    return here if best is None or here < best else best
 
 
 def _local_search(a: _Assignment, goal: int, max_steps: int) -> _Assignment:
