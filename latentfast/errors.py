@@ -72,6 +72,13 @@ class NonFiniteReplayError(NonFiniteError, FloatingPointError):
     the feature replay specification raises for non-finite features)."""
 
 
+class MissingCostError(LatentfastError, KeyError):
+    """No predicted encode cost for a shape (measure it, or allow interpolation)."""
+
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
 __all__ = [
     "ArgumentTypeError",
     "BackendUnavailableError",
@@ -83,6 +90,7 @@ __all__ = [
     "IndexOutOfRangeError",
     "InvalidArgumentError",
     "LatentfastError",
+    "MissingCostError",
     "NonFiniteError",
     "NonFiniteReplayError",
     "OffloadEncodeError",
