@@ -84,6 +84,9 @@ class LatentCacheWriter:
         flush_every: items between durability points (a crash loses at most these).
         lock_timeout: seconds to wait for another writer of this split before
             :class:`~latentfast.errors.CacheLockedError`.
+        lock: a :class:`~latentfast.cache.durable.BuildLock` the caller already holds on this split
+            (the writer releases it when done) instead of taking one.
+        restart: discard an interrupted run's progress instead of resuming it.
 
     Every latent must share the first one's ``ndim`` and channel count (``shape[0]``); keys are
     unique non-empty strings. ``key in writer`` tells whether a key is already written (durably or
@@ -91,7 +94,8 @@ class LatentCacheWriter:
     """
 
     def __init__(self, out_dir, split: str = "train", *, encoder: Any = None, meta: dict | None = None,
-                 flush_every: int = 64, lock_timeout: float = 0.0):
+                 flush_every: int = 64, lock_timeout: float = 0.0, lock: BuildLock | None = None,
+                 restart: bool = False):
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise InvalidArgumentError(f"flush_every must be a positive int, got {flush_every!r}")
         if meta is not None and not isinstance(meta, dict):
@@ -99,7 +103,7 @@ class LatentCacheWriter:
         self.out_dir, self.split, self.flush_every = os.fspath(out_dir), split, flush_every
         self.identity = encoder_identity(encoder)
         self.extra_meta = json.loads(json.dumps(meta or {}, sort_keys=True))
-        self._lock = BuildLock(self.out_dir, split, lock_timeout)
+        self._lock = lock if lock is not None else BuildLock(self.out_dir, split, lock_timeout)
         self._paths = {k: fmt.cache_path(self.out_dir, split, k) for k in
                        ("data", "meta", "offsets", "shapes", "keys", "hashes", "info", "checksums", "progress", "widths", "white")}
         self._partial = fmt.partial_path(self._paths["data"])
@@ -111,7 +115,7 @@ class LatentCacheWriter:
         self._log = None
         self.finished = False
         try:
-            self.resumed = self._open()
+            self.resumed = self._open(restart)
         except BaseException:
             self._close_files()
             self._lock.release()
@@ -122,8 +126,15 @@ class LatentCacheWriter:
         head = {"latentfast_writer": _LOG_VERSION, "encoder": self.identity, "meta": self.extra_meta}
         return (json.dumps(head, sort_keys=True) + "\n").encode()
 
-    def _open(self) -> bool:
-        records = self._read_log()
+    def reopen(self, *, restart: bool = False) -> "LatentCacheWriter":
+        """A new writer for the same cache, header and lock (this one is closed, its lock handed over)."""
+        self.flush()
+        self._close_files()
+        return LatentCacheWriter(self.out_dir, self.split, encoder=self.identity, meta=self.extra_meta,
+                                 flush_every=self.flush_every, lock=self._lock, restart=restart)
+
+    def _open(self, restart: bool) -> bool:
+        records = None if restart else self._read_log()
         if records is not None and not os.path.exists(self._partial) and not os.path.exists(self._paths["meta"]):
             # a crash inside finish() after the data was renamed into place: take it back
             with contextlib.suppress(FileNotFoundError):
@@ -361,6 +372,20 @@ class LatentCacheWriter:
                 warnings.warn(f"could not flush the latent cache writer: {err}", RuntimeWarning, stacklevel=2)
                 self._close_files()
                 self._lock.release()
+
+
+def open_for_sources(out_dir, split: str, *, encoder: Any, meta: dict, lock: BuildLock,
+                     digests: dict[str, bytes]) -> LatentCacheWriter:
+    """A writer that resumes an interrupted run only if every item it already holds still has its
+    source (``digests``: key -> content hash) unchanged; otherwise it starts over."""
+    writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock)
+    try:
+        if any(writer.source_hash(k) != (digests[k].hex() if k in digests else None) for k in writer.keys):
+            writer = writer.reopen(restart=True)
+    except BaseException:
+        writer.close()
+        raise
+    return writer
 
 
 def _size(path: str) -> int:
