@@ -4,7 +4,7 @@
   (a disk filling up), and a loop that ignores the count leaves zeros where a latent should be.
 - :func:`content_hash` hashes a source file's bytes (BLAKE2b, 16 bytes): what decides whether an
   edited image must be encoded again.
-- :class:`BuildLock` is an exclusive ``fcntl.flock`` on ``{split}.latents.lock`` in the cache
+- :class:`BuildLock` is an exclusive ``fcntl.flock`` on ``.{split}.latents.lock`` in the cache
   folder, held for a whole build: a second build of the same split into the same folder waits up to
   ``timeout`` seconds, then raises :class:`~latentfast.errors.CacheLockedError` naming the holder.
   The lock file is never deleted (deleting a lock file races with the next locker).
@@ -50,7 +50,7 @@ def content_hash(paths, chunk: int = 1 << 20) -> bytes:
 
 
 def lock_path(cache_dir: str | os.PathLike, split: str) -> str:
-    return os.path.join(os.fspath(cache_dir), f"{split}.latents.lock")
+    return os.path.join(os.fspath(cache_dir), f".{split}.latents.lock")  # hidden: not one of the cache's files
 
 
 class BuildLock:
