@@ -7,6 +7,7 @@ A GPU is never needed to compile. Environment knobs:
   MAX_JOBS                    parallel compile jobs (ninja)
 """
 import glob
+import json
 import os
 import shutil
 import sys
@@ -44,6 +45,22 @@ def _locate_cuda_home():
             return
 
 
+def _write_build_info(torch, build_cuda: bool, reason: str, cuda_home) -> str:
+    """Print the resolved configuration and compile it into _C (``latentfast.describe()`` shows it:
+    pip hides a build's output unless asked with -v). Returns the folder of the generated header."""
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "-") if build_cuda else "-"
+    info = (
+        f"torch {torch.__version__} (cuda {torch.version.cuda}); CUDA kernels: {'yes' if build_cuda else 'no'} "
+        f"({reason}); CUDA_HOME: {cuda_home}; TORCH_CUDA_ARCH_LIST: {arch}"
+    )
+    print(f"latentfast build configuration: {info}", flush=True)
+    folder = os.path.join(ROOT, "build", "latentfast_generated")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "latentfast_build_info.h"), "w") as fh:
+        fh.write(f"#define LATENTFAST_BUILD_INFO {json.dumps(info)}\n")
+    return folder
+
+
 def _extension():
     _locate_cuda_home()
     import torch
@@ -68,31 +85,18 @@ def _extension():
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
     extra = {"cxx": ["-O3", *openmp]}  # the C++ standard is the one torch's headers ask for
-    include_dirs = [os.path.join(ROOT, "csrc")]
-    define_macros = []
+    include_dirs = [os.path.join(ROOT, "csrc"), _write_build_info(torch, build_cuda, reason, cpp_extension.CUDA_HOME)]
     if build_cuda:
         sources += cuda_sources
         extra["nvcc"] = ["-O3", "--use_fast_math", "-lineinfo"]
         include_dirs += _pip_cuda_include_dirs()
-        define_macros.append(("LATENTFAST_WITH_CUDA", None))
         ext_cls = cpp_extension.CUDAExtension
     else:
         ext_cls = cpp_extension.CppExtension
-
-    print(
-        "latentfast build configuration:\n"
-        f"  torch {torch.__version__} (cuda {torch.version.cuda})\n"
-        f"  CUDA sources: {'yes' if build_cuda else 'no'} ({reason})\n"
-        f"  CUDA_HOME: {cpp_extension.CUDA_HOME}\n"
-        f"  TORCH_CUDA_ARCH_LIST: {os.environ.get('TORCH_CUDA_ARCH_LIST', '-') if build_cuda else '-'}\n"
-        f"  sources: {len(sources)} ({', '.join(sources)})",
-        flush=True,
-    )
     return ext_cls(
         name="latentfast._C",
         sources=sources,
         include_dirs=include_dirs,
-        define_macros=define_macros,
         extra_compile_args=extra,
         extra_link_args=openmp,
         py_limited_api=False,

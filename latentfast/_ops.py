@@ -1,70 +1,71 @@
-"""Every op's schema, declared once, with its fake (meta) kernel.
+"""Every op's schema, declared once, and its shape checks (which are also its fake kernel).
 
-The compiled kernels in ``csrc/`` only *implement* these schemas (``TORCH_LIBRARY_IMPL``).
-Whatever the build produced, every op works afterwards on every device: a dispatch key the
-compiled library did not fill gets the Triton kernel (CUDA, when Triton is installed) or the
-pure-torch reference from :mod:`latentfast.reference`. ``backends.describe()`` says which.
+Each op exists in two namespaces, both from the one schema in :data:`SCHEMAS`:
 
-Convention: kernels implement the ``*_into`` form (write into caller-provided outputs, so
-``out=`` and pinned staging buffers need no extra copy); the functional form allocates and
-calls it.
+- ``latentfast::<op>(..., str backend="auto")`` is the op everyone calls: the public functions in
+  :mod:`latentfast.ops`, users, ``torch.compile`` graphs. Its CPU and CUDA kernels are registered
+  by :mod:`latentfast.backends`: one per dispatch key, which runs the backend that ``backend`` (or
+  ``LATENTFAST_BACKEND``) selects -- the compiled kernel, the Triton kernel or the pure-torch
+  reference.
+- ``latentfast_compiled::<op>(...)`` is the same schema without ``backend``, implemented by the
+  compiled library ``latentfast._C`` (``TORCH_LIBRARY_IMPL`` in ``csrc/``) when it was built. It is
+  the ``cpp``/``cuda`` backend of the public op, nothing more.
+
+Kernels implement the ``*_into`` form (they write into caller-provided outputs, so ``out=`` and
+pinned staging buffers need no extra copy); the functions in :mod:`latentfast.ops` allocate and
+call it. The checks here look at shapes, dtypes and devices only (never at values, so they trace):
+the fake kernel runs them under ``torch.compile`` and the dispatch-key kernel runs them before any
+backend. Value checks (an index out of range, a row past the end of the data) are each kernel's own.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
 
 import torch
 
-from . import reference
+NAMESPACE = "latentfast"
+COMPILED_NAMESPACE = "latentfast_compiled"
 
-LIB = torch.library.Library("latentfast", "DEF")  # noqa: TOR901 - the namespace is ours alone
-
-# op name -> schema; reference.<op name> is its pure-torch implementation
+# op name -> kernel-form schema (without ``backend``); reference.<op name> is its pure-torch implementation
 SCHEMAS: dict[str, str] = {
+    # uint8 [..., C, T, H, W] -> len(out) views [..., C, T/len(out), H, W] of x / 127.5 - 1
     "normalize_uint8_into": "normalize_uint8_into(Tensor x, Tensor(a!)[] out) -> ()",
+    # padded [B, C, h, W] batch straight out of the cache's flat f16 data (the CPU read path)
+    "gather_rows_into": "gather_rows_into(Tensor data, Tensor row_offsets, Tensor widths, int pitch, "
+    "Tensor indices, Tensor? white, Tensor(a!) out) -> ()",
+    # the same rows' real columns only, back to back (the pinned staging of the GPU read path)
+    "gather_rows_packed_into": "gather_rows_packed_into(Tensor data, Tensor row_offsets, Tensor widths, "
+    "int pitch, Tensor indices, int channels, int latent_h, Tensor(a!) out) -> ()",
+    # packed rows -> padded [B, C, h, W] with the white column, cast (on the device)
+    "expand_rows_into": "expand_rows_into(Tensor packed, Tensor packed_offsets, Tensor widths, Tensor? white, "
+    "Tensor(a!) out) -> ()",
+    # per-branch leaf gradients -> every (microbatch, branch) local + scaled cotangent, one arena
+    "scatter_cotangents_into": "scatter_cotangents_into(Tensor[] grads, int[] batch_sizes, float scale, "
+    "Tensor(a!) arena) -> ()",
 }
 
-# ---- cache decode ops (gather) -------------------------------------------------------------
-# (issue 4 adds its schemas here with SCHEMAS.update({...}))
-SCHEMAS.update(
-    {
-        # padded [B, C, h, W] batch straight out of the cache's flat f16 data (the CPU path)
-        "gather_rows_into": "gather_rows_into(Tensor data, Tensor row_offsets, Tensor widths, int pitch, "
-        "Tensor indices, Tensor? white, Tensor(a!) out) -> ()",
-        # the same rows' real columns only, back to back (the pinned staging of the GPU path)
-        "gather_rows_packed_into": "gather_rows_packed_into(Tensor data, Tensor row_offsets, Tensor widths, "
-        "int pitch, Tensor indices, int channels, int latent_h, Tensor(a!) out) -> ()",
-        # packed rows -> padded [B, C, h, W] with the white column, cast (on the device)
-        "expand_rows_into": "expand_rows_into(Tensor packed, Tensor packed_offsets, Tensor widths, Tensor? white, "
-        "Tensor(a!) out) -> ()",
-    }
-)
+
+def public_schema(schema: str) -> str:
+    """The public op's schema: the kernel form plus a trailing ``str backend="auto"`` argument."""
+    head, _, tail = schema.rpartition(") ->")
+    return f'{head}, str backend="auto") ->{tail}'
 
 
-# ---- replay ops (cotangent scatter) --------------------------------------------------------
-# (issue 6 adds its schemas here with SCHEMAS.update({...}))
-SCHEMAS.update(
-    {
-        "scatter_cotangents_into": (
-            "scatter_cotangents_into(Tensor[] grads, int[] batch_sizes, float scale, Tensor(a!) arena) -> ()"
-        ),
-    }
-)
-
-
+LIB = torch.library.Library(NAMESPACE, "DEF")  # noqa: TOR901 - the namespaces are ours alone
+COMPILED_LIB = torch.library.Library(COMPILED_NAMESPACE, "DEF")  # noqa: TOR901
 for _schema in SCHEMAS.values():
-    LIB.define(_schema)
+    LIB.define(public_schema(_schema))
+    COMPILED_LIB.define(_schema)
 
 # ---------------------------------------------------------------------------------------------
-# compiled library
+# the compiled library (registers its kernels on latentfast_compiled::* when loaded)
 # ---------------------------------------------------------------------------------------------
 C_LOAD_ERROR: str | None = None
 try:
     if os.environ.get("LATENTFAST_DISABLE_C") == "1":
         raise ImportError("LATENTFAST_DISABLE_C=1")
-    from . import _C  # noqa: F401  (registers the CPU / CUDA kernels with the dispatcher)
+    from . import _C  # noqa: F401
 except ImportError as exc:  # a missing or broken build must never break import
     C_LOAD_ERROR = f"{type(exc).__name__}: {exc}"
     if os.environ.get("LATENTFAST_DISABLE_C") != "1":
@@ -76,82 +77,145 @@ except ImportError as exc:  # a missing or broken build must never break import
 
 
 def compiled_kernel_registered(op: str, dispatch_key: str) -> bool:
-    """Whether ``latentfast._C`` registered a kernel for ``op`` under ``dispatch_key``."""
-    if (op, dispatch_key) in FALLBACKS:
-        return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"latentfast::{op}", dispatch_key)
+    """Whether ``latentfast._C`` registered a kernel for ``op`` under ``dispatch_key`` ("CPU" or "CUDA")."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{COMPILED_NAMESPACE}::{op}", dispatch_key)
+
+
+def compiled_op(op: str):
+    """``torch.ops.latentfast_compiled.<op>.default``: the compiled kernel form of ``op``."""
+    return getattr(getattr(torch.ops, COMPILED_NAMESPACE), op).default
 
 
 # ---------------------------------------------------------------------------------------------
-# fake kernels (shapes only, for torch.compile / meta tensors)
+# shape checks = fake kernels (shapes, dtypes and devices only; they run traced and eager)
 # ---------------------------------------------------------------------------------------------
-@torch.library.register_fake("latentfast::normalize_uint8_into")
-def _normalize_uint8_into_fake(x, out):
-    return None
+FLOAT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CHECKS: dict = {}
 
 
-# ---- cache decode fake kernels (issue 4) ----------------------------------------------------
-@torch.library.register_fake("latentfast::gather_rows_into")
-def _gather_rows_into_fake(data, row_offsets, widths, pitch, indices, white, out):
-    return None
+def _shape_check(op: str):
+    """Register ``fn`` as ``op``'s fake kernel and as its eager pre-check (see module docstring)."""
+
+    def wrap(fn):
+        CHECKS[op] = fn
+        torch.library.register_fake(f"{NAMESPACE}::{op}")(fn)
+        return fn
+
+    return wrap
 
 
-@torch.library.register_fake("latentfast::gather_rows_packed_into")
-def _gather_rows_packed_into_fake(data, row_offsets, widths, pitch, indices, channels, latent_h, out):
-    return None
+def _check_vector(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    torch._check_value(
+        tensor.dtype == dtype and tensor.dim() == 1 and tensor.is_contiguous(),
+        lambda: f"{name} must be a contiguous 1-D {dtype} tensor, got {tensor.dtype} {tuple(tensor.shape)}",
+    )
 
 
-@torch.library.register_fake("latentfast::expand_rows_into")
-def _expand_rows_into_fake(packed, packed_offsets, widths, white, out):
-    return None
+def _check_output(name: str, out: torch.Tensor, dims: int, dtypes, device: torch.device) -> None:
+    torch._check_value(out.dim() == dims, lambda: f"{name} must be {dims}-D, got shape {tuple(out.shape)}")
+    torch._check_value(out.dtype in dtypes, lambda: f"{name} dtype must be one of {dtypes}, got {out.dtype}")
+    torch._check_value(out.device == device, lambda: f"{name} must be on {device}, got {out.device}")
+    torch._check_value(out.is_contiguous(), lambda: f"{name} must be contiguous, got strides {tuple(out.stride())}")
 
 
-# ---- replay fake kernels (issue 6) ----------------------------------------------------------
-@torch.library.register_fake("latentfast::scatter_cotangents_into")
-def _scatter_cotangents_into_fake(grads, batch_sizes, scale, arena):
-    return None
+def _check_white(white, out_shape, device: torch.device) -> None:
+    if white is None:
+        return
+    lines = out_shape[1] * out_shape[2]
+    torch._check_value(
+        white.dtype == torch.float16 and white.numel() == lines and white.is_contiguous() and white.device == device,
+        lambda: f"white must be a contiguous float16 tensor of C*h = {lines} values on {device}, got "
+        f"{white.dtype} {tuple(white.shape)} on {white.device}",
+    )
 
 
-
-# ---------------------------------------------------------------------------------------------
-# fallbacks for dispatch keys the compiled library left empty
-# ---------------------------------------------------------------------------------------------
-FALLBACKS: dict[tuple[str, str], str] = {}  # (op, "CPU"|"CUDA") -> "triton" | "torch"
-
-
-def _triton_kernel(op: str):
-    """The Triton implementation of ``op`` or None (Triton missing or no such kernel)."""
-    try:
-        module = importlib.import_module(f"latentfast.kernels.{op.removesuffix('_into')}")
-    except ImportError:
-        return None
-    return getattr(module, op, None)
-
-
-def _cuda_fallback(op: str):
-    """CUDA kernel for ``op`` when _C has none: Triton if importable (resolved on first call, so
-    importing latentfast never imports Triton), else the reference."""
-    cache: list = []
-
-    def impl(*args):
-        if not cache:
-            cache.append(_triton_kernel(op) or getattr(reference, op))
-        return cache[0](*args)
-
-    return impl
+@_shape_check("normalize_uint8_into")
+def _normalize_uint8_into_check(x, out, backend="auto"):
+    torch._check_value(x.dtype == torch.uint8, lambda: f"x must be uint8 pixels, got dtype {x.dtype}")
+    torch._check_value(x.dim() >= 4, lambda: f"x must be [..., C, T, H, W] (at least 4-D), got {tuple(x.shape)}")
+    views = len(out)
+    torch._check_value(views >= 1, lambda: "out must hold at least one tensor")
+    torch._check_value(
+        x.shape[-3] % views == 0, lambda: f"T={x.shape[-3]} (x.shape[-3]) is not divisible by num_views={views}"
+    )
+    view_shape = (*x.shape[:-3], x.shape[-3] // views, *x.shape[-2:])
+    for v, target in enumerate(out):
+        _check_output(f"out[{v}]", target, len(view_shape), FLOAT_OUT_DTYPES, x.device)
+        torch._check_value(
+            tuple(target.shape) == view_shape, lambda: f"out[{v}] must have shape {view_shape}, got {tuple(target.shape)}"
+        )
+        torch._check_value(target.dtype == out[0].dtype, lambda: f"out[{v}] dtype {target.dtype} != out[0] dtype {out[0].dtype}")
 
 
-def _register_fallbacks() -> None:
-    for op in SCHEMAS:
-        for key in ("CPU", "CUDA"):
-            if torch._C._dispatch_has_kernel_for_dispatch_key(f"latentfast::{op}", key):
-                continue
-            if key == "CPU":
-                LIB.impl(op, getattr(reference, op), key)
-                FALLBACKS[(op, key)] = "torch"
-            else:
-                LIB.impl(op, _cuda_fallback(op), key)
-                FALLBACKS[(op, key)] = "triton or torch"
+def _check_gather_source(data, row_offsets, widths, pitch, indices) -> None:
+    for name, tensor in (("data", data), ("row_offsets", row_offsets), ("widths", widths), ("indices", indices)):
+        torch._check_value(tensor.device.type == "cpu", lambda: f"{name} must be a CPU tensor, got {tensor.device}")
+    _check_vector("data", data, torch.float16)
+    _check_vector("row_offsets", row_offsets, torch.int64)
+    _check_vector("widths", widths, torch.int32)
+    _check_vector("indices", indices, torch.int64)
+    torch._check_value(
+        widths.numel() == row_offsets.numel(),
+        lambda: f"widths has {widths.numel()} rows but row_offsets has {row_offsets.numel()}",
+    )
+    torch._check_value(pitch >= 0, lambda: f"pitch must be >= 0 (0 = ragged layout), got {pitch}")
 
 
-_register_fallbacks()
+@_shape_check("gather_rows_into")
+def _gather_rows_into_check(data, row_offsets, widths, pitch, indices, white, out, backend="auto"):
+    _check_gather_source(data, row_offsets, widths, pitch, indices)
+    _check_output("out", out, 4, FLOAT_OUT_DTYPES, torch.device("cpu"))
+    torch._check_value(
+        out.shape[0] == indices.numel(), lambda: f"out has B={out.shape[0]} rows but indices has {indices.numel()}"
+    )
+    _check_white(white, out.shape, torch.device("cpu"))
+
+
+@_shape_check("gather_rows_packed_into")
+def _gather_rows_packed_into_check(data, row_offsets, widths, pitch, indices, channels, latent_h, out, backend="auto"):
+    _check_gather_source(data, row_offsets, widths, pitch, indices)
+    torch._check_value(
+        channels >= 0 and latent_h >= 0, lambda: f"channels and latent_h must be >= 0, got {channels}, {latent_h}"
+    )
+    _check_output("out", out, 1, (torch.float16,), torch.device("cpu"))
+
+
+@_shape_check("expand_rows_into")
+def _expand_rows_into_check(packed, packed_offsets, widths, white, out, backend="auto"):
+    device = packed.device
+    _check_vector("packed", packed, torch.float16)
+    _check_vector("packed_offsets", packed_offsets, torch.int64)
+    _check_vector("widths", widths, torch.int32)
+    for name, tensor in (("packed_offsets", packed_offsets), ("widths", widths)):
+        torch._check_value(tensor.device == device, lambda: f"{name} must be on {device}, got {tensor.device}")
+    torch._check_value(
+        packed_offsets.numel() == widths.numel(),
+        lambda: f"packed_offsets has {packed_offsets.numel()} rows but widths has {widths.numel()}",
+    )
+    _check_output("out", out, 4, FLOAT_OUT_DTYPES, device)
+    torch._check_value(out.shape[0] == widths.numel(), lambda: f"out has B={out.shape[0]} rows but widths has {widths.numel()}")
+    _check_white(white, out.shape, device)
+
+
+@_shape_check("scatter_cotangents_into")
+def _scatter_cotangents_into_check(grads, batch_sizes, scale, arena, backend="auto"):
+    torch._check_value(len(grads) >= 1, lambda: "grads must hold at least one tensor")
+    torch._check_value(len(batch_sizes) >= 1, lambda: "batch_sizes must hold at least one microbatch size")
+    torch._check_value(arena.dim() == 1 and arena.is_contiguous(), lambda: f"arena must be contiguous 1-D, got {tuple(arena.shape)}")
+    torch._check_value(arena.is_floating_point(), lambda: f"arena must be floating point, got {arena.dtype}")
+    for m, size in enumerate(batch_sizes):
+        torch._check_value(size > 0, lambda: f"batch_sizes[{m}] must be positive, got {size}")
+    b_local = sum(batch_sizes)
+    slab_sum = 0
+    for k, grad in enumerate(grads):
+        torch._check_value(grad.dim() == 3, lambda: f"grads[{k}] must be [b_local, N, D], got shape {tuple(grad.shape)}")
+        torch._check_value(grad.device == arena.device, lambda: f"grads[{k}] is on {grad.device}, arena on {arena.device}")
+        torch._check_value(grad.dtype == arena.dtype, lambda: f"grads[{k}] dtype {grad.dtype} differs from arena dtype {arena.dtype}")
+        torch._check_value(
+            grad.shape[0] == b_local, lambda: f"grads[{k}] has {grad.shape[0]} rows but batch_sizes sum to {b_local}"
+        )
+        slab_sum = slab_sum + grad.shape[1] * grad.shape[2]
+    torch._check_value(
+        arena.numel() == 2 * b_local * slab_sum,
+        lambda: f"arena must hold 2 * b_local * sum(N*D) = {2 * b_local * slab_sum} elements, got {arena.numel()}",
+    )

@@ -1,32 +1,51 @@
-"""Public op functions: check the arguments, then dispatch to the chosen backend.
+"""Public op functions: read the arguments, allocate the outputs, call the op ``torch.ops.latentfast.*``.
 
-Every function takes ``backend="auto" | "cpp" | "cuda" | "triton" | "torch"`` (see
-:mod:`latentfast.backends`).
+Every function takes ``backend="auto" | "cpp" | "cuda" | "triton" | "torch"``, which is passed to
+the op (the op's dispatch-key kernel picks the implementation, see :mod:`latentfast.backends`), so
+these functions trace under ``torch.compile(fullgraph=True)`` on every backend. The op itself
+checks shapes, dtypes, devices and overlapping outputs; what is checked here is what is needed to
+size the outputs, and the public contract (an ``out=`` of exactly the requested dtype).
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from . import backends
+from . import _ops  # noqa: F401  (defines torch.ops.latentfast.*)
+from . import backends  # noqa: F401  (registers their kernels)
+from .errors import ArgumentTypeError, IndexOutOfRangeError, InvalidArgumentError
 
-NORMALIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NORMALIZE_DTYPES = _ops.FLOAT_OUT_DTYPES
+
+
+def as_int(name: str, value, *, minimum: int | None = None) -> int:
+    """``value`` as a Python int (numpy and torch integers included, bools refused), at least ``minimum``."""
+    if isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if minimum is not None and result < minimum:
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {result}")
+    return result
 
 
 def check_out_tensor(name: str, tensor, shape, dtype: torch.dtype, device: torch.device) -> None:
     """Raise a clear error unless ``tensor`` is a contiguous tensor of exactly this shape/dtype/device."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+        raise InvalidArgumentError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
     if tensor.dtype != dtype:
-        raise ValueError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
+        raise InvalidArgumentError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
     if tensor.device != device:
-        raise ValueError(f"{name} must be on {device}, got {tensor.device}")
+        raise InvalidArgumentError(f"{name} must be on {device}, got {tensor.device}")
     if not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got strides {tuple(tensor.stride())}")
+        raise InvalidArgumentError(f"{name} must be contiguous, got strides {tuple(tensor.stride())}")
 
 
 def normalize_uint8(
@@ -34,8 +53,8 @@ def normalize_uint8(
     *,
     num_views: int = 1,
     dtype: torch.dtype = torch.float32,
-    backend: str = "auto",
     out: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor | list[torch.Tensor]:
     """uint8 pixels -> ``x / 127.5 - 1`` in ``dtype``, split camera-major into ``num_views`` views.
 
@@ -51,18 +70,17 @@ def normalize_uint8(
         views are written in a single pass over ``x``.
     """
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype != torch.uint8:
-        raise ValueError(f"x must be uint8 pixels, got dtype {x.dtype}")
+        raise InvalidArgumentError(f"x must be uint8 pixels, got dtype {x.dtype}")
     if x.ndim < 4:
-        raise ValueError(f"x must be [..., C, T, H, W] (at least 4-D), got shape {tuple(x.shape)}")
-    if isinstance(num_views, bool) or not isinstance(num_views, int) or num_views < 1:
-        raise ValueError(f"num_views must be a positive int, got {num_views!r}")
+        raise InvalidArgumentError(f"x must be [..., C, T, H, W] (at least 4-D), got shape {tuple(x.shape)}")
+    num_views = as_int("num_views", num_views, minimum=1)
     frames_total = int(x.shape[-3])
     if frames_total % num_views != 0:
-        raise ValueError(f"T={frames_total} (x.shape[-3]) is not divisible by num_views={num_views}")
+        raise InvalidArgumentError(f"T={frames_total} (x.shape[-3]) is not divisible by num_views={num_views}")
     if dtype not in NORMALIZE_DTYPES:
-        raise ValueError(f"dtype must be one of {NORMALIZE_DTYPES}, got {dtype}")
+        raise InvalidArgumentError(f"dtype must be one of {NORMALIZE_DTYPES}, got {dtype}")
     view_shape = (*x.shape[:-3], frames_total // num_views, *x.shape[-2:])
 
     if out is None:
@@ -70,79 +88,69 @@ def normalize_uint8(
     else:
         if isinstance(out, torch.Tensor):
             if num_views != 1:
-                raise ValueError(f"out must be a sequence of {num_views} tensors when num_views={num_views}")
+                raise InvalidArgumentError(f"out must be a sequence of {num_views} tensors when num_views={num_views}")
             outputs = [out]
         else:
             outputs = list(out)
             if len(outputs) != num_views:
-                raise ValueError(f"out must hold num_views={num_views} tensors, got {len(outputs)}")
+                raise InvalidArgumentError(f"out must hold num_views={num_views} tensors, got {len(outputs)}")
         for view, tensor in enumerate(outputs):
             check_out_tensor(f"out[{view}]", tensor, view_shape, dtype, x.device)
-        if len({t.data_ptr() for t in outputs}) != len(outputs) and x.numel():
-            raise ValueError("out tensors must not alias each other")
-
-    fn, _ = backends.kernel("normalize_uint8_into", x.device.type, backend)
-    if x.numel():
-        fn(x, outputs)
+    torch.ops.latentfast.normalize_uint8_into(x, outputs, backend)
     return outputs[0] if num_views == 1 else outputs
 
 
-# ---- cache decode (issue 4) -----------------------------------------------------------------
-GATHER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_gather_source(data, row_offsets, widths, pitch) -> None:
-    for name, tensor, dtype in (("data", data, torch.float16), ("row_offsets", row_offsets, torch.int64),
-                                ("widths", widths, torch.int32)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != dtype or tensor.dim() != 1 or not tensor.is_contiguous() or tensor.device.type != "cpu":
-            raise ValueError(
-                f"{name} must be a contiguous 1-D {dtype} CPU tensor, got {tensor.dtype} {tuple(tensor.shape)} "
-                f"on {tensor.device}"
-            )
-    if widths.numel() != row_offsets.numel():
-        raise ValueError(f"widths has {widths.numel()} rows but row_offsets has {row_offsets.numel()}")
-    if isinstance(pitch, bool) or not isinstance(pitch, int) or pitch < 0:
-        raise ValueError(f"pitch must be an int >= 0 (0 = ragged layout), got {pitch!r}")
+# ---- cache decode: gather rows out of the cache's flat data, expand packed rows on the device ----
+GATHER_DTYPES = _ops.FLOAT_OUT_DTYPES
 
 
 def as_row_indices(indices, n_rows: int) -> torch.Tensor:
     """``indices`` (ints, numpy array or tensor) as a contiguous int64 CPU tensor, every one in ``[0, n_rows)``.
 
-    Raises IndexError naming the first bad position and value. (numpy: this runs once per batch and
-    must cost microseconds.)
+    Raises IndexOutOfRangeError naming the first bad position and value. (numpy: this runs once per
+    batch and must cost microseconds.) Under ``torch.compile`` a tensor's values are unknown at trace
+    time: it is only converted, and the kernels check every index before copying anything.
     """
     if isinstance(indices, torch.Tensor):
+        if indices.dim() != 1 or indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise ArgumentTypeError(f"indices must be a 1-D tensor of ints, got {indices.dtype} {tuple(indices.shape)}")
+        if torch.compiler.is_compiling():
+            return indices.to("cpu", torch.int64).contiguous()
         array = indices.detach().cpu().numpy()
     else:
         array = np.asarray(indices)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise TypeError(f"indices must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
+        raise ArgumentTypeError(f"indices must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
     array = np.ascontiguousarray(array, dtype=np.int64)
     if array.size and (array.min() < 0 or array.max() >= n_rows):
         position = int(np.flatnonzero((array < 0) | (array >= n_rows))[0])
-        raise IndexError(f"indices[{position}] = {int(array[position])} is out of range for a cache of {n_rows} rows")
+        raise IndexOutOfRangeError(f"indices[{position}] = {int(array[position])} is out of range for a cache of {n_rows} rows")
     return torch.from_numpy(array)
 
 
-def _batch_width(selected_widths: torch.Tensor, width) -> int:
-    widest = int(selected_widths.max()) if selected_widths.numel() else 0
+def batch_width(selected_widths, width) -> int:
+    """W of a batch: ``width`` (an int >= the widest selected row) or, when None, that widest row.
+
+    ``selected_widths``: the batch's row widths (numpy array or tensor). Without ``width``, the
+    widest row is read back (a device sync for a CUDA tensor; callers that know W pass it).
+    """
+    widest = int(selected_widths.max()) if len(selected_widths) else 0
     if width is None:
         return widest
-    if isinstance(width, bool) or not isinstance(width, int) or width < widest:
-        raise ValueError(f"width must be an int >= the batch's widest row ({widest}), got {width!r}")
+    width = as_int("width", width)
+    if width < widest:
+        raise InvalidArgumentError(f"width must be an int >= the batch's widest row ({widest}), got {width}")
     return width
 
 
-def _check_white(white, channels: int, latent_h: int):
-    """``white`` ([C, h, 1] or C*h values, float16 after conversion) flattened, or None."""
+def flat_white(white, channels: int, latent_h: int, device=None):
+    """``white`` ([C, h, 1] or C*h values) as a contiguous float16 vector on ``device``, or None."""
     if white is None:
         return None
     if not isinstance(white, torch.Tensor) or white.numel() != channels * latent_h:
         got = tuple(white.shape) if isinstance(white, torch.Tensor) else type(white).__name__
-        raise ValueError(f"white must be a tensor of C*h = {channels * latent_h} values ([C, h, 1]), got {got}")
-    return white.reshape(-1).to(torch.float16).contiguous()
+        raise InvalidArgumentError(f"white must be a tensor of C*h = {channels * latent_h} values ([C, h, 1]), got {got}")
+    return white.reshape(-1).to(device=device, dtype=torch.float16).contiguous()
 
 
 def gather_rows(
@@ -164,23 +172,24 @@ def gather_rows(
 
     Row ``i``'s line ``(c, y)`` starts at ``row_offsets[i] + (c*h + y) * pitch`` (padded layout,
     ``pitch = w_max``) or, with ``pitch = 0``, at ``row_offsets[i] + (c*h + y) * widths[i]`` (ragged).
-    ``W`` = ``width`` or the widest requested row; columns past a row's width are ``white``
-    (``[C, h, 1]``), which may be None only when no row needs padding. Duplicates and any order are
-    fine; an index outside ``[0, N)`` raises IndexError naming it.
+    ``W`` = ``width`` or the widest requested row (pass ``width`` under ``torch.compile``: the widest
+    row is a value); columns past a row's width are ``white`` (``[C, h, 1]``), which may be None only
+    when no row needs padding. Duplicates and any order are fine; an index outside ``[0, N)`` raises
+    IndexOutOfRangeError naming it.
     """
-    _check_gather_source(data, row_offsets, widths, pitch)
     if dtype not in GATHER_DTYPES:
-        raise ValueError(f"dtype must be one of {GATHER_DTYPES}, got {dtype}")
+        raise InvalidArgumentError(f"dtype must be one of {GATHER_DTYPES}, got {dtype}")
+    pitch = as_int("pitch", pitch, minimum=0)
+    channels, latent_h = as_int("channels", channels, minimum=0), as_int("latent_h", latent_h, minimum=0)
     index = as_row_indices(indices, row_offsets.numel())
-    W = _batch_width(widths[index], width)
-    white = _check_white(white, channels, latent_h)
+    W = batch_width(widths[index], width) if width is None or not torch.compiler.is_compiling() else width
     shape = (index.numel(), channels, latent_h, W)
     if out is None:
         out = torch.empty(shape, dtype=dtype)
     else:
         check_out_tensor("out", out, shape, dtype, torch.device("cpu"))
-    fn, _ = backends.kernel("gather_rows_into", "cpu", backend)
-    fn(data, row_offsets, widths, pitch, index, white, out)
+    white = flat_white(white, channels, latent_h)
+    torch.ops.latentfast.gather_rows_into(data, row_offsets, widths, pitch, index, white, out, backend)
     return out
 
 
@@ -201,7 +210,8 @@ def gather_rows_packed(
     ``out`` (e.g. a pinned staging slot) may be longer than needed; the rows fill its start and the
     filled prefix is returned.
     """
-    _check_gather_source(data, row_offsets, widths, pitch)
+    pitch = as_int("pitch", pitch, minimum=0)
+    channels, latent_h = as_int("channels", channels, minimum=0), as_int("latent_h", latent_h, minimum=0)
     index = as_row_indices(indices, row_offsets.numel())
     needed = channels * latent_h * int(widths[index].sum())
     if out is None:
@@ -209,9 +219,8 @@ def gather_rows_packed(
     elif not (isinstance(out, torch.Tensor) and out.dtype == torch.float16 and out.dim() == 1
               and out.is_contiguous() and out.device.type == "cpu" and out.numel() >= needed):
         got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"out must be a contiguous 1-D float16 CPU tensor of >= {needed} elements, got {got}")
-    fn, _ = backends.kernel("gather_rows_packed_into", "cpu", backend)
-    fn(data, row_offsets, widths, pitch, index, channels, latent_h, out)
+        raise InvalidArgumentError(f"out must be a contiguous 1-D float16 CPU tensor of >= {needed} elements, got {got}")
+    torch.ops.latentfast.gather_rows_packed_into(data, row_offsets, widths, pitch, index, channels, latent_h, out, backend)
     return out[:needed]
 
 
@@ -229,45 +238,24 @@ def expand_rows(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Packed rows (as :func:`gather_rows_packed` writes them) -> padded ``[B, C, h, W]`` of ``dtype``,
-    on the packed tensor's device. ``packed_offsets`` (int64 [B]) says where each row starts."""
+    on the packed tensor's device. ``packed_offsets`` (int64 [B]) says where each row starts.
+
+    Every row must have ``0 <= width <= W`` and lie inside ``packed``: checked on the host for CPU
+    tensors, and on the device without a host sync (``torch._assert_async``) for CUDA tensors."""
     device = packed.device
-    if packed.dtype != torch.float16 or packed.dim() != 1 or not packed.is_contiguous():
-        raise ValueError(f"packed must be a contiguous 1-D float16 tensor, got {packed.dtype} {tuple(packed.shape)}")
-    for name, tensor, expected in (("packed_offsets", packed_offsets, torch.int64), ("widths", widths, torch.int32)):
-        if tensor.dtype != expected or tensor.dim() != 1 or tensor.device != device or not tensor.is_contiguous():
-            raise ValueError(
-                f"{name} must be a contiguous 1-D {expected} tensor on {device}, got {tensor.dtype} "
-                f"{tuple(tensor.shape)} on {tensor.device}"
-            )
-    if packed_offsets.numel() != widths.numel():
-        raise ValueError(f"packed_offsets has {packed_offsets.numel()} rows but widths has {widths.numel()}")
     if dtype not in GATHER_DTYPES:
-        raise ValueError(f"dtype must be one of {GATHER_DTYPES}, got {dtype}")
-    if width is None:
-        W = _batch_width(widths, None)  # a device sync on CUDA; read_batch passes width to avoid it
-    elif isinstance(width, bool) or not isinstance(width, int) or width < 0:
-        raise ValueError(f"width must be an int >= 0, got {width!r}")
-    else:
-        W = width
-    ends = packed_offsets + channels * latent_h * widths.to(torch.int64)
-    valid = (widths >= 0).all() & (widths <= W).all() & (packed_offsets >= 0).all() & (ends <= packed.numel()).all()
-    message = f"expand_rows: every row needs 0 <= width <= W={W} and to lie inside packed's {packed.numel()} elements"
-    if device.type == "cpu":
-        if not bool(valid):
-            raise ValueError(message)
-    else:  # checked on the device, without a host sync
-        torch._assert_async(valid, message)
-    white = _check_white(white, channels, latent_h)
-    if white is not None:
-        white = white.to(device)
+        raise InvalidArgumentError(f"dtype must be one of {GATHER_DTYPES}, got {dtype}")
+    channels, latent_h = as_int("channels", channels, minimum=0), as_int("latent_h", latent_h, minimum=0)
+    W = batch_width(widths, None) if width is None else as_int("width", width, minimum=0)
+    if device.type == "cuda":
+        ends = packed_offsets + channels * latent_h * widths.to(torch.int64)
+        valid = (widths >= 0).all() & (widths <= W).all() & (packed_offsets >= 0).all() & (ends <= packed.numel()).all()
+        torch._assert_async(valid, f"expand_rows: every row needs 0 <= width <= W={W} and to lie inside packed")
     shape = (widths.numel(), channels, latent_h, W)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=device)
     else:
         check_out_tensor("out", out, shape, dtype, device)
-    fn, _ = backends.kernel("expand_rows_into", device.type, backend)
-    fn(packed, packed_offsets, widths, white, out)
+    white = flat_white(white, channels, latent_h, device)
+    torch.ops.latentfast.expand_rows_into(packed, packed_offsets, widths, white, out, backend)
     return out
-
-
-# ---- replay (issue 6) -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ def normalize_uint8_into(x: torch.Tensor, out: list[torch.Tensor]) -> None:
         target.copy_(part.to(torch.float32).div_(127.5).sub_(1.0))
 
 
-# ---- cache decode (issue 4) -----------------------------------------------------------------
+# ---- cache decode ----------------------------------------------------------------------------
 def _row_views(data, row_offsets, widths, pitch, indices, channels, latent_h, max_width):
     """Every requested row as a strided ``[C, h, w_i]`` view of ``data``, all checked before any copy.
 
@@ -84,13 +84,21 @@ def expand_rows_into(packed, packed_offsets, widths, white, out) -> None:
     only when every row is W wide."""
     _, channels, latent_h, max_width = out.shape
     for b, (start, width) in enumerate(zip(packed_offsets.tolist(), widths.tolist())):
+        if not 0 <= width <= max_width or start < 0 or start + channels * latent_h * width > packed.numel():
+            raise ValueError(
+                f"row {b} (offset {start}, width {width}) needs 0 <= width <= W={max_width} and to lie inside "
+                f"packed's {packed.numel()} elements"
+            )
+        if width < max_width and white is None:
+            raise ValueError(f"row {b} (width {width}) needs padding to W={max_width} but no white column was given")
+    for b, (start, width) in enumerate(zip(packed_offsets.tolist(), widths.tolist())):
         row = packed[start : start + channels * latent_h * width].reshape(channels, latent_h, width)
         out[b, :, :, :width] = row
         if width < max_width:
             out[b, :, :, width:] = white.reshape(channels, latent_h, 1)
 
 
-# ---- replay (issue 6) -----------------------------------------------------------------------
+# ---- replay ------------------------------------------------------------------------------------
 def scatter_cotangents_into(
     grads: list[torch.Tensor], batch_sizes: list[int], scale: float, arena: torch.Tensor
 ) -> None:

@@ -162,11 +162,16 @@ def test_aliasing_outputs_rejected():
 @pytest.mark.skipif("cpp" not in runnable_backends(OP, "cpu"), reason="latentfast._C not built")
 def test_compiled_kernel_checks_bounds_itself():
     # called past the Python checks, the C++ kernel must still refuse bad shapes (no overrun)
+    from latentfast import _ops
+
     x = torch.zeros(3, 4, 8, 8, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="must have shape"):
-        torch.ops.latentfast.normalize_uint8_into(x, [torch.empty(3, 4, 8, 7)])
-    with pytest.raises(RuntimeError, match="not divisible"):
-        torch.ops.latentfast.normalize_uint8_into(x, [torch.empty(3, 1, 8, 8)] * 3)
+    kernel = _ops.compiled_op(OP)
+    with pytest.raises(ValueError, match="must have shape"):
+        kernel(x, [torch.empty(3, 4, 8, 7)])
+    with pytest.raises(ValueError, match="not divisible"):
+        kernel(x, [torch.empty(3, 1, 8, 8)] * 3)
+    with pytest.raises(ValueError, match="overlaps"):
+        kernel(x, [x[:, :2].float()] * 2)
 
 
 @pytest.mark.gpu

@@ -25,6 +25,8 @@
 #include <optional>
 #include <vector>
 
+#include "overlap_check.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -47,6 +49,14 @@ class GilRelease {
   PyThreadState* state_;
 };
 
+void check_no_overlap_with_sources(const char* op, const at::Tensor& out, const at::Tensor& data,
+                                   const at::Tensor& row_offsets, const at::Tensor& widths, const at::Tensor& indices) {
+  check_no_overlap(op, out, "out", data, "data");
+  check_no_overlap(op, out, "out", row_offsets, "row_offsets");
+  check_no_overlap(op, out, "out", widths, "widths");
+  check_no_overlap(op, out, "out", indices, "indices");
+}
+
 // One requested row, resolved and bounds-checked.
 struct RowSpan {
   const at::Half* src;  // start of line (0, 0)
@@ -57,22 +67,22 @@ struct RowSpan {
 std::vector<RowSpan> resolve_rows(const char* op, const at::Tensor& data, const at::Tensor& row_offsets,
                                   const at::Tensor& widths, int64_t pitch, const at::Tensor& indices,
                                   int64_t lines_per_row, int64_t max_width) {
-  TORCH_CHECK(data.device().is_cpu() && row_offsets.device().is_cpu() && widths.device().is_cpu() &&
+  TORCH_CHECK_VALUE(data.device().is_cpu() && row_offsets.device().is_cpu() && widths.device().is_cpu() &&
                   indices.device().is_cpu(),
               op, ": data, row_offsets, widths and indices must be CPU tensors");
-  TORCH_CHECK(data.scalar_type() == at::kHalf && data.dim() == 1 && data.is_contiguous(), op,
+  TORCH_CHECK_VALUE(data.scalar_type() == at::kHalf && data.dim() == 1 && data.is_contiguous(), op,
               ": data must be a contiguous 1-D float16 tensor, got ", data.scalar_type(), " ", data.sizes());
-  TORCH_CHECK(row_offsets.scalar_type() == at::kLong && row_offsets.dim() == 1 && row_offsets.is_contiguous(),
+  TORCH_CHECK_VALUE(row_offsets.scalar_type() == at::kLong && row_offsets.dim() == 1 && row_offsets.is_contiguous(),
               op, ": row_offsets must be a contiguous 1-D int64 tensor, got ", row_offsets.scalar_type(), " ",
               row_offsets.sizes());
-  TORCH_CHECK(widths.scalar_type() == at::kInt && widths.dim() == 1 && widths.is_contiguous(), op,
+  TORCH_CHECK_VALUE(widths.scalar_type() == at::kInt && widths.dim() == 1 && widths.is_contiguous(), op,
               ": widths must be a contiguous 1-D int32 tensor, got ", widths.scalar_type(), " ", widths.sizes());
-  TORCH_CHECK(indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(), op,
+  TORCH_CHECK_VALUE(indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(), op,
               ": indices must be a contiguous 1-D int64 tensor, got ", indices.scalar_type(), " ",
               indices.sizes());
   const int64_t n_rows = row_offsets.numel();
-  TORCH_CHECK(widths.numel() == n_rows, op, ": widths has ", widths.numel(), " rows but row_offsets has ", n_rows);
-  TORCH_CHECK(pitch >= 0, op, ": pitch must be >= 0 (0 = ragged layout), got ", pitch);
+  TORCH_CHECK_VALUE(widths.numel() == n_rows, op, ": widths has ", widths.numel(), " rows but row_offsets has ", n_rows);
+  TORCH_CHECK_VALUE(pitch >= 0, op, ": pitch must be >= 0 (0 = ragged layout), got ", pitch);
 
   const int64_t* idx = indices.data_ptr<int64_t>();
   const int64_t* offs = row_offsets.data_ptr<int64_t>();
@@ -85,14 +95,14 @@ std::vector<RowSpan> resolve_rows(const char* op, const at::Tensor& data, const 
     TORCH_CHECK_INDEX(i >= 0 && i < n_rows, op, ": indices[", b, "] = ", i, " is out of range for ", n_rows,
                       " rows");
     const int64_t w = wid[i];
-    TORCH_CHECK(w >= 0 && w <= max_width, op, ": row ", i, " has width ", w, ", outside [0, ", max_width, "]");
-    TORCH_CHECK(pitch == 0 || w <= pitch, op, ": row ", i, " has width ", w, " > pitch ", pitch);
+    TORCH_CHECK_VALUE(w >= 0 && w <= max_width, op, ": row ", i, " has width ", w, ", outside [0, ", max_width, "]");
+    TORCH_CHECK_VALUE(pitch == 0 || w <= pitch, op, ": row ", i, " has width ", w, " > pitch ", pitch);
     const int64_t line_pitch = pitch == 0 ? w : pitch;
     const int64_t start = offs[i];
     // the last element read is start + (lines-1)*line_pitch + w - 1; every term is checked so the
     // sum cannot overflow for any data length below 2^62
     const int64_t extent = lines_per_row == 0 || w == 0 ? 0 : (lines_per_row - 1) * line_pitch + w;
-    TORCH_CHECK(start >= 0 && start <= data_len && extent <= data_len - start, op, ": row ", i, " spans [", start,
+    TORCH_CHECK_VALUE(start >= 0 && start <= data_len && extent <= data_len - start, op, ": row ", i, " spans [", start,
                 ", ", start + extent, ") outside the data's ", data_len, " elements");
     rows[b] = RowSpan{base + start, w, line_pitch};
   }
@@ -270,21 +280,23 @@ void gather_rows_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets,
                           int64_t pitch, const at::Tensor& indices, const std::optional<at::Tensor>& white,
                           const at::Tensor& out) {
   constexpr const char* op = "gather_rows_into";
-  TORCH_CHECK(out.device().is_cpu() && out.dim() == 4 && out.is_contiguous(), op,
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.dim() == 4 && out.is_contiguous(), op,
               ": out must be a contiguous CPU tensor [B, C, h, W], got sizes ", out.sizes(), " strides ",
               out.strides(), " on ", out.device());
   const int64_t B = out.size(0), C = out.size(1), H = out.size(2), W = out.size(3);
-  TORCH_CHECK(indices.numel() == B, op, ": out has B=", B, " rows but indices has ", indices.numel());
+  TORCH_CHECK_VALUE(indices.numel() == B, op, ": out has B=", B, " rows but indices has ", indices.numel());
   if (white.has_value()) {
-    TORCH_CHECK(white->device().is_cpu() && white->scalar_type() == at::kHalf && white->is_contiguous() &&
+    TORCH_CHECK_VALUE(white->device().is_cpu() && white->scalar_type() == at::kHalf && white->is_contiguous() &&
                     white->numel() == C * H,
                 op, ": white must be a contiguous float16 CPU tensor of C*h=", C * H, " elements ([C, h, 1]), got ",
                 white->scalar_type(), " ", white->sizes(), " on ", white->device());
   }
   const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, C * H, W);
+  check_no_overlap_with_sources(op, out, data, row_offsets, widths, indices);
+  if (white.has_value()) check_no_overlap(op, out, "out", *white, "white");
   if (!white.has_value()) {
     for (size_t b = 0; b < rows.size(); ++b) {
-      TORCH_CHECK(rows[b].width == W, op, ": indices[", b, "] (width ", rows[b].width, ") needs padding to W=", W,
+      TORCH_CHECK_VALUE(rows[b].width == W, op, ": indices[", b, "] (width ", rows[b].width, ") needs padding to W=", W,
                   " but no white column was given");
     }
   }
@@ -297,7 +309,7 @@ void gather_rows_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets,
       gather_padded<at::BFloat16>(rows, white_ptr, C * H, out.data_ptr<at::BFloat16>(), W);
       break;
     case at::kFloat: gather_padded<float>(rows, white_ptr, C * H, out.data_ptr<float>(), W); break;
-    default: TORCH_CHECK(false, op, ": out dtype must be float16, bfloat16 or float32, got ", out.scalar_type());
+    default: TORCH_CHECK_VALUE(false, op, ": out dtype must be float16, bfloat16 or float32, got ", out.scalar_type());
   }
 }
 
@@ -305,17 +317,18 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
                                  int64_t pitch, const at::Tensor& indices, int64_t channels, int64_t latent_h,
                                  const at::Tensor& out) {
   constexpr const char* op = "gather_rows_packed_into";
-  TORCH_CHECK(channels >= 0 && latent_h >= 0, op, ": channels and latent_h must be >= 0, got ", channels, ", ",
+  TORCH_CHECK_VALUE(channels >= 0 && latent_h >= 0, op, ": channels and latent_h must be >= 0, got ", channels, ", ",
               latent_h);
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kHalf && out.dim() == 1 && out.is_contiguous(), op,
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kHalf && out.dim() == 1 && out.is_contiguous(), op,
               ": out must be a contiguous 1-D float16 CPU tensor, got ", out.scalar_type(), " ", out.sizes());
   const int64_t lines = channels * latent_h;
   const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, lines,
                                  std::numeric_limits<int32_t>::max());
+  check_no_overlap_with_sources(op, out, data, row_offsets, widths, indices);
   // where each row starts in out: the prefix sum of lines * w_i
   std::vector<int64_t> starts(rows.size() + 1, 0);
   for (size_t b = 0; b < rows.size(); ++b) starts[b + 1] = starts[b] + lines * rows[b].width;
-  TORCH_CHECK(out.numel() >= starts.back(), op, ": out holds ", out.numel(), " elements, the rows need ",
+  TORCH_CHECK_VALUE(out.numel() >= starts.back(), op, ": out holds ", out.numel(), " elements, the rows need ",
               starts.back());
   if (starts.back() == 0) return;
   at::Half* dst = out.data_ptr<at::Half>();
@@ -347,7 +360,7 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(latentfast, CPU, m) {
+TORCH_LIBRARY_IMPL(latentfast_compiled, CPU, m) {
   m.impl("gather_rows_into", &gather_rows_into_cpu);
   m.impl("gather_rows_packed_into", &gather_rows_packed_into_cpu);
 }

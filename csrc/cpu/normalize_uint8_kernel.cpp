@@ -7,7 +7,10 @@
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
+#include <string>
 #include <vector>
+
+#include "overlap_check.h"
 
 namespace latentfast {
 namespace {
@@ -71,36 +74,39 @@ void normalize_impl(const at::Tensor& x, const std::vector<at::Tensor>& out) {
 }
 
 void normalize_uint8_into_cpu(const at::Tensor& x, at::TensorList out_list) {
-  TORCH_CHECK(x.scalar_type() == at::kByte, "normalize_uint8: x must be uint8, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 4, "normalize_uint8: x must be [..., C, T, H, W], got ", x.dim(), "-D");
-  TORCH_CHECK(x.device().is_cpu(), "normalize_uint8 (cpu kernel): x must be a CPU tensor");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kByte, "normalize_uint8: x must be uint8, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 4, "normalize_uint8: x must be [..., C, T, H, W], got ", x.dim(), "-D");
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "normalize_uint8 (cpu kernel): x must be a CPU tensor");
   const int64_t views = static_cast<int64_t>(out_list.size());
-  TORCH_CHECK(views >= 1, "normalize_uint8: out must hold at least one tensor");
+  TORCH_CHECK_VALUE(views >= 1, "normalize_uint8: out must hold at least one tensor");
   const int64_t T = x.size(x.dim() - 3);
-  TORCH_CHECK(T % views == 0, "normalize_uint8: T=", T, " is not divisible by num_views=", views);
+  TORCH_CHECK_VALUE(T % views == 0, "normalize_uint8: T=", T, " is not divisible by num_views=", views);
   std::vector<int64_t> view_shape(x.sizes().begin(), x.sizes().end());
   view_shape[x.dim() - 3] = T / views;
   std::vector<at::Tensor> out(out_list.begin(), out_list.end());
   const auto dtype = out[0].scalar_type();
   for (size_t v = 0; v < out.size(); ++v) {
-    TORCH_CHECK(out[v].device().is_cpu(), "normalize_uint8: out[", v, "] must be a CPU tensor");
-    TORCH_CHECK(out[v].scalar_type() == dtype, "normalize_uint8: out[", v, "] dtype ", out[v].scalar_type(),
+    TORCH_CHECK_VALUE(out[v].device().is_cpu(), "normalize_uint8: out[", v, "] must be a CPU tensor");
+    TORCH_CHECK_VALUE(out[v].scalar_type() == dtype, "normalize_uint8: out[", v, "] dtype ", out[v].scalar_type(),
                 " differs from out[0] dtype ", dtype);
-    TORCH_CHECK(out[v].sizes().vec() == view_shape, "normalize_uint8: out[", v, "] must have shape ",
+    TORCH_CHECK_VALUE(out[v].sizes().vec() == view_shape, "normalize_uint8: out[", v, "] must have shape ",
                 at::IntArrayRef(view_shape), ", got ", out[v].sizes());
-    TORCH_CHECK(out[v].is_contiguous(), "normalize_uint8: out[", v, "] must be contiguous");
+    TORCH_CHECK_VALUE(out[v].is_contiguous(), "normalize_uint8: out[", v, "] must be contiguous");
+    const std::string name = "out[" + std::to_string(v) + "]";
+    check_no_overlap("normalize_uint8", out[v], name, x, "x");
+    for (size_t u = 0; u < v; ++u) check_no_overlap("normalize_uint8", out[v], name, out[u], "out[" + std::to_string(u) + "]");
   }
   if (x.numel() == 0) return;
   switch (dtype) {
     case at::kFloat: normalize_impl<float>(x, out); break;
     case at::kBFloat16: normalize_impl<at::BFloat16>(x, out); break;
     case at::kHalf: normalize_impl<at::Half>(x, out); break;
-    default: TORCH_CHECK(false, "normalize_uint8: out dtype must be float32, bfloat16 or float16, got ", dtype);
+    default: TORCH_CHECK_VALUE(false, "normalize_uint8: out dtype must be float32, bfloat16 or float16, got ", dtype);
   }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(latentfast, CPU, m) { m.impl("normalize_uint8_into", &normalize_uint8_into_cpu); }
+TORCH_LIBRARY_IMPL(latentfast_compiled, CPU, m) { m.impl("normalize_uint8_into", &normalize_uint8_into_cpu); }
 
 }  // namespace latentfast

@@ -5,7 +5,6 @@
 // One parallel pass: every input element is read once and written twice, instead of the
 // split -> contiguous -> mul sequence (three dispatches and two reads per block).
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -74,7 +73,7 @@ void scatter_impl(const std::vector<at::Tensor>& grads, const std::vector<Chunk>
 
 void scatter_cotangents_into_cpu(at::TensorList grads_list, at::IntArrayRef batch_sizes, double scale,
                                  at::Tensor arena) {
-  TORCH_CHECK(arena.device().is_cpu(), "scatter_cotangents (cpu kernel): arena must be a CPU tensor, got ",
+  TORCH_CHECK_VALUE(arena.device().is_cpu(), "scatter_cotangents (cpu kernel): arena must be a CPU tensor, got ",
               arena.device());
   const std::vector<at::Tensor> grads = check_scatter_cotangents_args(grads_list, batch_sizes, arena);
   const auto dtype = arena.scalar_type();
@@ -103,6 +102,6 @@ void scatter_cotangents_into_cpu(at::TensorList grads_list, at::IntArrayRef batc
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(latentfast, CPU, m) { m.impl("scatter_cotangents_into", &scatter_cotangents_into_cpu); }
+TORCH_LIBRARY_IMPL(latentfast_compiled, CPU, m) { m.impl("scatter_cotangents_into", &scatter_cotangents_into_cpu); }
 
 }  // namespace latentfast

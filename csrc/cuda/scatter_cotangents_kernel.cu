@@ -5,7 +5,6 @@
 // segment with a binary search over the table's first-block column.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -69,7 +68,7 @@ __global__ void scatter_cotangents_kernel(const int64_t* __restrict__ table, int
 
 void scatter_cotangents_into_cuda(at::TensorList grads_list, at::IntArrayRef batch_sizes, double scale,
                                   at::Tensor arena) {
-  TORCH_CHECK(arena.is_cuda(), "scatter_cotangents (cuda kernel): arena must be a CUDA tensor, got ", arena.device());
+  TORCH_CHECK_VALUE(arena.is_cuda(), "scatter_cotangents (cuda kernel): arena must be a CUDA tensor, got ", arena.device());
   const std::vector<at::Tensor> grads = check_scatter_cotangents_args(grads_list, batch_sizes, arena);
   const auto dtype = arena.scalar_type();
 
@@ -93,7 +92,7 @@ void scatter_cotangents_into_cuda(at::TensorList grads_list, at::IntArrayRef bat
     row0 += size;
   }
   if (segments == 0) return;
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "scatter_cotangents: too many elements for one launch");
+  TORCH_CHECK_VALUE(blocks <= std::numeric_limits<int32_t>::max(), "scatter_cotangents: too many elements for one launch");
 
   const c10::cuda::CUDAGuard guard(arena.device());
   // pinned host table -> device copy on the current stream; the caching host allocator keeps the
@@ -112,6 +111,6 @@ void scatter_cotangents_into_cuda(at::TensorList grads_list, at::IntArrayRef bat
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(latentfast, CUDA, m) { m.impl("scatter_cotangents_into", &scatter_cotangents_into_cuda); }
+TORCH_LIBRARY_IMPL(latentfast_compiled, CUDA, m) { m.impl("scatter_cotangents_into", &scatter_cotangents_into_cuda); }
 
 }  // namespace latentfast

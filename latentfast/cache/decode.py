@@ -28,7 +28,7 @@ import warnings
 import numpy as np
 import torch
 
-from .. import backends, ops
+from .. import ops
 from . import shaped
 
 DEFAULT_RING_ROWS = 64  # rows per slot of a fresh ring (grows if a larger batch arrives)
@@ -105,7 +105,7 @@ def _read_batch_cpu(cache, data, row_offsets, widths, pitch, indices, dtype, wid
         out = torch.empty(index.numel(), channels, latent_h, W, dtype=dtype)
     if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
         white = white.to(torch.float16).contiguous()
-    _kernel("gather_rows_into", "cpu", backend)(data, row_offsets, widths, pitch, index, white, out)
+    torch.ops.latentfast.gather_rows_into.default(data, row_offsets, widths, pitch, index, white, out, backend)
     return out, torch.from_numpy(selected_np)
 
 
@@ -139,17 +139,6 @@ def _checked_width(white, selected_np, widest: int, width) -> int:
             "this batch needs padding but the cache has no white column; pass white_column= when opening the cache"
         )
     return W
-
-
-_KERNELS: dict[tuple, object] = {}
-
-
-def _kernel(op: str, device_type: str, backend: str):
-    """backends.kernel, memoized per (op, device, backend, LATENTFAST_BACKEND): it runs every batch."""
-    key = (op, device_type, backend, os.environ.get("LATENTFAST_BACKEND"))
-    if key not in _KERNELS:
-        _KERNELS[key] = backends.kernel(op, device_type, backend)[0]
-    return _KERNELS[key]
 
 
 class PinnedRing:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import functools
 import numbers
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from .. import backends
+from .. import backends  # noqa: F401  (registers the kernels of torch.ops.latentfast.*)
 
 SCATTER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -202,7 +201,6 @@ def scatter_cotangents(
             raise ValueError(f"{label} must be {dtype} on {device}, got {out.dtype} on {out.device}")
         arena = out
 
-    fn = _kernel(device.type, backend, os.environ.get("LATENTFAST_BACKEND"))
     layout = _layout(tuple(slabs), sizes)
     local_views = scaled_views = None
     if reuse is not None:
@@ -210,7 +208,7 @@ def scatter_cotangents(
         if reuse.local._layout == layout:
             local_views, scaled_views = reuse.local._views, reuse.scaled._views
     if numel:
-        fn(grads, sizes, float(scale), arena)
+        torch.ops.latentfast.scatter_cotangents_into(grads, sizes, float(scale), arena, backend)
     return ScatteredCotangents(
         CotangentBlocks(arena, layout, False, local_views), CotangentBlocks(arena, layout, True, scaled_views), arena
     )
@@ -226,11 +224,3 @@ def _checked_sizes(batch_sizes) -> tuple[int, ...]:
         if type(size) is not int or size <= 0:  # bool is not int here
             raise ValueError(f"batch_sizes[{m}] must be a positive int, got {size!r}")
     return sizes
-
-
-@functools.lru_cache(maxsize=32)
-def _kernel(device_type: str, backend: str, env_backend: str | None):
-    """The kernel for this device and backend, memoized (the lookup costs a third of a small
-    scatter); ``LATENTFAST_BACKEND`` is part of the key since "auto" follows it. There is no Triton
-    kernel for this op, so TRITON_INTERPRET does not change the choice."""
-    return backends.kernel("scatter_cotangents_into", device_type, backend)[0]

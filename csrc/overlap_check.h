@@ -1,0 +1,33 @@
+// Refuse an output whose memory overlaps another argument of the call: a kernel that reads what it
+// already wrote gives wrong results. The byte span a tensor can touch is compared, so a strided
+// input is handled too (conservatively: interleaved but disjoint views count as overlapping).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstdlib>
+
+namespace latentfast {
+
+struct ByteSpan {
+  uintptr_t begin, end;  // [begin, end)
+};
+
+inline ByteSpan byte_span(const at::Tensor& t) {
+  int64_t extent = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * std::llabs(t.stride(d));
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {begin, begin + static_cast<uintptr_t>(extent + 1) * t.element_size()};
+}
+
+// out_name / other_name label the two arguments in the error message.
+inline void check_no_overlap(const char* op, const at::Tensor& out, const std::string& out_name,
+                             const at::Tensor& other, const std::string& other_name) {
+  if (out.numel() == 0 || other.numel() == 0) return;
+  const ByteSpan a = byte_span(out), b = byte_span(other);
+  TORCH_CHECK_VALUE(a.end <= b.begin || b.end <= a.begin, op, ": ", out_name, " overlaps ", other_name,
+                    " in memory; outputs must not alias any other argument");
+}
+
+}  // namespace latentfast
