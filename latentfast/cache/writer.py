@@ -212,7 +212,7 @@ class LatentCacheWriter:
         if source_hash is not None:
             record["h"] = source_hash.hex() if isinstance(source_hash, bytes) else str(source_hash)
         if info:
-            record["i"] = json.loads(json.dumps(info))
+            record["i"] = json.loads(json.dumps(info, sort_keys=True))  # as a resumed log reads it back
         pwrite_all(self._fd, half, self._end)
         self._end += half.nbytes
         self._remember(record)
