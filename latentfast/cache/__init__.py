@@ -15,6 +15,8 @@ from .format import (
 from .decode import read_batch
 from .loader import CacheBatchDataset, DevicePrefetcher, WidthBucketBatchSampler, batch_loader, collate
 from .reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
+from .images import build_image_cache, build_video_cache
+from .importers import import_latents
 from .sampler import ShapeBucketBatchSampler
 from .writer import LatentCacheWriter
 from ..errors import CacheLockedError
@@ -40,9 +42,12 @@ __all__ = [
     "LatentCache",
     "inspect_cache",
     "verify_cache",
-    # writer (shaped caches)
+    # shaped caches: writer, image / video builders, importers
     "CacheLockedError",
     "LatentCacheWriter",
+    "build_image_cache",
+    "build_video_cache",
+    "import_latents",
     # fast batch path and DataLoader integration
     "read_batch",
     "WidthBucketBatchSampler",
