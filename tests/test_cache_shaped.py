@@ -142,6 +142,16 @@ def test_writer_resumes_by_key_and_an_interrupted_cache_does_not_open(tmp_path):
     assert open(cache_path(folder, "train", "data"), "rb").read() == open(cache_path(reference.cache_dir, "train", "data"), "rb").read()
     assert LatentCache(folder).keys == reference.keys
     assert not os.path.exists(cache_path(folder, "train", "progress"))
+    # a resumed run that ends with fewer bytes than the crashed run had written leaves no stale tail
+    short = str(tmp_path / "short")
+    writer = LatentCacheWriter(short, flush_every=2)
+    for key, latent in items[:5]:
+        writer.append(key, latent)
+    writer._close_files()  # crash: item 4 written, not logged
+    writer._lock.release()
+    with LatentCacheWriter(short) as writer:
+        assert len(writer) == 4
+    assert len(LatentCache(short)) == 4 and verify_cache(short)["rows"] == 4
     # another header (encoder) does not resume the log: it starts over
     writer = LatentCacheWriter(str(tmp_path / "other"), encoder={"pretrained": "a"})
     writer.append("x", np.ones((4, 2, 2), np.float32))

@@ -22,18 +22,18 @@ def intercepts(cache) -> bool:
     return bool(getattr(cache, "shaped", False) or getattr(cache, "verify_rows", False))
 
 
-def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, backend: str = "auto"):
+def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, **gather_kwargs):
     """Rows ``indices`` of a shaped cache as ``(latents [B, *shape] of dtype on device, shapes [B, ndim]
     int64 on the CPU)``; items of different shapes raise ``InvalidArgumentError`` (a ``ValueError``)
     naming them. A line cache opened with ``verify_rows`` has its rows' checksum blocks checked, then
-    is read as usual."""
+    is read as usual. ``gather_kwargs`` (``backend``, ...) go to the line gather unchanged."""
     from .decode import read_batch as gather
 
     index = ops.as_row_indices(indices, len(cache))
     if getattr(cache, "verify_rows", False):
         cache.verify_items(index.numpy())
     if not getattr(cache, "shaped", False):
-        return gather(_GatherView(cache), index, device=device, dtype=dtype, width=width, out=out, backend=backend)
+        return gather(_GatherView(cache), index, device=device, dtype=dtype, width=width, out=out, **gather_kwargs)
     if width is not None:
         raise InvalidArgumentError(f"width applies to line caches only; a shaped cache's batch has its items' shape, got width={width!r}")
     shape, shapes = batch_shape(cache.shapes, index.numpy())
@@ -45,7 +45,7 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         flat_out = out.view(B, 1, 1, numel)
     if B == 0:
         return torch.empty((0,) * (1 + shapes.shape[1]), dtype=dtype or torch.float16), torch.from_numpy(shapes)
-    latents, _ = gather(_GatherView(cache, flat_width=numel), index, device=device, dtype=dtype, out=flat_out, backend=backend)
+    latents, _ = gather(_GatherView(cache, flat_width=numel), index, device=device, dtype=dtype, out=flat_out, **gather_kwargs)
     return latents.view(B, *shape), torch.from_numpy(shapes)
 
 
