@@ -346,5 +346,16 @@ def test_sampler_feeds_read_batch_and_the_batch_loader(tmp_path):
             assert torch.equal(latents[j], cache[i])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_read_batch_to_cuda_equals_cpu(tmp_path):
+    cache = write(str(tmp_path), random_items(40, seed=7))
+    for batch in ShapeBucketBatchSampler(cache.shapes, 5, seed=0):
+        for dtype in (torch.float16, torch.float32):
+            gpu, shapes = read_batch(cache, batch, device="cuda", dtype=dtype)
+            cpu, _ = read_batch(cache, batch, dtype=dtype)
+            assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu) and shapes.tolist() == cache.shapes[batch].tolist()
+
+
 def test_cache_error_classes():
     assert issubclass(CacheLockedError, CacheError) and issubclass(CacheCorruptError, ValueError)

@@ -250,10 +250,18 @@ def stamp_differences(meta: Mapping[str, Any], expected: Any) -> list[tuple[str,
 
 
 def rebuild_command(cache_dir: str, split: str, meta: Mapping[str, Any], expected: Mapping[str, Any]) -> str:
-    """The CLI line that rebuilds this cache for the ``expected`` geometry."""
+    """The CLI line that rebuilds this cache for the ``expected`` geometry and encoder."""
     want = {**meta, **_as_dict(expected)}
     source = meta.get("source")
+    if meta.get("kind") == "import":
+        return (f"latentfast cache import {source or '<source dir>'} --out {cache_dir} --split {split} "
+                f"--format {meta.get('import_format')}")
     src = f"--manifest {source}" if source and not os.path.isdir(source) else f"--images {source or '<images dir>'}"
+    if meta.get("layout") == "shaped":
+        video = meta.get("kind") == "video"
+        buckets = ",".join("x".join(str(x) for x in b) for b in meta.get("buckets") or []) or "<buckets>"
+        return (f"latentfast cache build {src} --out {cache_dir} --split {split} {'--video ' if video else ''}"
+                f"--buckets {buckets} --encoder <the expected encoder>")
     return (
         f"latentfast cache build {src} --out {cache_dir} --split {split} "
         f"--line-height {want.get('line_height')} --max-line-width {want.get('max_line_width')} "

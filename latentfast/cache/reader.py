@@ -232,10 +232,16 @@ class LatentCache:
         return f"LatentCache({self.cache_dir!r}, split={self.split!r}, n={len(self)}, layout={self.layout!r}, C={self.channels}, h={self.latent_h}, w_max={self.w_max})"
 
     # -- data access ------------------------------------------------------------------------
+    def _open_fd(self) -> int:
+        """This process's descriptor of the data file (what reads and the size check use)."""
+        if self._fd is None:
+            self._fd = os.open(self._data_path, os.O_RDONLY)
+        return self._fd
+
     def _memmap(self) -> np.ndarray:
         """The whole data file as a flat read-only float16 array, opened once per process."""
         if self._mm is None:
-            self._fd = os.open(self._data_path, os.O_RDONLY)
+            self._open_fd()
             if self.row_starts[-1] == 0:
                 self._mm = np.zeros(0, dtype=np.float16)
             else:
@@ -266,20 +272,25 @@ class LatentCache:
         return i
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        """Item ``i`` as a float16 copy, read with one ``preadv`` (a file truncated under the reader
+        reads short and raises :class:`CacheCorruptError`; a map would die of SIGBUS instead)."""
         i = self._checked_index(i)
-        data = self._mm if self._mm is not None else self._memmap()
-        self.check_unchanged()
         if self.verify_rows:
             self.verify_items([i])
+        fd = self._fd if self._fd is not None else self._open_fd()
         start = int(self.row_starts[i])
         if self.shaped:
-            row = data[start : int(self.row_starts[i + 1])].reshape(self._shapes[i])
+            row = np.empty(self._shapes[i], dtype=np.float16)
         elif self.layout == "ragged":
-            w = int(self.widths[i])
-            row = data[start : start + self._line_elements * w].reshape(self._row_shape[0], self._row_shape[1], w)
+            row = np.empty((self._row_shape[0], self._row_shape[1], int(self.widths[i])), dtype=np.float16)
         else:
-            row = data[start : start + self._row_elements].reshape(self._row_shape)[:, :, : int(self.widths[i])]
-        return torch.from_numpy(row.copy())  # a copy: never hand out a view of the map
+            row = np.empty(self._row_shape, dtype=np.float16)
+        if os.preadv(fd, [row], 2 * start) != row.nbytes:
+            self.check_unchanged()
+            raise CacheCorruptError(f"latent cache data file {self._data_path}: row {i} reads short")
+        if self.layout == "padded":
+            row = np.ascontiguousarray(row[:, :, : int(self.widths[i])])
+        return torch.from_numpy(row)
 
     def verify_items(self, indices) -> None:
         """Check the checksum block of every row in ``indices`` (each block once per process);

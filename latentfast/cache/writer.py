@@ -290,11 +290,17 @@ class LatentCacheWriter:
                     )
 
     def _truncate_log(self, keep: int) -> None:
+        """Forget every item from ``keep`` on, durably (log first, then data), so that appending resumes there."""
         self._log.close()
-        header = self._header()
         lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in self._records[:keep])
-        fmt.write_bytes_durably(self._paths["progress"], header + lines)
+        fmt.write_bytes_durably(self._paths["progress"], self._header() + lines)
         self._log = open(self._paths["progress"], "ab")
+        for record in self._records[keep:]:
+            del self._index[record["k"]]
+        del self._records[keep:]
+        self._logged = keep
+        self._end = sum(2 * int(np.prod(r["s"])) for r in self._records)
+        os.ftruncate(self._fd, self._end)
 
     def _meta(self, shapes: np.ndarray) -> dict:
         identity = self.identity or {}
