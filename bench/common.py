@@ -97,9 +97,15 @@ def line_plot(out_dir: str, name: str, x: Sequence[float], series: dict[str, Seq
     plt = pyplot()
     if plt is None:
         return []
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     for label, ys in series.items():
         ax.plot(x, ys, marker="o", label=label)
     ax.set(**axes)
-    ax.legend()
+    ax.grid(True, alpha=0.3)
+    outside_legend(ax)
     return [save(fig, out_dir, name)]
+
+
+def outside_legend(ax) -> None:
+    """The legend to the right of the axes, so it never covers a line or a bar."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
