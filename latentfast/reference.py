@@ -109,21 +109,23 @@ def expand_rows_into(packed, packed_offsets, widths, white, out) -> None:
 
 # ---- replay ------------------------------------------------------------------------------------
 def scatter_cotangents_into(
-    grads: list[torch.Tensor], batch_sizes: list[int], scale: float, arena: torch.Tensor
+    grads: list[torch.Tensor], batch_sizes: list[int], scales: list[float], arena: torch.Tensor
 ) -> None:
-    """Split per-branch leaf gradients into per-microbatch blocks, each stored twice in ``arena``.
+    """Split per-branch leaf gradients into per-microbatch blocks, each stored once per scale in ``arena``.
 
-    ``grads[k]``: ``[b_local, N_k, D_k]`` (any strides); ``batch_sizes``: the microbatch sizes,
-    summing to ``b_local``; ``arena``: contiguous 1-D of ``2 * b_local * sum_k N_k * D_k``
-    elements. Segment ``(m, k)`` (microbatch-major, branch-minor) holds
-    ``grads[k][rows of m]`` followed by ``grads[k][rows of m] * scale``.
+    ``grads[k]``: ``[b_local, N_k, D_k]`` (any strides, one dtype); ``batch_sizes``: the microbatch
+    sizes, summing to ``b_local``; ``scales``: one or two factors; ``arena``: contiguous 1-D of
+    ``len(scales) * b_local * sum_k N_k * D_k`` elements, of any floating dtype. Segment ``(m, k)``
+    (microbatch-major, branch-minor) holds ``grads[k][rows of m] * scales[c]`` for each ``c`` in
+    turn, computed in float32 (float64 for float64 gradients) and rounded to the arena's dtype.
     """
+    opmath = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
     offset, row = 0, 0
     for size in batch_sizes:
         for grad in grads:
-            block = grad[row : row + size]
+            block = grad[row : row + size].to(opmath)
             count = block.numel()
-            arena[offset : offset + count].view_as(block).copy_(block)
-            torch.mul(block, scale, out=arena[offset + count : offset + 2 * count].view_as(block))
-            offset += 2 * count
+            for scale in scales:
+                torch.mul(block, scale, out=arena[offset : offset + count].view_as(block))
+                offset += count
         row += size

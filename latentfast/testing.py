@@ -3,7 +3,8 @@
 - :func:`poisoned_like` -- an output buffer full of garbage, so a kernel that skips an element is caught;
 - :func:`runnable_backends` -- every backend that can run an op on a device type in this process;
 - :func:`random_rows` / :func:`write_cache` -- latent caches with arbitrary rows, written with plain
-  numpy in the original (seed) layouts and opened by the real :class:`~latentfast.cache.LatentCache`.
+  numpy in the original (seed) layouts and opened by the real :class:`~latentfast.cache.LatentCache`;
+- :func:`spawn_gloo` -- run a function on every rank of a real spawned gloo process group.
 """
 from __future__ import annotations
 
@@ -74,3 +75,46 @@ def write_cache(directory: str, rows, widths, *, w_max: int, layout: str = "padd
     with open(path("meta.json"), "w") as fh:
         json.dump(meta, fh)
     return LatentCache(directory, split)
+
+
+def _spawned_rank(rank: int, world_size: int, folder: str, timeout_s: float, fn, args: tuple) -> None:
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # one core per rank: the ranks stand for separate machines
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(folder, 'store')}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException as exc:  # returned to the caller, not raised in the child
+        result = exc
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(folder, f"result{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def spawn_gloo(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on every rank of a new gloo group of spawned processes
+    (rendezvous through a FileStore in a temporary folder, one thread per rank) and return the
+    results in rank order. An exception raised on a rank is returned (not raised) as that rank's
+    result. ``fn`` must be importable by name (module level); ``timeout_s`` is the group's timeout."""
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="latentfast_gloo_") as folder:
+        mp.start_processes(_spawned_rank, args=(world_size, folder, timeout_s, fn, args), nprocs=world_size, start_method="spawn")
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(folder, f"result{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results
