@@ -90,7 +90,7 @@ def compiled_op(op: str):
 # shape checks = fake kernels (shapes, dtypes and devices only; they run traced and eager)
 # ---------------------------------------------------------------------------------------------
 FLOAT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1  # the largest size an op's int arguments and the kernels' int64 arithmetic hold
 CHECKS: dict = {}
 
 
@@ -203,7 +203,6 @@ def _expand_rows_into_check(packed, packed_offsets, widths, white, out, backend=
 
 
 SCATTER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-INT64_MAX = 2**63 - 1
 
 
 @_shape_check("scatter_cotangents_into")
