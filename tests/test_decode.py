@@ -452,3 +452,24 @@ def test_meta_tensors():
     assert out.device.type == "meta" and tuple(out.shape) == (2, 1, 3, 4) and out.dtype == torch.float32
     with pytest.raises(InvalidArgumentError, match="width must be given when widths is a meta tensor"):
         ops.expand_rows(*meta, None, channels=1, latent_h=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expand_rows_cuda_matches_numpy(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(3)
+    rows, widths = random_rows(rng, 9, 4, 3, 37, min_width=0)
+    white = rng.standard_normal((4, 3, 1)).astype(np.float16)
+    order = list(rng.permutation(9)) + [2]
+    packed = torch.from_numpy(np.concatenate([rows[i].reshape(-1) for i in order]))
+    sizes = torch.tensor([rows[i].size for i in order], dtype=torch.int64)
+    offsets = torch.cumsum(sizes, 0) - sizes
+    selected = torch.from_numpy(widths[order].astype(np.int32))
+    for backend in runnable_backends("expand_rows_into", "cuda"):
+        out = poisoned_like((len(order), 4, 3, 40), dtype, device="cuda")
+        ops.expand_rows(packed.cuda(), offsets.cuda(), selected.cuda(), torch.from_numpy(white).cuda(), channels=4,
+                        latent_h=3, width=40, dtype=dtype, out=out, backend=backend)
+        torch.testing.assert_close(out.cpu(), expected_batch(rows, white, order, 40, dtype), rtol=0, atol=0,
+                                   msg=lambda m: f"{backend}: {m}")

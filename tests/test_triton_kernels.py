@@ -356,3 +356,25 @@ def test_expand_rows_cuda_compiles_once_per_dtype():
         want = ops.expand_rows(packed, offsets, widths, white, channels=3, latent_h=4, backend="torch")
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
     assert len(cache) - before <= 1, f"{len(cache) - before} compiles for one dtype"
+
+
+@pytest.mark.gpu
+def test_program_offsets_past_2_31_on_cuda():
+    # the whole grid this time: outputs of 2**31 + 1024 float16 elements (4 GiB), every one checked
+    _cuda_devices(1)
+    L0, L1 = 2**21 + 1, 1024
+    small = torch.randint(0, 256, (L1,), dtype=torch.uint8, device="cuda")
+    x = small.as_strided((L0, L1, 1, 1, 1), (0, 1, 1, 1, 1))
+    out = torch.full((L0, L1, 1, 1, 1), float("nan"), dtype=torch.float16, device="cuda")
+    ops.normalize_uint8(x, out=out, dtype=torch.float16, backend="triton")
+    want = (small.float() / 127.5 - 1).half()
+    torch.testing.assert_close(out.view(L0, L1)[-3:], want.expand(3, L1), rtol=0, atol=torch.finfo(torch.float16).eps)
+    assert not bool(out.isnan().any()), "rows past 2**31 were not written"
+    del out
+    B, h = 2**11 + 1, 2**20
+    packed = torch.randn(h, dtype=torch.float16, device="cuda")
+    out = torch.full((B, 1, h, 1), float("nan"), dtype=torch.float16, device="cuda")
+    ops.expand_rows(packed, torch.zeros(B, dtype=torch.int64, device="cuda"),
+                    torch.ones(B, dtype=torch.int32, device="cuda"), None, channels=1, latent_h=h, width=1, out=out,
+                    backend="triton")
+    assert torch.equal(out[-1].view(-1), packed) and not bool(out.isnan().any())
