@@ -96,6 +96,17 @@ def test_parity_with_reference(backend, dtype, name, x, num_views):
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"view {view}: {m}")
 
 
+@pytest.mark.parametrize("backend", COMPARED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_uint8_value_bit_exact(backend, dtype):
+    # each of the 256 inputs, in runs long enough for the vector path, against the numpy formula
+    x = torch.arange(256, dtype=torch.uint8).repeat(3 * 2 * 4).reshape(3, 2, 4, 256)[:, :, :, torch.randperm(256)]
+    got = ops.normalize_uint8(x, num_views=2, dtype=dtype, backend=backend)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for g, want in zip(got, _numpy_formula(x, 2, dtype)):
+        assert torch.equal(g.reshape(-1).view(bits), want.reshape(-1).view(bits))
+
+
 LARGE = [name for name in COMPARED if name != "triton"]  # the interpreter would take minutes
 
 
