@@ -31,14 +31,13 @@ QUICK_FRAMES = (2, 32)
 TARGET_ELEMENTS = 25_165_824
 
 LEGEND = [
-    "reuse: every provider writes into outputs allocated once (out=); alloc: every provider allocates per call",
-    "eager: the specification's per view narrow + to(float32) + div_(127.5) + sub_(1); in reuse the same three "
-    "passes into the buffers (copy_ + div_ + sub_): 21 bytes moved per element",
-    "eager-2op: torch.div(view, 127.5, out=buf) + buf.sub_(1), another bit-identical eager form (13 bytes per "
-    "element, but torch may stage the uint8 -> float32 cast in a temporary)",
-    "cpp / triton / cuda: latentfast.ops.normalize_uint8 on that backend, one pass: 5 bytes per element",
-    "copy: float32 dst.copy_(src) of the output's size, reused buffers, 8 bytes per element counted",
-    "GB/s = 5 bytes per element (uint8 read + float32 written) / time for every provider except copy",
+    "reuse: outputs allocated once (out=); alloc: every call allocates its outputs",
+    "eager: the specification's per-view narrow + to(float32) + div_(127.5) + sub_(1);",
+    "       in reuse the same three passes into the buffers (copy_ + div_ + sub_): 21 B/element",
+    "eager-2op: torch.div(view, 127.5, out=buf) + buf.sub_(1), also bit-identical: 13 B/element",
+    "cpp / triton / cuda: latentfast.ops.normalize_uint8 on that backend, one pass: 5 B/element",
+    "copy: float32 dst.copy_(src) of the output's size into a reused buffer (8 B/element counted)",
+    "GB/s: 5 bytes per element (uint8 read + float32 written) / time, for every provider but copy",
 ]
 
 
