@@ -1,13 +1,24 @@
-"""Cross-rank encode balancing: planner quality and time, and a real 2-process skewed encode step.
+"""Cross-rank encode balancing: plan quality, units and bytes moved, planner time, and a real
+2-process skewed encode step.
 
-Planner quality: lognormal unit costs (sigma = 1), m in {8, 32, 64} ranks, 4-16 units per rank
-(uniform); makespan / lower bound (``max(total / m, largest unit)``) for no balancing, plain LPT
-and latentfast's planner (LPT + move/swap local search + home-keeping), mean and worst over the
-instances. Planner time: median wall clock of one plan. Encode step: a spawned 2-process gloo
-group where rank 0 holds three 4-camera clips and rank 1 one clip; wall clock of the step
-(barrier to barrier) encoded locally vs balanced, once with the toy VAE's CPU compute (one
-thread per rank: sensitive to whatever else runs on the host) and once with a 20 ms idle wait
-per encode call standing in for a GPU encode (the host CPU is free meanwhile).
+Planners, all on the same instances and the same integer-nanosecond costs:
+
+- **latentfast**: :func:`latentfast.vision.plan_assignment`;
+- **anchor**: cosmos-framework's ``plan_rebalance`` (``vae_load_balance.py``), a greedy move-once
+  heuristic, re-implemented below (not imported) with its loop and tie-breaking;
+- **plain LPT**: longest processing time first over all units, its bins then named after ranks
+  greedily so the most bytes stay home (LPT itself ignores where units live);
+- **none**: no balancing.
+
+Instances: lognormal(0, 1) predicted seconds per unit; "R x A-B" means R ranks with A to B units
+each (uniform), "skewed" gives rank 0 four times the units. A unit's size is 10 MB per predicted
+second (pixels scale with the work). Lower bound = max(total / ranks, largest unit).
+
+Encode step: a spawned 2-process gloo group where rank 0 holds three 4-camera clips and rank 1
+one clip; wall clock of the step (barrier to barrier, so the real transfers are counted) encoded
+locally vs balanced, with the toy VAE's CPU compute (one thread per rank: sensitive to whatever
+else runs on the host), with a 20 ms idle wait per encode call standing in for a GPU encode, and
+with that wait plus a transfer-aware plan over the measured link.
 
     pytest bench/bench_balance.py --benchmark-only      # pytest-benchmark tables
     python bench/bench_balance.py [--quick]             # side-by-side report
@@ -16,80 +27,183 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from latentfast.vision import demo_balanced_encode, lpt_makespan, plan_assignment
-from latentfast.vision.plan import lpt_bins
+from latentfast.bench.common import format_table, machine_summary, outside_legend, pyplot, save
+from latentfast.vision import plan_assignment
+from latentfast.vision.demo import demo_balanced_encode
+from latentfast.vision.plan import NS_PER_SECOND, lpt_bins, quantize_costs
 
-from latentfast.bench.common import format_table, machine_summary, median_seconds, pyplot, save
-
-RANKS = (8, 32, 64)
-UNITS_PER_RANK = (4, 16)
-PROVIDERS = ("no_balancing", "lpt", "latentfast")
-
-
-def instances(ranks: int, count: int, seed: int = 0) -> list[list[list[float]]]:
-    """``count`` instances: per rank 4-16 units of lognormal(0, 1) predicted seconds."""
-    rng = np.random.default_rng(seed * 1000 + ranks)
-    low, high = UNITS_PER_RANK
-    return [[rng.lognormal(0.0, 1.0, size=int(rng.integers(low, high + 1))).tolist() for _ in range(ranks)] for _ in range(count)]
-
-
-def worst_case_instance(ranks: int = 64, units: int = 16, seed: int = 0) -> list[list[float]]:
-    rng = np.random.default_rng(seed)
-    return [rng.lognormal(0.0, 1.0, size=units).tolist() for _ in range(ranks)]
+# (label, ranks, fewest units per rank, most units per rank, skewed)
+SETTINGS = (
+    ("2 x 4", 2, 4, 4, False),
+    ("2 x 4 skewed", 2, 4, 4, True),
+    ("8 x 4-16", 8, 4, 16, False),
+    ("64 x 4-16", 64, 4, 16, False),
+    ("64 x 4-16 skewed", 64, 4, 16, True),
+    ("64 x 16", 64, 16, 16, False),
+)
+PROVIDERS = ("latentfast", "anchor", "lpt", "none")
+BYTES_PER_SECOND_OF_WORK = 10_000_000
+TIMED_SETTING = "64 x 16"
 
 
-def plan_with(provider: str, costs: list[list[float]]) -> float:
-    """Makespan of ``provider`` on one instance."""
-    if provider == "no_balancing":
-        return max(sum(c) for c in costs)
-    if provider == "lpt":
-        return lpt_makespan(costs)
-    return plan_assignment(costs).makespan
+def cosmos_plan_rebalance(local_predicted_seconds: dict[int, list], max_iterations: int = 10_000) -> list[tuple[int, int, int]]:
+    """The anchor: ``plan_rebalance`` from cosmos-framework's
+    ``cosmos_framework/model/generator/mot/vae_load_balance.py`` (NVIDIA, SPDX OpenMDW-1.1),
+    re-implemented here. Repeatedly, from the most to the least loaded rank, offload the
+    not-yet-moved unit whose cost is nearest half their gap while that shrinks it (Python's
+    ``max``/``min`` pick the first best: lowest rank, lowest local index). Returns
+    ``(local_index, from_rank, to_rank)`` moves."""
+    if len(local_predicted_seconds) < 2:
+        return []
+    totals = {rank: sum(costs) for rank, costs in local_predicted_seconds.items()}
+    available = {rank: list(enumerate(costs)) for rank, costs in local_predicted_seconds.items()}
+    moves = []
+    for _ in range(max_iterations):
+        over = max(totals, key=lambda r: totals[r])
+        under = min(totals, key=lambda r: totals[r])
+        spread = totals[over] - totals[under]
+        if spread <= 0 or not available[over]:
+            break
+        index, cost = min(available[over], key=lambda pair: abs(spread - 2 * pair[1]))
+        if abs(spread - 2 * cost) >= spread:
+            break
+        available[over] = [pair for pair in available[over] if pair[0] != index]
+        totals[over] -= cost
+        totals[under] += cost
+        moves.append((index, over, under))
+    return moves
+
+
+def instances(setting: tuple, count: int, seed: int = 0) -> list[list[list[float]]]:
+    _, ranks, low, high, skewed = setting
+    rng = np.random.default_rng([seed, ranks, low, high, skewed])
+    out = []
+    for _ in range(count):
+        costs = [rng.lognormal(0.0, 1.0, size=int(rng.integers(low, high + 1))).tolist() for _ in range(ranks)]
+        if skewed:
+            costs[0] = rng.lognormal(0.0, 1.0, size=4 * len(costs[0])).tolist()
+        out.append(costs)
+    return out
+
+
+def unit_bytes(costs: list[list[float]]) -> list[list[int]]:
+    return [[round(c * BYTES_PER_SECOND_OF_WORK) for c in row] for row in costs]
+
+
+def anchor_assignment(ns: list[list[int]]) -> list[list[int]]:
+    where = [[r] * len(row) for r, row in enumerate(ns)]
+    for index, src, dest in cosmos_plan_rebalance(dict(enumerate(ns))):
+        where[src][index] = dest
+    return where
+
+
+def lpt_assignment(ns: list[list[int]], sizes: list[list[int]]) -> list[list[int]]:
+    """Plain LPT's bins, each named after the rank whose bytes it holds most of (greedy)."""
+    m = len(ns)
+    flat = np.array([c for row in ns for c in row], dtype=np.int64)
+    homes = np.repeat(np.arange(m), [len(row) for row in ns])
+    bins = lpt_bins(flat, m) if len(flat) else np.zeros(0, np.int64)
+    kept: dict[tuple[int, int], int] = {}
+    for b, h, s in zip(bins.tolist(), homes.tolist(), [s for row in sizes for s in row]):
+        kept[(b, h)] = kept.get((b, h), 0) + s
+    name: dict[int, int] = {}
+    for (b, h), _ in sorted(kept.items(), key=lambda item: (-item[1], item[0])):
+        if b not in name and h not in name.values():
+            name[b] = h
+    free = iter(r for r in range(m) if r not in name.values())
+    name.update({b: next(free) for b in range(m) if b not in name})
+    ranks = [name[b] for b in bins.tolist()]
+    offsets = np.cumsum([0, *[len(row) for row in ns]]).tolist()
+    return [ranks[offsets[r] : offsets[r + 1]] for r in range(m)]
+
+
+def evaluate(where: list[list[int]], ns: list[list[int]], sizes: list[list[int]]) -> tuple[int, int, int]:
+    """``(makespan ns, units moved, bytes moved)`` of an assignment."""
+    loads = [0] * len(ns)
+    moved = moved_bytes = 0
+    for r, row in enumerate(where):
+        for i, dest in enumerate(row):
+            loads[dest] += ns[r][i]
+            if dest != r:
+                moved, moved_bytes = moved + 1, moved_bytes + sizes[r][i]
+    return max(loads), moved, moved_bytes
+
+
+def compare(costs: list[list[float]]) -> dict[str, tuple[float, int, int]]:
+    """Every provider's ``(makespan / lower bound, units moved, bytes moved)`` on one instance."""
+    ns, sizes = quantize_costs(costs), unit_bytes(costs)
+    plan = plan_assignment(costs, sizes)
+    where = {
+        "latentfast": [list(row) for row in plan.assignment],
+        "anchor": anchor_assignment(ns),
+        "lpt": lpt_assignment(ns, sizes),
+        "none": [[r] * len(row) for r, row in enumerate(ns)],
+    }
+    lower = plan.lower_bound * NS_PER_SECOND
+    out = {}
+    for name, assignment in where.items():
+        makespan, moved, moved_bytes = evaluate(assignment, ns, sizes)
+        out[name] = (makespan / lower if lower else 1.0, moved, moved_bytes)
+    return out
 
 
 def planner_quality(quick: bool) -> list[dict]:
     rows = []
-    for ranks in RANKS:
-        ratios: dict[str, list[float]] = {p: [] for p in PROVIDERS}
-        for costs in instances(ranks, 10 if quick else 50):
-            plan = plan_assignment(costs)
-            ratios["no_balancing"].append(plan.home_makespan / plan.lower_bound)
-            ratios["lpt"].append(lpt_makespan(costs) / plan.lower_bound)
-            ratios["latentfast"].append(plan.makespan / plan.lower_bound)
-        row = {"ranks": ranks, "instances": len(ratios["lpt"])}
-        for provider, values in ratios.items():
-            row[f"{provider}_mean"] = float(np.mean(values))
-            row[f"{provider}_worst"] = float(np.max(values))
-        row["latentfast_above_lpt"] = int(sum(o > l + 1e-12 for o, l in zip(ratios["latentfast"], ratios["lpt"])))
+    for setting in SETTINGS:
+        results = [compare(costs) for costs in instances(setting, 30 if quick else 200)]
+        row = {"setting": setting[0], "instances": len(results)}
+        for p in PROVIDERS:
+            ratios = [r[p][0] for r in results]
+            row[p] = {"mean": float(np.mean(ratios)), "max": float(np.max(ratios)),
+                      "units": float(np.mean([r[p][1] for r in results])), "mb": float(np.mean([r[p][2] for r in results])) / 1e6}  # fmt: skip
+        row["not_worse_than_anchor"] = float(np.mean([r["latentfast"][0] <= r["anchor"][0] for r in results]))
+        row["units_limit"] = 1.5 * row["anchor"]["units"] + 1
         rows.append(row)
     return rows
 
 
-def planner_times(quick: bool) -> list[dict]:
-    rows = []
-    for ranks in RANKS:
-        costs = worst_case_instance(ranks, UNITS_PER_RANK[1])
-        flat = np.rint(np.concatenate(costs) * 1e9).astype(np.int64)
-        repeat = 5 if quick else 15
-        rows.append(
-            {
-                "ranks": ranks,
-                "units": int(flat.size),
-                "latentfast_ms": 1e3 * median_seconds(lambda: plan_assignment(costs), repeat=repeat, warmup=1),
-                "lpt_ms": 1e3 * median_seconds(lambda: lpt_bins(flat, ranks), repeat=repeat, warmup=1),
-            }
-        )
-    return rows
+def planner_times(quick: bool) -> dict:
+    setting = next(s for s in SETTINGS if s[0] == TIMED_SETTING)
+    cases = instances(setting, 20 if quick else 100, seed=1)
+    sizes = [unit_bytes(c) for c in cases]
+    ns = [quantize_costs(c) for c in cases]
+
+    def per_plan(fn, clock=time.perf_counter, passes: int = 3) -> float:
+        """Median ms per plan over the instances; the best of ``passes`` passes (other work on a
+        shared host only ever adds time)."""
+        medians = []
+        for _ in range(passes):
+            times = []
+            for args in zip(cases, sizes, ns):
+                start = clock()
+                fn(*args)
+                times.append(clock() - start)
+            medians.append(float(np.median(times)))
+        return 1e3 * min(medians)
+
+    ours, with_bytes = (lambda c, s, n: plan_assignment(c)), (lambda c, s, n: plan_assignment(c, s))
+    return {
+        "setting": f"{TIMED_SETTING} (1,024 units), lognormal(0, 1), median over {len(cases)} instances, best of 3 passes, one thread",
+        "latentfast_ms": per_plan(ours),
+        "latentfast_with_bytes_ms": per_plan(with_bytes),
+        # CPU time of this process: what the planner costs when other work does not share the core.
+        "latentfast_cpu_ms": per_plan(ours, time.process_time),
+        "latentfast_with_bytes_cpu_ms": per_plan(with_bytes, time.process_time),
+        "anchor_ms": per_plan(lambda c, s, n: cosmos_plan_rebalance(dict(enumerate(n)))),
+        "lpt_ms": per_plan(lambda c, s, n: lpt_bins(np.array([x for row in n for x in row], dtype=np.int64), len(n))),
+    }
 
 
 STEPS = {
     # name: demo_balanced_encode options
     "toy VAE compute": dict(hidden=512, device_seconds=0.0),
-    "toy VAE + 20 ms device wait": dict(hidden=16, device_seconds=0.02),
+    "20 ms device wait": dict(hidden=16, device_seconds=0.02),
+    "20 ms wait, transfer-aware plan": dict(hidden=16, device_seconds=0.02, transfer_aware=True),
 }
 
 
@@ -97,54 +211,80 @@ def ratio(x: float) -> str:
     return f"{x:.4f}"
 
 
+def print_report(quality: list[dict], times: dict, steps: dict, load: float) -> None:
+    print(format_table(
+        "plan quality: makespan / lower bound (lognormal(0, 1) costs; R x A-B = R ranks with A-B units each)",
+        ["setting", "n", "ours mean", "ours max", "anchor mean", "anchor max", "LPT mean", "LPT max", "none mean",
+         "P(ours <= anchor)"],
+        [[r["setting"], r["instances"], ratio(r["latentfast"]["mean"]), ratio(r["latentfast"]["max"]), ratio(r["anchor"]["mean"]),
+          ratio(r["anchor"]["max"]), ratio(r["lpt"]["mean"]), ratio(r["lpt"]["max"]), ratio(r["none"]["mean"]),
+          f"{r['not_worse_than_anchor']:.2f}"] for r in quality],
+    ))  # fmt: skip
+    print()
+    print(format_table(
+        "what moves (mean per instance; a unit = 10 MB per predicted second)",
+        ["setting", "ours units", "anchor units", "1.5 x anchor + 1", "LPT units", "ours MB", "anchor MB", "LPT MB"],
+        [[r["setting"], f"{r['latentfast']['units']:.1f}", f"{r['anchor']['units']:.1f}", f"{r['units_limit']:.1f}",
+          f"{r['lpt']['units']:.1f}", f"{r['latentfast']['mb']:.0f}", f"{r['anchor']['mb']:.0f}", f"{r['lpt']['mb']:.0f}"]
+         for r in quality],
+    ))  # fmt: skip
+    print("legend: ours = latentfast.vision.plan_assignment; anchor = cosmos-framework plan_rebalance (re-implemented in this"
+          " file); LPT = plain longest-processing-time-first, bins named after ranks to keep the most bytes home; none = no balancing")
+    print()
+    print(format_table(
+        f"planner time per plan: {times['setting']}; host load average {load:.1f}",
+        ["ours wall ms", "ours CPU ms", "ours + bytes wall ms", "ours + bytes CPU ms", "anchor wall ms", "LPT bins wall ms"],
+        [[times["latentfast_ms"], times["latentfast_cpu_ms"], times["latentfast_with_bytes_ms"], times["latentfast_with_bytes_cpu_ms"],
+          times["anchor_ms"], times["lpt_ms"]]],
+    ))  # fmt: skip
+    print("legend: wall = perf_counter; CPU = this process's CPU time (other processes on the host do not inflate it);"
+          " + bytes = with bytes_per_rank (as offload_encode plans); anchor = the pure-Python re-implementation above;"
+          " LPT = plain LPT's bin assignment alone")
+    print()
+    print(format_table(
+        f"2-process gloo skewed encode step, barrier to barrier, transfers included (1 thread per rank; host load average {load:.1f})",
+        ["encode", "items per rank", "unbalanced ms", "balanced ms", "speedup (x)", "planned speedup (x)", "moved MB", "link GB/s"],
+        [[name, str(r["items_per_rank"]), 1e3 * r["unbalanced_s"], 1e3 * r["balanced_s"], r["speedup"], r["planned_speedup"],
+          r["moved_bytes"] / 1e6, "-" if r["link_bandwidth"] is None else f"{r['link_bandwidth'] / 1e9:.2f}"] for name, r in steps.items()],
+    ))  # fmt: skip
+    print("legend: unbalanced = every rank encodes its own items; balanced = VisionEncoder.encode_balanced over the same group")
+
+
 def run_report(quick: bool = False) -> dict:
     quality = planner_quality(quick)
     times = planner_times(quick)
     steps = {name: demo_balanced_encode(world_size=2, repeats=3 if quick else 7, **options) for name, options in STEPS.items()}
     load = os.getloadavg()[0]
-
-    print(format_table(
-        "planner quality: makespan / lower bound (lognormal sigma=1, 4-16 units per rank)",
-        ["ranks", "instances", "none mean", "none worst", "LPT mean", "LPT worst", "ours mean", "ours worst", "ours>LPT"],
-        [[r["ranks"], r["instances"], ratio(r["no_balancing_mean"]), ratio(r["no_balancing_worst"]), ratio(r["lpt_mean"]),
-          ratio(r["lpt_worst"]), ratio(r["latentfast_mean"]), ratio(r["latentfast_worst"]), r["latentfast_above_lpt"]]
-         for r in quality],
-    ))  # fmt: skip
-    print()
-    print(format_table(
-        "planner time (16 units per rank)",
-        ["ranks", "units", "ours ms", "plain LPT ms", "ours/LPT"],
-        [[r["ranks"], r["units"], r["latentfast_ms"], r["lpt_ms"], r["latentfast_ms"] / r["lpt_ms"]] for r in times],
-    ))  # fmt: skip
-    print()
-    print(format_table(
-        f"2-process gloo skewed encode step, barrier to barrier (1 thread per rank; host load average {load:.1f})",
-        ["encode", "items per rank", "unbalanced ms", "balanced ms", "speedup", "planned speedup", "moved MB"],
-        [[name, str(r["items_per_rank"]), 1e3 * r["unbalanced_s"], 1e3 * r["balanced_s"], r["speedup"],
-          r["planned_speedup"], r["moved_bytes"] / 1e6] for name, r in steps.items()],
-    ))  # fmt: skip
-    target = next(r for r in times if r["ranks"] == 64)
+    print_report(quality, times, steps, load)
+    timed = next(r for r in quality if r["setting"] == TIMED_SETTING)
     return {
         "machine": {**machine_summary(), "load_average_1min": load},
         "quality": quality,
         "planner_time": times,
         "encode_steps": steps,
         "summary": {
-            "mean_makespan_over_lower_bound_worst_m": round(max(r["latentfast_mean"] for r in quality), 5),
-            "instances_above_lpt": sum(r["latentfast_above_lpt"] for r in quality),
-            "planner_ms_64x16": round(target["latentfast_ms"], 3),
+            f"mean_makespan_over_lower_bound[{TIMED_SETTING}]": round(timed["latentfast"]["mean"], 5),
+            f"anchor_mean_makespan_over_lower_bound[{TIMED_SETTING}]": round(timed["anchor"]["mean"], 5),
+            f"lpt_mean_makespan_over_lower_bound[{TIMED_SETTING}]": round(timed["lpt"]["mean"], 5),
+            "fraction_not_worse_than_anchor": min(r["not_worse_than_anchor"] for r in quality),
+            "units_moved_over_anchor_limit": max(r["latentfast"]["units"] / r["units_limit"] for r in quality),
+            f"planner_ms[{TIMED_SETTING}]": round(times["latentfast_ms"], 3),
+            f"planner_cpu_ms[{TIMED_SETTING}]": round(times["latentfast_cpu_ms"], 3),
             **{f"skewed_step_speedup[{name}]": round(r["speedup"], 3) for name, r in steps.items()},
         },
     }
 
 
-@pytest.mark.parametrize("ranks", RANKS)
-@pytest.mark.parametrize("provider", PROVIDERS)
-def test_planner(benchmark, provider, ranks):
-    cases = instances(ranks, 10)
-    makespans = benchmark(lambda: [plan_with(provider, c) for c in cases])
-    lower_bounds = [plan_assignment(c).lower_bound for c in cases]
-    benchmark.extra_info["mean_makespan_over_lower_bound"] = float(np.mean([m / lb for m, lb in zip(makespans, lower_bounds)]))
+@pytest.mark.parametrize("setting", [s[0] for s in SETTINGS])
+@pytest.mark.parametrize("provider", ["latentfast", "anchor"])
+def test_planner(benchmark, provider, setting):
+    cases = instances(next(s for s in SETTINGS if s[0] == setting), 10)
+    if provider == "latentfast":
+        benchmark(lambda: [plan_assignment(c) for c in cases])
+    else:
+        ns = [quantize_costs(c) for c in cases]
+        benchmark(lambda: [cosmos_plan_rebalance(dict(enumerate(n))) for n in ns])
+    benchmark.extra_info["mean_makespan_over_lower_bound"] = float(np.mean([compare(c)[provider][0] for c in cases]))
 
 
 @pytest.mark.parametrize("step", list(STEPS))
@@ -156,23 +296,29 @@ def test_skewed_encode_step(benchmark, step):
         benchmark.extra_info[key] = result[key]
 
 
-
 def plot(report: dict, out_dir: str) -> list[str]:
-    """Mean makespan / lower bound per planner, by number of ranks."""
+    """Mean makespan / lower bound per planner and setting, and units moved."""
     plt = pyplot()
     if plt is None:
         return []
     rows = report["quality"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (quality_ax, moved_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.27
-    for k, (key, label) in enumerate((("no_balancing", "no balancing"), ("lpt", "plain LPT"), ("latentfast", "latentfast"))):
+    for k, (key, label) in enumerate((("latentfast", "latentfast"), ("anchor", "anchor (cosmos plan_rebalance)"), ("lpt", "plain LPT"))):
         xs = [i + (k - 1) * width for i in range(len(rows))]
-        ax.bar(xs, [r[f"{key}_mean"] for r in rows], width, label=label)
-    ax.set_xticks(range(len(rows)), [str(r["ranks"]) for r in rows])
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set(xlabel="ranks", ylabel="mean makespan / lower bound", title="encode balancing plan quality")
-    ax.legend()
+        quality_ax.bar(xs, [r[key]["mean"] - 1 for r in rows], width, label=label)
+        moved_ax.bar(xs, [r[key]["units"] for r in rows], width, label=label)
+    for ax, ylabel in ((quality_ax, "mean makespan / lower bound - 1"), (moved_ax, "mean units moved")):
+        ax.set_xticks(range(len(rows)), [r["setting"] for r in rows], rotation=20, ha="right")
+        ax.set(xlabel="ranks x units per rank", ylabel=ylabel)
+    quality_ax.set_yscale("log")
+    moved_ax.set_yscale("log")
+    quality_ax.set_title("plan quality (lower is better)")
+    moved_ax.set_title("units moved (lower is better)")
+    outside_legend(moved_ax)
+    fig.tight_layout()
     return [save(fig, out_dir, "balance_makespan.png")]
+
 
 if __name__ == "__main__":
     run_report(quick="--quick" in sys.argv)

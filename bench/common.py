@@ -109,3 +109,45 @@ def line_plot(out_dir: str, name: str, x: Sequence[float], series: dict[str, Seq
 def outside_legend(ax) -> None:
     """The legend to the right of the axes, so it never covers a line or a bar."""
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
+def best_seconds(fn: Callable[[], object], *, repeat: int = 50, warmup: int = 5, device=None) -> float:
+    """Fastest wall time of ``fn()`` over ``repeat`` single runs (after ``warmup``), synchronizing ``device``.
+
+    For microsecond-scale functions on a shared machine: every run that another process preempts is
+    slower, never faster, so the fastest run is the best estimate of the function's own cost."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def interleaved_median_seconds(fns: dict[str, Callable[[], object]], *, repeat: int = 7, warmup: int = 2, device=None,
+                               min_time: float = 0.0) -> dict[str, float]:
+    """Median wall time of each ``fns[name]()``, sampled round-robin: each round takes one sample of every
+    function, so a busy neighbour on a shared machine slows every contender alike rather than whichever
+    happened to run at the time. Short functions are looped so one sample lasts ``min_time`` seconds."""
+    inner = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        inner[name] = max(1, int(min_time / max(time.perf_counter() - start, 1e-9))) if min_time > 0 else 1
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            sync(device)
+            samples[name].append((time.perf_counter() - start) / inner[name])
+    return {name: statistics.median(values) for name, values in samples.items()}

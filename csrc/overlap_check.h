@@ -7,6 +7,9 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <string>
+
+#include "checked_math.h"
 
 namespace latentfast {
 
@@ -14,11 +17,22 @@ struct ByteSpan {
   uintptr_t begin, end;  // [begin, end)
 };
 
+// A span whose size does not fit in int64 (possible only for a tensor of absurd strides) is taken
+// to reach the end of the address space: it then overlaps everything after it, which is safe.
 inline ByteSpan byte_span(const at::Tensor& t) {
-  int64_t extent = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * std::llabs(t.stride(d));
   const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {begin, begin + static_cast<uintptr_t>(extent + 1) * t.element_size()};
+  int64_t extent = 1;  // elements from the first to one past the last reachable element
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    int64_t reach = 0;
+    if (!mul_fits(t.size(d) - 1, std::llabs(t.stride(d)), &reach) || !add_fits(extent, reach, &extent)) {
+      return {begin, UINTPTR_MAX};
+    }
+  }
+  int64_t bytes = 0;
+  if (!mul_fits(extent, t.element_size(), &bytes) || static_cast<uintptr_t>(bytes) > UINTPTR_MAX - begin) {
+    return {begin, UINTPTR_MAX};
+  }
+  return {begin, begin + static_cast<uintptr_t>(bytes)};
 }
 
 // out_name / other_name label the two arguments in the error message.

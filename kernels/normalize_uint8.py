@@ -5,10 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch, tile
 from ._rounding import cast_rounded
 
 
-@triton.jit
+# n_rows changes with the batch and frame_offset with the view: neither is specialized, so they do not
+# compile the kernel again. H, W and the strides stay specialized (fixed for a dataset's resolution;
+# a unit W stride lets the loads vectorize).
+@triton.jit(do_not_specialize=["n_rows", "L1", "F", "frame_offset"])
 def _normalize_view_kernel(
     x_ptr,
     out_ptr,
@@ -32,8 +36,8 @@ def _normalize_view_kernel(
     out: contiguous [L0, L1, F, H, W] of the output dtype. Rows are (l0, l1, t, h); a program
     handles a BLOCK_R x BLOCK_W tile of rows x columns.
     """
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
     h = rows % H
     rest = rows // H
     t = rest % F
@@ -62,10 +66,11 @@ def _as_two_lead_dims(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def normalize_uint8_into(x: torch.Tensor, out: list[torch.Tensor]) -> None:
-    """One launch per view; the views cover disjoint frame ranges, so each input byte is read once."""
-    views = len(out)
-    frames = x.shape[-3] // views
+    """One launch per view (and per peeled lead part); the views cover disjoint frame ranges, so each
+    input byte is read once."""
+    frames = x.shape[-3] // len(out)
     parts = _as_two_lead_dims(x)
+    block_r, block_w = tile(x.shape[-1], 512)
     for view, target in enumerate(out):
         flat_target = target.view(-1, *target.shape[-3:])  # contiguous, so always a view
         start = 0
@@ -77,23 +82,6 @@ def normalize_uint8_into(x: torch.Tensor, out: list[torch.Tensor]) -> None:
             n_rows = L0 * L1 * frames * H
             if n_rows == 0 or W == 0:
                 continue
-            block_w = min(triton.next_power_of_2(W), 512)
-            block_r = max(1, 2048 // block_w)
             grid = (triton.cdiv(n_rows, block_r), triton.cdiv(W, block_w))
-            _normalize_view_kernel[grid](
-                part,
-                dst,
-                n_rows,
-                L1,
-                frames,
-                H,
-                W,
-                view * frames,
-                part.stride(0),
-                part.stride(1),
-                part.stride(2),
-                part.stride(3),
-                part.stride(4),
-                BLOCK_R=block_r,
-                BLOCK_W=block_w,
-            )
+            launch(_normalize_view_kernel, grid, "out", dst, part, dst, n_rows, L1, frames, H, W, view * frames,
+                   *part.stride(), BLOCK_R=block_r, BLOCK_W=block_w)

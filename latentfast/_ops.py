@@ -42,8 +42,8 @@ SCHEMAS: dict[str, str] = {
     "Tensor(a!) out) -> ()",
     # bytes [offsets[k], offsets[k] + lengths[k]) of an open file, back to back, by `threads` pread workers
     "read_spans_into": "read_spans_into(int fd, Tensor offsets, Tensor lengths, int threads, Tensor(a!) out) -> ()",
-    # per-branch leaf gradients -> every (microbatch, branch) local + scaled cotangent, one arena
-    "scatter_cotangents_into": "scatter_cotangents_into(Tensor[] grads, int[] batch_sizes, float scale, "
+    # per-branch leaf gradients -> every (microbatch, branch) block once per scale, one arena
+    "scatter_cotangents_into": "scatter_cotangents_into(Tensor[] grads, int[] batch_sizes, float[] scales, "
     "Tensor(a!) arena) -> ()",
 }
 
@@ -92,6 +92,7 @@ def compiled_op(op: str):
 # shape checks = fake kernels (shapes, dtypes and devices only; they run traced and eager)
 # ---------------------------------------------------------------------------------------------
 FLOAT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT64_MAX = 2**63 - 1  # the largest size an op's int arguments and the kernels' int64 arithmetic hold
 CHECKS: dict = {}
 
 
@@ -179,6 +180,10 @@ def _gather_rows_packed_into_check(data, row_offsets, widths, pitch, indices, ch
     torch._check_value(
         channels >= 0 and latent_h >= 0, lambda: f"channels and latent_h must be >= 0, got {channels}, {latent_h}"
     )
+    torch._check_value(
+        channels * latent_h <= INT64_MAX,
+        lambda: f"channels * latent_h = {channels} * {latent_h} does not fit in int64",
+    )
     _check_output("out", out, 1, (torch.float16,), torch.device("cpu"))
 
 
@@ -213,12 +218,17 @@ def _read_spans_into_check(fd, offsets, lengths, threads, out, backend="auto"):
     _check_output("out", out, 1, (torch.uint8,), torch.device("cpu"))
 
 
+SCATTER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 @_shape_check("scatter_cotangents_into")
-def _scatter_cotangents_into_check(grads, batch_sizes, scale, arena, backend="auto"):
+def _scatter_cotangents_into_check(grads, batch_sizes, scales, arena, backend="auto"):
     torch._check_value(len(grads) >= 1, lambda: "grads must hold at least one tensor")
     torch._check_value(len(batch_sizes) >= 1, lambda: "batch_sizes must hold at least one microbatch size")
+    torch._check_value(len(scales) in (1, 2), lambda: f"scales must hold 1 or 2 factors, got {len(scales)}")
     torch._check_value(arena.dim() == 1 and arena.is_contiguous(), lambda: f"arena must be contiguous 1-D, got {tuple(arena.shape)}")
-    torch._check_value(arena.is_floating_point(), lambda: f"arena must be floating point, got {arena.dtype}")
+    torch._check_value(arena.dtype in SCATTER_DTYPES, lambda: f"arena dtype must be one of {SCATTER_DTYPES}, got {arena.dtype}")
+    torch._check_value(grads[0].dtype in SCATTER_DTYPES, lambda: f"grads dtype must be one of {SCATTER_DTYPES}, got {grads[0].dtype}")
     for m, size in enumerate(batch_sizes):
         torch._check_value(size > 0, lambda: f"batch_sizes[{m}] must be positive, got {size}")
     b_local = sum(batch_sizes)
@@ -226,12 +236,15 @@ def _scatter_cotangents_into_check(grads, batch_sizes, scale, arena, backend="au
     for k, grad in enumerate(grads):
         torch._check_value(grad.dim() == 3, lambda: f"grads[{k}] must be [b_local, N, D], got shape {tuple(grad.shape)}")
         torch._check_value(grad.device == arena.device, lambda: f"grads[{k}] is on {grad.device}, arena on {arena.device}")
-        torch._check_value(grad.dtype == arena.dtype, lambda: f"grads[{k}] dtype {grad.dtype} differs from arena dtype {arena.dtype}")
+        torch._check_value(grad.dtype == grads[0].dtype, lambda: f"grads[{k}] dtype {grad.dtype} differs from grads[0] dtype {grads[0].dtype}")
         torch._check_value(
             grad.shape[0] == b_local, lambda: f"grads[{k}] has {grad.shape[0]} rows but batch_sizes sum to {b_local}"
         )
         slab_sum = slab_sum + grad.shape[1] * grad.shape[2]
+    # Python ints do not wrap: a size the kernels' int64 arithmetic cannot hold is refused here too
+    needed = len(scales) * b_local * slab_sum
+    torch._check_value(needed <= INT64_MAX, lambda: f"len(scales) * b_local * sum(N*D) = {needed} overflows int64")
     torch._check_value(
-        arena.numel() == 2 * b_local * slab_sum,
-        lambda: f"arena must hold 2 * b_local * sum(N*D) = {2 * b_local * slab_sum} elements, got {arena.numel()}",
+        arena.numel() == needed,
+        lambda: f"arena must hold len(scales) * b_local * sum(N*D) = {needed} elements, got {arena.numel()}",
     )

@@ -67,6 +67,18 @@ class NonFiniteError(LatentfastError, ValueError):
     """A value that must be finite (a feature, a loss, a cotangent, a cost) is not."""
 
 
+class NonFiniteReplayError(NonFiniteError, FloatingPointError):
+    """A replay feature, loss or cotangent is not finite (also a ``FloatingPointError``, the class
+    the feature replay specification raises for non-finite features)."""
+
+
+class MissingCostError(LatentfastError, KeyError):
+    """No predicted encode cost for a shape (measure it, or allow interpolation)."""
+
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
 class DeviceUnavailableError(LatentfastError, RuntimeError):
     """The requested device (e.g. ``"cuda"``) does not exist or cannot be used in this process."""
 
@@ -83,7 +95,9 @@ __all__ = [
     "IndexOutOfRangeError",
     "InvalidArgumentError",
     "LatentfastError",
+    "MissingCostError",
     "NonFiniteError",
+    "NonFiniteReplayError",
     "OffloadEncodeError",
     "ReplayError",
 ]

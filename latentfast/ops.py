@@ -4,7 +4,9 @@ Every function takes ``backend="auto" | "cpp" | "cuda" | "triton" | "torch"``, w
 the op (the op's dispatch-key kernel picks the implementation, see :mod:`latentfast.backends`), so
 these functions trace under ``torch.compile(fullgraph=True)`` on every backend. The op itself
 checks shapes, dtypes, devices and overlapping outputs; what is checked here is what is needed to
-size the outputs, and the public contract (an ``out=`` of exactly the requested dtype).
+size the outputs, and the public contract (an ``out=`` of exactly the requested dtype). Integer
+arguments accept any integer type (numpy's too) and are refused, naming the argument, outside the
+int64 range the ops' schemas hold; outputs too large for int64 sizes are refused before allocating.
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from . import backends  # noqa: F401  (registers their kernels)
 from .errors import ArgumentTypeError, IndexOutOfRangeError, InvalidArgumentError
 
 NORMALIZE_DTYPES = _ops.FLOAT_OUT_DTYPES
+INT64_MAX = _ops.INT64_MAX  # the largest value an ``int`` argument of an op's schema holds
 
 
-def as_int(name: str, value, *, minimum: int | None = None) -> int:
-    """``value`` as a Python int (numpy and torch integers included, bools refused), at least ``minimum``."""
+def as_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int (numpy and torch integers included, bools refused), in ``[minimum, maximum]``."""
     if isinstance(value, bool):
         raise ArgumentTypeError(f"{name} must be an int, got bool {value!r}")
     try:
@@ -31,7 +34,29 @@ def as_int(name: str, value, *, minimum: int | None = None) -> int:
         raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
     if minimum is not None and result < minimum:
         raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {result}")
+    if maximum is not None and result > maximum:
+        raise InvalidArgumentError(f"{name} must be an int <= {maximum}, got {result}")
     return result
+
+
+def _as_size(name: str, value) -> int:
+    """A size or pitch argument of an op: an int in ``[0, 2**63 - 1]``."""
+    return as_int(name, value, minimum=0, maximum=INT64_MAX)
+
+
+def _check_elements(name: str, count: int) -> None:
+    """Refuse an output of more elements than int64 counts (the product of sizes, exact in Python).
+    A symbolic count (under ``torch.compile``, a value of the data) is left to the allocation."""
+    if not torch.compiler.is_compiling() and count > INT64_MAX:
+        raise InvalidArgumentError(f"{name} would hold {count} elements, more than int64 can count")
+
+
+def _check_host_tensor(name: str, tensor) -> None:
+    """The cache's data and index tensors must be CPU tensors: their values are read on the host."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise InvalidArgumentError(f"{name} must be a CPU tensor (its values are read on the host), got {tensor.device}")
 
 
 def check_out_tensor(name: str, tensor, shape, dtype: torch.dtype, device: torch.device) -> None:
@@ -67,7 +92,8 @@ def normalize_uint8(
 
     Returns:
         One tensor when ``num_views == 1``, else a list of ``num_views`` contiguous tensors. All
-        views are written in a single pass over ``x``.
+        views are written in a single pass over ``x``; an ``out`` overlapping ``x`` or another
+        output is refused. A meta ``x`` gives meta outputs (shapes only), like any torch op.
     """
     if not isinstance(x, torch.Tensor):
         raise ArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -114,6 +140,8 @@ def as_row_indices(indices, n_rows: int) -> torch.Tensor:
     if isinstance(indices, torch.Tensor):
         if indices.dim() != 1 or indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
             raise ArgumentTypeError(f"indices must be a 1-D tensor of ints, got {indices.dtype} {tuple(indices.shape)}")
+        if indices.device.type == "meta":
+            raise InvalidArgumentError("indices is a meta tensor: the rows to read are its values, which it has none of")
         if torch.compiler.is_compiling():
             return indices.to("cpu", torch.int64).contiguous()
         array = indices.detach().cpu().numpy()
@@ -121,11 +149,12 @@ def as_row_indices(indices, n_rows: int) -> torch.Tensor:
         array = np.asarray(indices)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise ArgumentTypeError(f"indices must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
-    array = np.ascontiguousarray(array, dtype=np.int64)
+    # range-check in the array's own dtype: a uint64 index above 2**63 must be reported as itself,
+    # not as the negative int64 it would wrap to
     if array.size and (array.min() < 0 or array.max() >= n_rows):
         position = int(np.flatnonzero((array < 0) | (array >= n_rows))[0])
         raise IndexOutOfRangeError(f"indices[{position}] = {int(array[position])} is out of range for a cache of {n_rows} rows")
-    return torch.from_numpy(array)
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
 
 
 def batch_width(selected_widths, width) -> int:
@@ -137,7 +166,7 @@ def batch_width(selected_widths, width) -> int:
     widest = int(selected_widths.max()) if len(selected_widths) else 0
     if width is None:
         return widest
-    width = as_int("width", width)
+    width = _as_size("width", width)
     if width < widest:
         raise InvalidArgumentError(f"width must be an int >= the batch's widest row ({widest}), got {width}")
     return width
@@ -179,11 +208,16 @@ def gather_rows(
     """
     if dtype not in GATHER_DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {GATHER_DTYPES}, got {dtype}")
-    pitch = as_int("pitch", pitch, minimum=0)
-    channels, latent_h = as_int("channels", channels, minimum=0), as_int("latent_h", latent_h, minimum=0)
+    for name, tensor in (("data", data), ("row_offsets", row_offsets), ("widths", widths)):
+        _check_host_tensor(name, tensor)
+    pitch, channels, latent_h = _as_size("pitch", pitch), _as_size("channels", channels), _as_size("latent_h", latent_h)
     index = as_row_indices(indices, row_offsets.numel())
-    W = batch_width(widths[index], width) if width is None or not torch.compiler.is_compiling() else width
+    if width is not None and torch.compiler.is_compiling():  # the widest row is a value: trust width
+        W = _as_size("width", width)
+    else:
+        W = batch_width(widths[index], width)
     shape = (index.numel(), channels, latent_h, W)
+    _check_elements("out", index.numel() * channels * latent_h * W)
     if out is None:
         out = torch.empty(shape, dtype=dtype)
     else:
@@ -210,10 +244,12 @@ def gather_rows_packed(
     ``out`` (e.g. a pinned staging slot) may be longer than needed; the rows fill its start and the
     filled prefix is returned.
     """
-    pitch = as_int("pitch", pitch, minimum=0)
-    channels, latent_h = as_int("channels", channels, minimum=0), as_int("latent_h", latent_h, minimum=0)
+    for name, tensor in (("data", data), ("row_offsets", row_offsets), ("widths", widths)):
+        _check_host_tensor(name, tensor)
+    pitch, channels, latent_h = _as_size("pitch", pitch), _as_size("channels", channels), _as_size("latent_h", latent_h)
     index = as_row_indices(indices, row_offsets.numel())
     needed = channels * latent_h * int(widths[index].sum())
+    _check_elements("the packed rows", needed)
     if out is None:
         out = torch.empty(needed, dtype=torch.float16)
     elif not (isinstance(out, torch.Tensor) and out.dtype == torch.float16 and out.dim() == 1
@@ -240,17 +276,20 @@ def expand_rows(
     """Packed rows (as :func:`gather_rows_packed` writes them) -> padded ``[B, C, h, W]`` of ``dtype``,
     on the packed tensor's device. ``packed_offsets`` (int64 [B]) says where each row starts.
 
-    Every row must have ``0 <= width <= W`` and lie inside ``packed``: checked on the host for CPU
-    tensors, and on the device without a host sync (``torch._assert_async``) for CUDA tensors."""
+    Every row must have ``0 <= width <= W`` and lie inside ``packed`` (checked by every backend: on
+    the host for CPU tensors, on the device without a host sync for CUDA tensors), and rows narrower
+    than W need ``white``. Meta tensors give a meta result (shapes only), given ``width``."""
+    for name, tensor in (("packed", packed), ("packed_offsets", packed_offsets), ("widths", widths)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     device = packed.device
     if dtype not in GATHER_DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {GATHER_DTYPES}, got {dtype}")
-    channels, latent_h = as_int("channels", channels, minimum=0), as_int("latent_h", latent_h, minimum=0)
-    W = batch_width(widths, None) if width is None else as_int("width", width, minimum=0)
-    if device.type == "cuda":
-        ends = packed_offsets + channels * latent_h * widths.to(torch.int64)
-        valid = (widths >= 0).all() & (widths <= W).all() & (packed_offsets >= 0).all() & (ends <= packed.numel()).all()
-        torch._assert_async(valid, f"expand_rows: every row needs 0 <= width <= W={W} and to lie inside packed")
+    channels, latent_h = _as_size("channels", channels), _as_size("latent_h", latent_h)
+    if width is None and widths.device.type == "meta":
+        raise InvalidArgumentError("width must be given when widths is a meta tensor (W is its largest value)")
+    W = batch_width(widths, None) if width is None else _as_size("width", width)
+    _check_elements("out", widths.numel() * channels * latent_h * W)
     shape = (widths.numel(), channels, latent_h, W)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=device)

@@ -80,19 +80,28 @@ def gather_rows_packed_into(data, row_offsets, widths, pitch: int, indices, chan
         start += row.numel()
 
 
-def expand_rows_into(packed, packed_offsets, widths, white, out) -> None:
-    """``out[b, c, y, x] = packed[packed_offsets[b] + (c*h + y)*widths[b] + x]`` for ``x < widths[b]``,
-    else ``white[c*h + y]``; cast to out's dtype. ``out``: ``[B, C, h, W]``; ``white`` may be None
-    only when every row is W wide."""
+def check_expand_rows(packed, packed_offsets, widths, white, out) -> None:
+    """Refuse, on the host, rows :func:`expand_rows_into` cannot serve: a width outside ``[0, W]``, a row
+    not inside ``packed``, or a row narrower than W without a white column (shared with the Triton
+    kernel's CPU path, which has no bounds checks of its own)."""
     _, channels, latent_h, max_width = out.shape
+    lines = channels * latent_h
     for b, (start, width) in enumerate(zip(packed_offsets.tolist(), widths.tolist())):
-        if not 0 <= width <= max_width or start < 0 or start + channels * latent_h * width > packed.numel():
+        if not 0 <= width <= max_width or start < 0 or start + lines * width > packed.numel():
             raise ValueError(
                 f"row {b} (offset {start}, width {width}) needs 0 <= width <= W={max_width} and to lie inside "
                 f"packed's {packed.numel()} elements"
             )
         if width < max_width and white is None:
             raise ValueError(f"row {b} (width {width}) needs padding to W={max_width} but no white column was given")
+
+
+def expand_rows_into(packed, packed_offsets, widths, white, out) -> None:
+    """``out[b, c, y, x] = packed[packed_offsets[b] + (c*h + y)*widths[b] + x]`` for ``x < widths[b]``,
+    else ``white[c*h + y]``; cast to out's dtype. ``out``: ``[B, C, h, W]``; ``white`` may be None
+    only when every row is W wide."""
+    check_expand_rows(packed, packed_offsets, widths, white, out)
+    _, channels, latent_h, max_width = out.shape
     for b, (start, width) in enumerate(zip(packed_offsets.tolist(), widths.tolist())):
         row = packed[start : start + channels * latent_h * width].reshape(channels, latent_h, width)
         out[b, :, :, :width] = row
@@ -128,21 +137,23 @@ def read_spans_into(fd: int, offsets, lengths, threads: int, out) -> None:
 
 # ---- replay ------------------------------------------------------------------------------------
 def scatter_cotangents_into(
-    grads: list[torch.Tensor], batch_sizes: list[int], scale: float, arena: torch.Tensor
+    grads: list[torch.Tensor], batch_sizes: list[int], scales: list[float], arena: torch.Tensor
 ) -> None:
-    """Split per-branch leaf gradients into per-microbatch blocks, each stored twice in ``arena``.
+    """Split per-branch leaf gradients into per-microbatch blocks, each stored once per scale in ``arena``.
 
-    ``grads[k]``: ``[b_local, N_k, D_k]`` (any strides); ``batch_sizes``: the microbatch sizes,
-    summing to ``b_local``; ``arena``: contiguous 1-D of ``2 * b_local * sum_k N_k * D_k``
-    elements. Segment ``(m, k)`` (microbatch-major, branch-minor) holds
-    ``grads[k][rows of m]`` followed by ``grads[k][rows of m] * scale``.
+    ``grads[k]``: ``[b_local, N_k, D_k]`` (any strides, one dtype); ``batch_sizes``: the microbatch
+    sizes, summing to ``b_local``; ``scales``: one or two factors; ``arena``: contiguous 1-D of
+    ``len(scales) * b_local * sum_k N_k * D_k`` elements, of any floating dtype. Segment ``(m, k)``
+    (microbatch-major, branch-minor) holds ``grads[k][rows of m] * scales[c]`` for each ``c`` in
+    turn, computed in float32 (float64 for float64 gradients) and rounded to the arena's dtype.
     """
+    opmath = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
     offset, row = 0, 0
     for size in batch_sizes:
         for grad in grads:
-            block = grad[row : row + size]
+            block = grad[row : row + size].to(opmath)
             count = block.numel()
-            arena[offset : offset + count].view_as(block).copy_(block)
-            torch.mul(block, scale, out=arena[offset + count : offset + 2 * count].view_as(block))
-            offset += 2 * count
+            for scale in scales:
+                torch.mul(block, scale, out=arena[offset : offset + count].view_as(block))
+                offset += count
         row += size

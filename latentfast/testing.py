@@ -5,6 +5,7 @@
 - :func:`random_rows` / :func:`write_cache` -- latent caches with arbitrary rows, written with plain
   numpy in the original (seed) layouts and opened by the real :class:`~latentfast.cache.LatentCache`;
   :func:`write_random_cache` -- the same for caches of any size (larger than RAM), written in chunks.
+- :func:`spawn_gloo` -- run a function on every rank of a real spawned gloo process group.
 """
 from __future__ import annotations
 
@@ -119,3 +120,46 @@ def write_random_cache(directory: str, n: int, channels: int, latent_h: int, w_m
             np.save(os.path.join(folder, f"{split}.latents.offsets.npy"), np.concatenate([[0], np.cumsum(sizes)]))
         _write_index(folder, split, widths, channels, latent_h, w_max, layout, white)
     return folders
+
+
+def _spawned_rank(rank: int, world_size: int, folder: str, timeout_s: float, fn, args: tuple) -> None:
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # one core per rank: the ranks stand for separate machines
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(folder, 'store')}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException as exc:  # returned to the caller, not raised in the child
+        result = exc
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(folder, f"result{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def spawn_gloo(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on every rank of a new gloo group of spawned processes
+    (rendezvous through a FileStore in a temporary folder, one thread per rank) and return the
+    results in rank order. An exception raised on a rank is returned (not raised) as that rank's
+    result. ``fn`` must be importable by name (module level); ``timeout_s`` is the group's timeout."""
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="latentfast_gloo_") as folder:
+        mp.start_processes(_spawned_rank, args=(world_size, folder, timeout_s, fn, args), nprocs=world_size, start_method="spawn")
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(folder, f"result{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results

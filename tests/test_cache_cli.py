@@ -35,7 +35,8 @@ def test_build_inspect_verify(tmp_path, capsys):
 
     assert run_cli("build", "--manifest", manifest, *common, "--split", "val") == 0
     assert cache_files(out, "val").keys() == {"val.latents.f16.dat", "val.latents.widths.npy", "val.latents.meta.json",
-                                              "val.latents.white.npy", "val.latents.crc32.npy"}
+                                              "val.latents.white.npy", "val.latents.crc32.npy",
+                                              "val.latents.keys.json", "val.latents.hashes.npy"}
     capsys.readouterr()
 
     assert run_cli("inspect", out, "--split", "val") == 0
@@ -61,11 +62,13 @@ def test_build_inspect_verify(tmp_path, capsys):
     assert "shorter than the meta implies" in capsys.readouterr().err
 
 
-def test_build_requires_a_source_and_a_known_encoder(tmp_path):
+def test_build_requires_a_source_and_a_known_encoder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_cli("build", "--out", str(tmp_path))
-    with pytest.raises(SystemExit, match="--encoder must be 'toy' or 'module:factory', got 'vae'"):
-        run_cli("build", "--images", str(tmp_path), "--out", str(tmp_path), "--encoder", "vae")
+    capsys.readouterr()
+    assert run_cli("build", "--images", str(tmp_path), "--out", str(tmp_path), "--encoder", "vae") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--encoder must be 'toy', 'module:factory' or 'diffusers:PATH', got 'vae'" in err
 
 
 def test_encoder_factory(tmp_path):

@@ -14,6 +14,7 @@ from latentfast.testing import poisoned_like, runnable_backends
 from latentfast import ops, reference
 from latentfast.cache import decode
 from latentfast.cache.decode import read_batch
+from latentfast.errors import IndexOutOfRangeError, InvalidArgumentError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -477,3 +478,129 @@ def test_ring_is_not_reallocated_when_caches_alternate_on_cuda(tmp_path):
         assert torch.equal(got.cpu(), read_batch(cache, np.arange(10 + step))[0])
         rings.add(id(decode._RINGS[(os.getpid(), str(torch.device("cuda", torch.cuda.current_device())))]))
     assert len(rings) <= 2
+
+
+# ---- op level: the expand kernel against numpy, overlaps, argument forms, meta tensors -----------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", runnable_backends("expand_rows_into"))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_expand_rows_matches_numpy(seed, backend, dtype):
+    """Fresh random rows of odd widths (0 included), unsorted rows with a duplicate, packed as a slice
+    starting at an odd element of a larger buffer, offsets and widths as slices too, a poisoned out."""
+    rng = np.random.default_rng(seed + 100)
+    channels, latent_h, w_max, n = (3, 5, 19, 7) if seed == 0 else (1, 2, 40, 4)
+    rows, widths = random_rows(rng, n, channels, latent_h, w_max, min_width=0)
+    white = rng.standard_normal((channels, latent_h, 1)).astype(np.float16)
+    order = list(rng.permutation(n)) + [0]
+    flat = np.concatenate([rows[i].reshape(-1) for i in order])
+    buffer = torch.from_numpy(np.concatenate([rng.standard_normal(5).astype(np.float16), flat]))
+    packed = buffer[5:]
+    sizes = np.array([rows[i].size for i in order], dtype=np.int64)
+    offsets = torch.from_numpy(np.concatenate([[99], np.cumsum(sizes) - sizes]))[1:]
+    selected = torch.from_numpy(np.concatenate([[7], widths[order]]).astype(np.int32))[1:]
+    W = w_max + 2
+    out = poisoned_like((len(order), channels, latent_h, W), dtype)
+    ops.expand_rows(packed, offsets, selected, torch.from_numpy(white), channels=channels, latent_h=latent_h,
+                    width=W, dtype=dtype, out=out, backend=backend)
+    torch.testing.assert_close(out, expected_batch(rows, white, order, W, dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", runnable_backends("expand_rows_into"))
+def test_expand_rows_without_white_column(backend):
+    packed = torch.arange(12, dtype=torch.float16)
+    offsets, widths = torch.tensor([0, 6]), torch.tensor([2, 1], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match=r"row 1 \(width 1\) needs padding to W=2 but no white column"):
+        ops.expand_rows(packed, offsets, widths, None, channels=1, latent_h=3, backend=backend)
+    full = ops.expand_rows(packed, offsets, torch.tensor([2, 2], dtype=torch.int32), None, channels=1, latent_h=3,
+                           backend=backend)  # nothing to pad: no white column needed
+    assert torch.equal(full, torch.stack([packed[:6], packed[6:]]).reshape(2, 1, 3, 2))
+
+
+@pytest.mark.parametrize("backend", runnable_backends("gather_rows_into"))
+def test_gather_out_over_data_is_refused(backend):
+    data, offsets, widths, pitch, indices, white, _ = _opcheck_args("padded", torch.float16)
+    before = data.clone()
+    out = data[: 4 * 2 * 3 * 13].view(4, 2, 3, 13)
+    with pytest.raises(InvalidArgumentError, match="out overlaps data in memory"):
+        ops.gather_rows(data, offsets, widths, pitch, indices, channels=2, latent_h=3, white=white, width=13,
+                        out=out, backend=backend)
+    staging = data[50:]
+    with pytest.raises(InvalidArgumentError, match="out overlaps data in memory"):
+        ops.gather_rows_packed(data, offsets, widths, pitch, indices, channels=2, latent_h=3, out=staging,
+                               backend=backend)
+    assert torch.equal(data, before), "data was written"
+
+
+@pytest.mark.parametrize("backend", runnable_backends("expand_rows_into"))
+def test_expand_out_over_packed_is_refused(backend):
+    buffer = torch.randn(200).half()
+    packed, out = buffer[:24], buffer[20:44].view(2, 1, 3, 4)
+    with pytest.raises(InvalidArgumentError, match="out overlaps packed in memory"):
+        ops.expand_rows(packed, torch.tensor([0, 12]), torch.tensor([4, 4], dtype=torch.int32), None, channels=1,
+                        latent_h=3, dtype=torch.float16, out=out, backend=backend)
+
+
+def test_index_values_are_reported_as_given():
+    data, offsets, widths, pitch, _, white, _ = _opcheck_args("padded", torch.float16)
+    for bad in (np.array([1, 2**64 - 1], dtype=np.uint64), torch.tensor([1, 2**63 - 1]), [1, 2**63 - 1]):
+        big = int(bad[1])
+        with pytest.raises(IndexOutOfRangeError, match=rf"indices\[1\] = {big} is out of range"):
+            ops.gather_rows(data, offsets, widths, pitch, bad, channels=2, latent_h=3, white=white)
+    with pytest.raises(IndexOutOfRangeError, match=r"indices\[0\] = 18446744073709551615 is out of range"):
+        ops.gather_rows_packed(data, offsets, widths, pitch, np.array([2**64 - 1], dtype=np.uint64), channels=2,
+                               latent_h=3)
+
+
+def test_numpy_integers_are_ints():
+    data, offsets, widths, pitch, indices, white, _ = _opcheck_args("ragged", torch.float32)
+    as_np = dict(channels=np.int64(2), latent_h=np.int32(3))
+    want = ops.gather_rows(data, offsets, widths, pitch, indices, channels=2, latent_h=3, white=white, width=13)
+    got = ops.gather_rows(data, offsets, widths, np.int64(pitch), indices, white=white, width=np.int16(13), **as_np)
+    assert torch.equal(got, want)
+    packed = ops.gather_rows_packed(data, offsets, widths, np.uint8(pitch), indices, **as_np)
+    selected = widths[indices]
+    sizes = selected.to(torch.int64) * 6
+    expanded = ops.expand_rows(packed, torch.cumsum(sizes, 0) - sizes, selected, white, width=np.int64(13), **as_np)
+    assert torch.equal(expanded, want)
+    for bad in (2.0, True, "3"):
+        with pytest.raises(TypeError, match="channels must be an int"):
+            ops.gather_rows(data, offsets, widths, pitch, indices, channels=bad, latent_h=3, white=white)
+
+
+def test_meta_tensors():
+    # gather reads values on the host: a meta tensor is refused naming it; expand gives shapes only
+    data, offsets, widths, pitch, indices, white, _ = _opcheck_args("padded", torch.float16)
+    for name, args in (("data", (data.to("meta"), offsets, widths)), ("widths", (data, offsets, widths.to("meta")))):
+        with pytest.raises(InvalidArgumentError, match=f"{name} must be a CPU tensor .*got meta"):
+            ops.gather_rows(*args, pitch, indices, channels=2, latent_h=3, white=white)
+        with pytest.raises(InvalidArgumentError, match=f"{name} must be a CPU tensor .*got meta"):
+            ops.gather_rows_packed(*args, pitch, indices, channels=2, latent_h=3)
+    with pytest.raises(InvalidArgumentError, match="indices is a meta tensor"):
+        ops.gather_rows(data, offsets, widths, pitch, indices.to("meta"), channels=2, latent_h=3, white=white)
+    meta = [t.to("meta") for t in (torch.zeros(24, dtype=torch.float16), torch.tensor([0, 12]),
+                                   torch.tensor([4, 4], dtype=torch.int32))]
+    out = ops.expand_rows(*meta, None, channels=1, latent_h=3, width=4, dtype=torch.float32)
+    assert out.device.type == "meta" and tuple(out.shape) == (2, 1, 3, 4) and out.dtype == torch.float32
+    with pytest.raises(InvalidArgumentError, match="width must be given when widths is a meta tensor"):
+        ops.expand_rows(*meta, None, channels=1, latent_h=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expand_rows_cuda_matches_numpy(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(3)
+    rows, widths = random_rows(rng, 9, 4, 3, 37, min_width=0)
+    white = rng.standard_normal((4, 3, 1)).astype(np.float16)
+    order = list(rng.permutation(9)) + [2]
+    packed = torch.from_numpy(np.concatenate([rows[i].reshape(-1) for i in order]))
+    sizes = torch.tensor([rows[i].size for i in order], dtype=torch.int64)
+    offsets = torch.cumsum(sizes, 0) - sizes
+    selected = torch.from_numpy(widths[order].astype(np.int32))
+    for backend in runnable_backends("expand_rows_into", "cuda"):
+        out = poisoned_like((len(order), 4, 3, 40), dtype, device="cuda")
+        ops.expand_rows(packed.cuda(), offsets.cuda(), selected.cuda(), torch.from_numpy(white).cuda(), channels=4,
+                        latent_h=3, width=40, dtype=dtype, out=out, backend=backend)
+        torch.testing.assert_close(out.cpu(), expected_batch(rows, white, order, 40, dtype), rtol=0, atol=0,
+                                   msg=lambda m: f"{backend}: {m}")

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
 from latentfast import ops, reference
 from latentfast.backends import BackendUnavailableError
+from latentfast.errors import InvalidArgumentError
 from latentfast.testing import poisoned_like, runnable_backends
 
 OP = "normalize_uint8_into"
@@ -41,12 +43,45 @@ CASES = list(sample_inputs())
 def _reference(x, num_views, dtype):
     frames = x.shape[-3] // num_views
     shape = (*x.shape[:-3], frames, *x.shape[-2:])
-    out = [torch.empty(shape, dtype=dtype) for _ in range(num_views)]
+    out = [poisoned_like(shape, dtype) for _ in range(num_views)]
     reference.normalize_uint8_into(x, out)
     return out
 
 
-@pytest.mark.parametrize("backend", runnable_backends(OP, "cpu"))
+def _numpy_formula(x, num_views, dtype):
+    """The definition, computed without torch: float32 ``x / 127.5 - 1`` per view (numpy slicing),
+    rounded to nearest even to the output dtype (bfloat16 by hand on the float32 bits)."""
+    array = x.numpy()
+    frames = array.shape[-3] // num_views
+    views = []
+    for v in range(num_views):
+        y = array[..., v * frames : (v + 1) * frames, :, :].astype(np.float32) / np.float32(127.5) - np.float32(1)
+        if dtype == torch.float32:
+            views.append(torch.from_numpy(np.ascontiguousarray(y)))
+        elif dtype == torch.float16:
+            views.append(torch.from_numpy(y.astype(np.float16)))
+        else:
+            bits = y.view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            views.append(torch.from_numpy(rounded.view(np.int16)).view(torch.bfloat16))
+    return views
+
+
+# the reference computes every other backend's ``expected``: it is checked against the formula, and
+# the parity tests below compare only the other backends with it
+COMPARED = [name for name in runnable_backends(OP, "cpu") if name != "torch"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,x,num_views", CASES, ids=[c[0] for c in CASES])
+def test_reference_matches_the_numpy_formula(dtype, name, x, num_views):
+    got = _reference(x, num_views, dtype)
+    for view, (g, want) in enumerate(zip(got, _numpy_formula(x, num_views, dtype))):
+        assert torch.equal(g.view(-1).view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           want.reshape(-1).view(torch.int16 if dtype != torch.float32 else torch.int32)), (view, name)
+
+
+@pytest.mark.parametrize("backend", COMPARED)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name,x,num_views", CASES, ids=[c[0] for c in CASES])
 def test_parity_with_reference(backend, dtype, name, x, num_views):
@@ -59,6 +94,46 @@ def test_parity_with_reference(backend, dtype, name, x, num_views):
         assert got.data_ptr() == out[view].data_ptr(), "out= buffer was not used"
         assert got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"view {view}: {m}")
+
+
+@pytest.mark.parametrize("backend", COMPARED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_uint8_value_bit_exact(backend, dtype):
+    # each of the 256 inputs, in runs long enough for the vector path, against the numpy formula
+    x = torch.arange(256, dtype=torch.uint8).repeat(3 * 2 * 4).reshape(3, 2, 4, 256)[:, :, :, torch.randperm(256)]
+    got = ops.normalize_uint8(x, num_views=2, dtype=dtype, backend=backend)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for g, want in zip(got, _numpy_formula(x, 2, dtype)):
+        assert torch.equal(g.reshape(-1).view(bits), want.reshape(-1).view(bits))
+
+
+LARGE = [name for name in COMPARED if name != "triton"]  # the interpreter would take minutes
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("backend", LARGE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_outputs_misaligned_and_split_between_threads(backend, dtype, threads):
+    """Outputs of >= 8 MiB (the streamed path), each starting one element past a 32-byte boundary (the
+    scalar head before the vector stores), rows that do not end on a vector (tails), and a guard after
+    every output that must stay untouched; contiguous planes and strided rows."""
+    g = torch.Generator().manual_seed(7)
+    contiguous = torch.randint(0, 256, (2, 3, 4, 361, 1203), dtype=torch.uint8, generator=g)
+    strided = torch.randint(0, 256, (3, 4, 1203, 361), dtype=torch.uint8, generator=g).transpose(-1, -2)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x, num_views in ((contiguous, 2), (strided, 4)):
+            expected = _reference(x, num_views, dtype)
+            numel = expected[0].numel()
+            buffers = [torch.full((numel + 64,), 7.0, dtype=dtype) for _ in range(num_views)]
+            out = [buffer[1 : 1 + numel].view(expected[0].shape) for buffer in buffers]
+            ops.normalize_uint8(x, num_views=num_views, dtype=dtype, backend=backend, out=out)
+            for got, want, buffer in zip(out, expected, buffers):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+                assert buffer[0].item() == 7.0 and bool((buffer[1 + numel :] == 7.0).all()), "a store left out"
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("backend", runnable_backends(OP, "cpu"))
@@ -150,6 +225,30 @@ def test_compiles_under_torch_compile():
 def test_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         ops.normalize_uint8(**kwargs)
+
+
+@pytest.mark.parametrize("backend", runnable_backends(OP, "cpu"))
+def test_out_overlapping_x_is_refused(backend):
+    # out[0] reinterprets x's bytes: writing it would change pixels not yet read
+    buffer = torch.zeros(768, dtype=torch.float32)
+    x = buffer.view(torch.uint8)[:768].view(3, 4, 8, 8)
+    x.random_(0, 256)
+    before = x.clone()
+    for out in ([buffer[:384].view(3, 2, 8, 8), torch.empty(3, 2, 8, 8)],
+                [torch.empty(3, 2, 8, 8), buffer[100:484].view(3, 2, 8, 8)]):
+        view = 0 if out[0].data_ptr() == buffer.data_ptr() else 1
+        with pytest.raises(InvalidArgumentError, match=rf"out\[{view}\] overlaps x in memory"):
+            ops.normalize_uint8(x, num_views=2, out=out, backend=backend)
+        assert torch.equal(x, before), "x was written before the overlap was found"
+
+
+def test_meta_tensors_give_shapes_only():
+    # like every torch op: a meta input gives meta outputs of the right shapes, computing nothing
+    x = torch.empty(2, 3, 6, 5, 7, dtype=torch.uint8, device="meta")
+    views = ops.normalize_uint8(x, num_views=np.int64(3), dtype=torch.bfloat16)
+    assert [(v.device.type, tuple(v.shape), v.dtype) for v in views] == [("meta", (2, 3, 2, 5, 7), torch.bfloat16)] * 3
+    with pytest.raises(InvalidArgumentError, match="out\\[0\\] must be on meta, got cpu"):
+        ops.normalize_uint8(x, num_views=3, out=[torch.empty(2, 3, 2, 5, 7)] * 3)
 
 
 def test_aliasing_outputs_rejected():

@@ -412,3 +412,32 @@ def test_cold_batch_is_asked_for_after_a_short_probe_and_a_warm_one_row_by_row(c
     read_batch(cache, warm_first)
     assert sum(looked) == len(warm_first), "a partly resident batch must have every span checked"
     assert spy.pages() == pages_of(cache.row_starts, warm_first[4:]), "only the missing rows are asked for"
+
+
+def test_shaped_caches_take_the_same_cold_path(tmp_path, monkeypatch):
+    """Image-bucket / video caches: spans come from row_starts, so a one-shape batch is asked for page by
+    page like a line batch, prefetch reads exactly its items, and the bytes equal a hot read."""
+    from latentfast.cache.writer import LatentCacheWriter
+
+    rng = np.random.default_rng(4)
+    shapes = [(4, 2, 24, 32), (4, 3, 16, 16)]  # [C, T, h, w] clips of two sizes, 12 and 6 KiB
+    with LatentCacheWriter(str(tmp_path), encoder={"pretrained": "test", "latent_channels": 4}) as writer:
+        for i in range(60):
+            writer.append(f"clip-{i}", rng.standard_normal(shapes[i % 2]).astype(np.float32))
+    batch, other = np.arange(0, 40, 4), np.arange(1, 40, 4)  # ten items of the first shape; ten of the second
+    expected, expected_shapes = LatentCache(str(tmp_path)).read_batch(batch, cold=False)
+    evicted(tmp_path)
+    spy = AdviceSpy(monkeypatch)
+    cache = LatentCache(str(tmp_path))
+    got, got_shapes = cache.read_batch(batch)
+    assert torch.equal(got, expected) and torch.equal(got_shapes, expected_shapes)
+    assert spy.pages() == pages_of(cache.row_starts, batch)
+    monkeypatch.undo()
+    cache.prefetch(other)
+    pf.wait_for_prefetches()
+    handle = pf.DataFile(pf.data_path(cache))
+    try:
+        assert not handle.missing(*pf.row_spans(cache.row_starts, other)).any()
+        assert handle.missing(*pf.row_spans(cache.row_starts, np.arange(42, 60, 4))).all()
+    finally:
+        handle.close()

@@ -56,6 +56,43 @@ def test_exact_mode_matches_brute_force():
     assert float(meta["loss/y"]) == pytest.approx(0.25 * expected_y, rel=1e-10)
 
 
+def _kernel_matrix(a, b, h, ladder):
+    return torch.tensor([[_brute_mixed_rbf(u, v, h, ladder) for v in b] for u in a], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("embedding", ["mean", "flatten"])
+def test_nystrom_terms_match_brute_force_when_landmarks_are_the_reference(embedding):
+    """With every reference row a landmark, phi(x).phi(y_j) = k(x, y_j) exactly, so the cross term
+    and |mu|^2 equal their kernel sums; the student term is the Nyström kernel
+    k_Z(x)^T K_ZZ^-1 k_Z(x'), computed here with a linear solve instead of the eigen-whitening."""
+    ladder = (0.25, 0.5, 1.0, 2.0, 4.0)
+    loss = MultiEncoderMMD(SHAPES, mode="nystrom", num_landmarks=50, embedding=embedding, landmark_seed=1)
+    reference = _batch(7, seed=1, shift=0.4)
+    loss.update_reference(reference)  # one update: mu = mean_j phi(y_j)
+    students = _batch(6, seed=2, scale=1.3)
+    value, meta, _ = _call(loss, students, [3, 5])
+    embed = (lambda v: v.mean(1)) if embedding == "mean" else (lambda v: v.flatten(1))
+    expected_total = 0.0
+    for name in SHAPES:
+        x, y = embed(students[name]), embed(reference[name])
+        d2 = [float(((a - b) ** 2).sum()) for i, a in enumerate(y) for j, b in enumerate(y) if i != j]
+        h = float(torch.tensor(d2, dtype=torch.float64).median())
+        assert float(meta[f"bandwidth/{name}"]) == pytest.approx(h, rel=1e-12)
+        gram = _kernel_matrix(y, y, h, ladder)
+        eigenvalues = torch.linalg.eigvalsh(gram)
+        assert eigenvalues.min() > eigenvalues.max() * 1e-6 * len(y)  # no landmark direction dropped
+        k_xz = _kernel_matrix(x, y, h, ladder)
+        nystrom_xx = k_xz @ torch.linalg.solve(gram, k_xz.T)
+        B, M = len(x), len(y)
+        xx = float(nystrom_xx.sum() - nystrom_xx.diagonal().sum()) / (B * (B - 1))
+        cross = float(k_xz.sum()) / (B * M)
+        yy = float(gram.sum()) / (M * M)
+        expected = xx - 2 * cross + yy
+        assert float(meta[f"mmd2/{name}"]) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+        expected_total += expected
+    assert float(value.detach()) == pytest.approx(expected_total, rel=1e-9)
+
+
 def test_only_indexed_rows_get_gradients_and_values_use_all_rows():
     loss = MultiEncoderMMD(SHAPES)
     loss.update_reference(_batch(5, seed=1))

@@ -1,10 +1,15 @@
 """Encode units, normalize, regroup and the local VisionEncoder path (single process)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
 from latentfast import ops, reference
+from latentfast.errors import ArgumentTypeError, InvalidArgumentError
 from latentfast.toy import ToyVAE
 from latentfast.vision import (
     BalanceGroup,
@@ -175,7 +180,7 @@ def test_regroup_errors():
 
 def make_encoder(vae=None, **kwargs) -> VisionEncoder:
     vae = vae or ToyVAE()
-    defaults = dict(tokenizer=None, parallel_dims=None, encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu", "dtype": torch.float32})
+    defaults = dict(cost_model=None, parallel_dims=None, encode_fn=vae.encode_video, device="cpu")
     defaults.update(kwargs)
     return VisionEncoder(**defaults)
 
@@ -224,11 +229,11 @@ def test_encode_fn_is_late_bound():
 
 def test_balancing_available_is_config_only():
     table = EncodeCostModel({(4, 8, 8): 0.1})
-    assert not make_encoder(tokenizer=table, parallel_dims=None).balancing_available()
-    assert not make_encoder(tokenizer=None, parallel_dims=BalanceGroup()).balancing_available()
-    assert not make_encoder(tokenizer=EncodeCostModel(), parallel_dims=BalanceGroup()).balancing_available()
+    assert not make_encoder(cost_model=table, parallel_dims=None).balancing_available()
+    assert not make_encoder(cost_model=None, parallel_dims=BalanceGroup()).balancing_available()
+    assert not make_encoder(cost_model=EncodeCostModel(), parallel_dims=BalanceGroup()).balancing_available()
     # No process group initialized in this process: the default group cannot balance.
-    assert not make_encoder(tokenizer=table, parallel_dims=BalanceGroup()).balancing_available()
+    assert not make_encoder(cost_model=table, parallel_dims=BalanceGroup()).balancing_available()
 
 
 def test_reference_matches_fused_op_used_here():
@@ -237,3 +242,93 @@ def test_reference_matches_fused_op_used_here():
     want = [torch.empty(3, 2, 8, 8) for _ in range(3)]
     reference.normalize_uint8_into(x, want)
     assert all(torch.equal(a, b) for a, b in zip(views, want))
+
+
+# ---- names, aliases, devices, integers, import weight --------------------------------------------
+
+
+def test_clean_keyword_names_and_the_specifications_aliases():
+    vae, table = ToyVAE(), EncodeCostModel({(4, 8, 8): 0.1})
+    clean = VisionEncoder(cost_model=table, parallel_dims=None, encode_fn=vae.encode_video, device="cpu", dtype=torch.bfloat16)
+    spec = VisionEncoder(tokenizer=table, parallel_dims=None, encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu", "dtype": torch.bfloat16})
+    for encoder in (clean, spec):
+        assert encoder.cost_model is table and encoder.tokenizer is table
+        assert encoder.device == torch.device("cpu") and encoder.dtype == torch.bfloat16
+    assert VisionEncoder(encode_fn=vae.encode_video, device="cpu").dtype == torch.float32
+    assert VisionEncoder(encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu"}).dtype == torch.float32
+    with pytest.raises(InvalidArgumentError, match="cost_model= or its alias tokenizer=, not both"):
+        VisionEncoder(cost_model=table, tokenizer=table, encode_fn=vae.encode_video, device="cpu")
+    with pytest.raises(InvalidArgumentError, match="device=/dtype= or their alias fp32_kwargs=, not both"):
+        VisionEncoder(encode_fn=vae.encode_video, device="cpu", fp32_kwargs={"device": "cpu"})
+    with pytest.raises(InvalidArgumentError, match="device is required"):
+        VisionEncoder(encode_fn=vae.encode_video)
+    with pytest.raises(InvalidArgumentError, match="fp32_kwargs must be a dict"):
+        VisionEncoder(encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu", "layout": None})
+    with pytest.raises(ArgumentTypeError, match="dtype must be a floating torch.dtype"):
+        VisionEncoder(encode_fn=vae.encode_video, device="cpu", dtype=torch.uint8)
+    with pytest.raises(InvalidArgumentError, match="link_bandwidth must be finite and > 0"):
+        VisionEncoder(encode_fn=vae.encode_video, device="cpu", link_bandwidth=-1.0)
+    assert VisionEncoder(encode_fn=vae.encode_video, device="cpu", link_bandwidth=np.float32(1e9)).link_bandwidth == 1e9
+
+
+def test_cuda_without_an_index_is_the_current_cuda_device(monkeypatch):
+    """Units land on cuda:N and torch.device("cuda") != torch.device("cuda:N"): the encoder must
+    name the indexed device, or the balanced path rejects every unit."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    encoder = VisionEncoder(encode_fn=torch.neg, device="cuda")
+    assert encoder.device == torch.device("cuda", 1)
+    assert VisionEncoder(encode_fn=torch.neg, fp32_kwargs={"device": "cuda"}).device == torch.device("cuda", 1)
+    assert VisionEncoder(encode_fn=torch.neg, device=torch.device("cuda", 0)).device == torch.device("cuda", 0)
+
+
+def test_numpy_integers_are_accepted_where_an_int_is_expected():
+    item = pixels(3, 12, 8, 8)
+    views = build_units([item], [np.int64(3)], [np.int32(4)])
+    assert [tuple(u.tensor.shape) for u in views] == [(3, 4, 8, 8)] * 3
+    validate_multiview_length(item, num_views=np.int64(3), frames_per_view=np.int64(4))
+    encoder = make_encoder()
+    assert torch.equal(encoder.encode_item(item, np.int64(3), np.int64(4)), encoder.encode_item(item, 3, 4))
+    for bad in (True, 2.0, "3"):
+        with pytest.raises(TypeError, match="num_views"):
+            validate_multiview_length(item, num_views=bad, frames_per_view=4)
+    with pytest.raises(ValueError, match=r"frames_per_item\[0\] must be a positive int, got 0"):
+        build_units([item], [3], [0])
+
+
+def test_one_set_of_item_checks_for_units_and_local_encoding():
+    encoder = make_encoder()
+    cases = [
+        (([pixels(3, 4, 8, 8)], [2, 1], [2]), "same length"),
+        (([pixels(3, 4, 8, 8), None], [1, 1], [None, None]), r"items\[1\] is None"),
+        (([torch.zeros(3, 8, 8)], [1], [None]), r"items\[0\]: VAE inputs must have shape"),
+    ]
+    for args, message in cases:
+        for call in (build_units, encoder.encode_local):
+            with pytest.raises(ValueError, match=message):
+                call(*args)
+
+
+def test_importing_the_package_loads_neither_the_demo_nor_the_toys():
+    code = (
+        "import sys, latentfast.vision as v\n"
+        "heavy = [m for m in ('latentfast.vision.demo', 'latentfast.toy', 'latentfast.testing') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert not hasattr(v, 'demo_balanced_encode') and not hasattr(v, 'spawn_gloo')\n"
+        "from latentfast.vision.demo import demo_balanced_encode\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_specifications_module_names_still_work():
+    from latentfast.vision import get_vae_pixel_shapes, regroup_vision_latents
+
+    items = [torch.zeros(3, 5, 16, 24), None]
+    assert get_vae_pixel_shapes(items) == vae_pixel_shapes(items) == [(5, 16, 24)]
+    assert regroup_vision_latents is regroup_latents
+    x = pixels(3, 4, 8, 8)
+    spec = normalize_uint8_item(x, {"device": "cpu", "dtype": torch.bfloat16})
+    assert spec.dtype == torch.bfloat16 and torch.equal(spec, normalize_uint8_item(x, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32_kwargs must be a dict"):
+        normalize_uint8_item(x, {"layout": None})

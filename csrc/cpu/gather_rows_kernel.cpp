@@ -25,6 +25,7 @@
 #include <optional>
 #include <vector>
 
+#include "checked_math.h"
 #include "gil_release.h"
 #include "overlap_check.h"
 
@@ -85,11 +86,15 @@ std::vector<RowSpan> resolve_rows(const char* op, const at::Tensor& data, const 
     TORCH_CHECK_VALUE(pitch == 0 || w <= pitch, op, ": row ", i, " has width ", w, " > pitch ", pitch);
     const int64_t line_pitch = pitch == 0 ? w : pitch;
     const int64_t start = offs[i];
-    // the last element read is start + (lines-1)*line_pitch + w - 1; every term is checked so the
-    // sum cannot overflow for any data length below 2^62
-    const int64_t extent = lines_per_row == 0 || w == 0 ? 0 : (lines_per_row - 1) * line_pitch + w;
-    TORCH_CHECK_VALUE(start >= 0 && start <= data_len && extent <= data_len - start, op, ": row ", i, " spans [", start,
-                ", ", start + extent, ") outside the data's ", data_len, " elements");
+    // the row reads [start, start + extent), extent = (lines-1)*line_pitch + w; a pitch or a line
+    // count so large that extent does not fit in int64 cannot lie inside any data either
+    int64_t extent = 0;
+    const bool fits = lines_per_row == 0 || w == 0 ||
+                      (mul_fits(lines_per_row - 1, line_pitch, &extent) && add_fits(extent, w, &extent));
+    TORCH_CHECK_VALUE(fits, op, ": row ", i, " spans (", lines_per_row, " - 1) lines * pitch ", line_pitch, " + width ",
+                      w, " elements, more than int64 holds: outside the data's ", data_len, " elements");
+    TORCH_CHECK_VALUE(start >= 0 && start <= data_len && extent <= data_len - start, op, ": row ", i, " spans [",
+                      start, ", ", start, " + ", extent, ") outside the data's ", data_len, " elements");
     rows[b] = RowSpan{base + start, w, line_pitch};
   }
   return rows;
@@ -271,13 +276,14 @@ void gather_rows_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets,
               out.strides(), " on ", out.device());
   const int64_t B = out.size(0), C = out.size(1), H = out.size(2), W = out.size(3);
   TORCH_CHECK_VALUE(indices.numel() == B, op, ": out has B=", B, " rows but indices has ", indices.numel());
+  const int64_t lines = checked_mul(C, H, op, "C * h");  // an empty out may have any sizes
   if (white.has_value()) {
     TORCH_CHECK_VALUE(white->device().is_cpu() && white->scalar_type() == at::kHalf && white->is_contiguous() &&
-                    white->numel() == C * H,
-                op, ": white must be a contiguous float16 CPU tensor of C*h=", C * H, " elements ([C, h, 1]), got ",
+                    white->numel() == lines,
+                op, ": white must be a contiguous float16 CPU tensor of C*h=", lines, " elements ([C, h, 1]), got ",
                 white->scalar_type(), " ", white->sizes(), " on ", white->device());
   }
-  const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, C * H, W);
+  const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, lines, W);
   check_no_overlap_with_sources(op, out, data, row_offsets, widths, indices);
   if (white.has_value()) check_no_overlap(op, out, "out", *white, "white");
   if (!white.has_value()) {
@@ -290,11 +296,9 @@ void gather_rows_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets,
   const at::Half* white_ptr = white.has_value() ? white->data_ptr<at::Half>() : nullptr;
   GilRelease no_gil;
   switch (out.scalar_type()) {
-    case at::kHalf: gather_padded<at::Half>(rows, white_ptr, C * H, out.data_ptr<at::Half>(), W); break;
-    case at::kBFloat16:
-      gather_padded<at::BFloat16>(rows, white_ptr, C * H, out.data_ptr<at::BFloat16>(), W);
-      break;
-    case at::kFloat: gather_padded<float>(rows, white_ptr, C * H, out.data_ptr<float>(), W); break;
+    case at::kHalf: gather_padded<at::Half>(rows, white_ptr, lines, out.data_ptr<at::Half>(), W); break;
+    case at::kBFloat16: gather_padded<at::BFloat16>(rows, white_ptr, lines, out.data_ptr<at::BFloat16>(), W); break;
+    case at::kFloat: gather_padded<float>(rows, white_ptr, lines, out.data_ptr<float>(), W); break;
     default: TORCH_CHECK_VALUE(false, op, ": out dtype must be float16, bfloat16 or float32, got ", out.scalar_type());
   }
 }
@@ -307,13 +311,17 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
               latent_h);
   TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kHalf && out.dim() == 1 && out.is_contiguous(), op,
               ": out must be a contiguous 1-D float16 CPU tensor, got ", out.scalar_type(), " ", out.sizes());
-  const int64_t lines = channels * latent_h;
+  const int64_t lines = checked_mul(channels, latent_h, op, "channels * latent_h");
   const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, lines,
                                  std::numeric_limits<int32_t>::max());
   check_no_overlap_with_sources(op, out, data, row_offsets, widths, indices);
-  // where each row starts in out: the prefix sum of lines * w_i
+  // where each row starts in out: the prefix sum of lines * w_i (each term lies inside data, the
+  // sum of many may still not fit)
   std::vector<int64_t> starts(rows.size() + 1, 0);
-  for (size_t b = 0; b < rows.size(); ++b) starts[b + 1] = starts[b] + lines * rows[b].width;
+  for (size_t b = 0; b < rows.size(); ++b) {
+    starts[b + 1] = checked_add(starts[b], checked_mul(lines, rows[b].width, op, "a row's elements"), op,
+                                "the rows' total elements");
+  }
   TORCH_CHECK_VALUE(out.numel() >= starts.back(), op, ": out holds ", out.numel(), " elements, the rows need ",
               starts.back());
   if (starts.back() == 0) return;
@@ -325,6 +333,7 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
     for (int64_t b = begin; b < end; ++b) {
       const RowSpan& row = rows[b];
       at::Half* row_dst = dst + starts[b];
+      if (row.width == 0) continue;  // nothing to copy (its line loop could be 2^62 lines long)
       if (row.line_pitch == row.width) {  // ragged layout, or a full-width padded row: one block
         std::memcpy(row_dst, row.src, lines * row.width * sizeof(at::Half));
         continue;

@@ -1,4 +1,4 @@
-"""Offline VAE latent cache: format, builder, reader, the fast batch path and DataLoader pieces."""
+"""Offline VAE latent cache: format, builders, writer, importers, reader, the fast batch path and DataLoader pieces."""
 from __future__ import annotations
 
 from .builder import ImageError, build_latent_cache, cache_meta_for, list_source
@@ -16,6 +16,11 @@ from .decode import read_batch
 from .loader import CacheBatchDataset, DevicePrefetcher, WidthBucketBatchSampler, batch_loader, collate
 from .prefetch import LookaheadSampler
 from .reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
+from .images import build_image_cache, build_video_cache
+from .importers import import_latents
+from .sampler import ShapeBucketBatchSampler
+from .writer import LatentCacheWriter
+from ..errors import CacheLockedError
 
 __all__ = [
     # format
@@ -38,9 +43,16 @@ __all__ = [
     "LatentCache",
     "inspect_cache",
     "verify_cache",
+    # shaped caches: writer, image / video builders, importers
+    "CacheLockedError",
+    "LatentCacheWriter",
+    "build_image_cache",
+    "build_video_cache",
+    "import_latents",
     # fast batch path and DataLoader integration
     "read_batch",
     "WidthBucketBatchSampler",
+    "ShapeBucketBatchSampler",
     "CacheBatchDataset",
     "batch_loader",
     "collate",

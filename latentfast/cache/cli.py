@@ -1,90 +1,189 @@
-"""``latentfast cache build | inspect | verify``.
+"""``latentfast cache build | import | inspect | verify``.
 
-``add_cache_subparsers(subparsers)`` adds the ``cache`` command to a parent parser's
-subparsers; each leaf sets ``func`` to a handler taking the parsed namespace and returning
-the exit status. ``python -m latentfast.cache.cli cache ...`` runs them stand-alone.
+``add_cache_subparsers(subparsers)`` adds the ``cache`` command to a parent parser's subparsers;
+each leaf sets ``func`` to a handler taking the parsed namespace and returning the exit status.
+Every failure is one line on stderr and a non-zero exit, never a traceback (set
+``LATENTFAST_DEBUG=1`` to get the traceback). ``python -m latentfast.cache.cli cache ...`` runs them
+stand-alone.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
+import os
 import sys
 
 _AUTOCAST = {"none": None, "bf16": "bfloat16", "fp16": "float16"}
+_ENCODERS = "'toy' (latentfast.toy.ToyVAE), 'module:factory' (a callable returning an encoder), " \
+            "'diffusers:PATH' (a diffusers VAE folder saved with save_pretrained, or a model folder with a vae/ " \
+            "subfolder; the class comes from its config.json) or 'diffusers:CLASS:PATH'"
+
+
+class CliError(Exception):
+    """A bad command-line value: printed as one line, exit status 2."""
+
+
+def _one_line_errors(handler):
+    """Run ``handler``; any exception becomes one line on stderr and a non-zero exit status."""
+
+    @functools.wraps(handler)
+    def run(args) -> int:
+        try:
+            return handler(args)
+        except KeyboardInterrupt:
+            print(f"latentfast cache {args.cache_command}: interrupted (rerun the same command to resume)", file=sys.stderr)
+            return 130
+        except Exception as exc:  # noqa: BLE001 - the CLI's promise: one clear line, no traceback
+            if os.environ.get("LATENTFAST_DEBUG"):
+                raise
+            text = " ".join(str(exc).split()) or type(exc).__name__
+            kind = "" if type(exc).__module__.startswith("latentfast") or isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: "
+            print(f"latentfast cache {args.cache_command}: error: {kind}{text}", file=sys.stderr)
+            return 2 if isinstance(exc, CliError) else 1
+
+    return run
 
 
 def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
-    cache = subparsers.add_parser("cache", help="build, inspect or verify an offline VAE latent cache")
-    commands = cache.add_subparsers(dest="cache_command", metavar="{build,inspect,verify}")
+    cache = subparsers.add_parser("cache", help="build, import, inspect or verify an offline VAE latent cache")
+    commands = cache.add_subparsers(dest="cache_command", metavar="{build,import,inspect,verify}")
     commands.required = True
-
-    build = commands.add_parser("build", help="encode line images into a latent cache (resumes an interrupted build)")
-    src = build.add_mutually_exclusive_group(required=True)
-    src.add_argument("--manifest", help='JSONL manifest, one {"image": path} per line (paths relative to its folder allowed)')
-    src.add_argument("--images", help="folder of line images (sorted by file name)")
-    build.add_argument("--out", required=True, help="output folder")
-    build.add_argument("--split", default="train")
-    build.add_argument("--layout", choices=("padded", "ragged"), default="padded")
-    build.add_argument("--line-height", type=int, default=32)
-    build.add_argument("--max-line-width", type=int, default=1024)
-    build.add_argument("--batch-size", type=int, default=16)
-    build.add_argument("--encoder", default="toy",
-                       help="'toy' (latentfast.toy.ToyVAE) or 'module:factory', a callable returning an encoder")
-    build.add_argument("--toy-seed", type=int, default=0, help="seed of the toy encoder")
-    build.add_argument("--toy-channels", type=int, default=4, help="latent channels of the toy encoder")
-    build.add_argument("--device", default="cpu")
-    build.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none", help="encode under torch.autocast in this dtype")
-    build.add_argument("--workers", type=int, default=4, help="image decode threads")
-    build.add_argument("--skip-bad-images", action="store_true", help="skip and report missing/corrupt images instead of failing")
-    build.add_argument("--quiet", action="store_true", help="no progress bar")
-    build.set_defaults(func=run_build)
-
-    for name, handler, text in (("inspect", run_inspect, "meta, size, padding waste and latent-width histogram"),
-                                ("verify", run_verify, "recompute checksums, check finiteness and widths")):
-        sub = commands.add_parser(name, help=text)
-        sub.add_argument("cache_dir")
-        sub.add_argument("--split", default="train")
+    _add_build(commands)
+    _add_import(commands)
+    for name, handler, text in (("inspect", run_inspect, "meta, size, padding waste and latent-width (or shape) histogram"),
+                                ("verify", run_verify, "recompute checksums, check finiteness, widths and shapes")):
+        sub = commands.add_parser(name, help=text, description=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sub.add_argument("cache_dir", help="folder holding the cache")
+        sub.add_argument("--split", default="train", help="which split of the folder")
         sub.add_argument("--json", action="store_true", help="print the result as JSON")
-        sub.set_defaults(func=handler)
+        sub.set_defaults(func=_one_line_errors(handler))
     return cache
 
 
-def make_encoder(spec: str, *, toy_seed: int = 0, toy_channels: int = 4):
+def _add_build(commands) -> None:
+    text = ("encode images into a latent cache: text lines (fixed height, the default), images in aspect-ratio "
+            "buckets (--buckets) or video clips (--video --buckets); rerun the same command to resume an interrupted "
+            "build, to re-encode only edited images, or to repair a damaged cache")
+    build = commands.add_parser("build", help=text, description=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = build.add_mutually_exclusive_group(required=True)
+    src.add_argument("--manifest", help='JSONL manifest, one {"image": path} per line (or {"video"|"frames": path} with '
+                     "--video; paths relative to its folder allowed; an optional \"key\")")
+    src.add_argument("--images", help="folder of images (sorted by name; walked recursively with --buckets), or with "
+                     "--video of clips (sub-folders of frame images, video files)")
+    build.add_argument("--out", required=True, help="output folder (a cache per split)")
+    build.add_argument("--split", default="train", help="name of the split (the files' prefix)")
+    build.add_argument("--encoder", default="toy", help=f"the VAE: {_ENCODERS}")
+    build.add_argument("--sample", choices=("mode", "sample"), default="mode",
+                       help="diffusers encoders: the posterior's mode, or a seeded draw from it")
+    build.add_argument("--vae-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                       help="diffusers encoders: load the weights in this dtype (default: as saved)")
+    build.add_argument("--buckets", default=None, help="build an image cache: comma-separated HxW pixel sizes "
+                       "(e.g. 512x512,576x448,448x576); with --video, FxHxW (frames x height x width)")
+    build.add_argument("--video", action="store_true", help="the source holds video clips; needs --buckets FxHxW")
+    build.add_argument("--frame-stride", type=int, default=1, help="--video: take every N-th frame")
+    build.add_argument("--layout", choices=("padded", "ragged"), default="padded", help="line caches: on-disk layout")
+    build.add_argument("--line-height", type=int, default=32, help="line caches: pixel height of every line")
+    build.add_argument("--max-line-width", type=int, default=1024, help="line caches: wider lines are resized to this")
+    build.add_argument("--batch-size", type=int, default=16, help="images encoded per encoder call")
+    build.add_argument("--toy-seed", type=int, default=0, help="seed of the toy encoder")
+    build.add_argument("--toy-channels", type=int, default=4, help="latent channels of the toy encoder")
+    build.add_argument("--device", default="cpu", help="where the encoder runs (cpu, cuda, cuda:1)")
+    build.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none", help="encode under torch.autocast in this dtype")
+    build.add_argument("--workers", type=int, default=4, help="image decode threads")
+    build.add_argument("--skip-bad-images", action="store_true", help="skip and report missing/corrupt images instead of failing")
+    build.add_argument("--lock-timeout", type=float, default=0.0,
+                       help="seconds to wait for another build of the same split in --out before failing")
+    build.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    build.set_defaults(func=_one_line_errors(run_build))
+
+
+def _add_import(commands) -> None:
+    text = ("import per-item latent files into one shaped cache: kohya .npz, musubi-tuner / ai-toolkit .safetensors, "
+            "SimpleTuner .pt (sorted file names; keys = relative paths without extension; stored as float16)")
+    imp = commands.add_parser("import", help=text, description=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    imp.add_argument("source_dir", help="folder of latent files (walked recursively)")
+    imp.add_argument("--out", required=True, help="output folder")
+    imp.add_argument("--format", required=True, choices=("npz", "safetensors", "pt"), help="the files' format")
+    imp.add_argument("--key", default=None, help="entry holding the latent (default: 'latents', the one tensor named "
+                     "'latent...', or the only entry)")
+    imp.add_argument("--split", default="train", help="name of the split")
+    imp.add_argument("--lock-timeout", type=float, default=0.0, help="seconds to wait for another writer of the split")
+    imp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    imp.set_defaults(func=_one_line_errors(run_import))
+
+
+def make_encoder(spec: str, *, toy_seed: int = 0, toy_channels: int = 4, sample: str = "mode", vae_dtype=None):
+    """The encoder a ``--encoder`` value names (see the build command's help)."""
     if spec == "toy":
         from ..toy import ToyVAE
 
         return ToyVAE(latent_channels=toy_channels, seed=toy_seed)
     module, sep, attr = spec.partition(":")
-    if not sep:
-        raise SystemExit(f"--encoder must be 'toy' or 'module:factory', got {spec!r}")
+    if not sep or not attr:
+        raise CliError(f"--encoder must be 'toy', 'module:factory' or 'diffusers:PATH', got {spec!r}")
+    if module == "diffusers":
+        from ..encoders import load_diffusers_vae
+
+        return load_diffusers_vae(attr, sample=sample, dtype=vae_dtype)
     return getattr(importlib.import_module(module), attr)()
+
+
+def parse_buckets(text: str, *, video: bool) -> list[tuple[int, ...]]:
+    """``"512x512,576x448"`` -> ``[(512, 512), (576, 448)]`` (``FxHxW`` triples with ``video``)."""
+    size = 3 if video else 2
+    try:
+        buckets = [tuple(int(x) for x in part.strip().lower().split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        buckets = []
+    if not buckets or any(len(b) != size for b in buckets):
+        form = "FxHxW (frames x height x width)" if video else "HxW (height x width)"
+        raise CliError(f"--buckets must be comma-separated {form} sizes, got {text!r}")
+    return buckets
 
 
 def run_build(args) -> int:
     import torch
 
-    from .builder import build_latent_cache
-
-    encoder = make_encoder(args.encoder, toy_seed=args.toy_seed, toy_channels=args.toy_channels)
+    if args.video and not args.buckets:
+        raise CliError("--video needs --buckets FxHxW (frames x height x width)")
+    encoder = make_encoder(args.encoder, toy_seed=args.toy_seed, toy_channels=args.toy_channels, sample=args.sample,
+                           vae_dtype=args.vae_dtype)
     autocast = _AUTOCAST[args.autocast]
-    path = build_latent_cache(
-        encoder,
-        args.manifest or args.images,
-        args.out,
-        args.split,
-        line_height=args.line_height,
-        max_line_width=args.max_line_width,
-        batch_size=args.batch_size,
-        layout=args.layout,
-        device=args.device,
-        autocast_dtype=getattr(torch, autocast) if autocast else None,
-        num_workers=args.workers,
-        skip_bad_images=args.skip_bad_images,
-        quiet=args.quiet,
-    )
+    common = dict(batch_size=args.batch_size, device=args.device, num_workers=args.workers, quiet=args.quiet,
+                  autocast_dtype=getattr(torch, autocast) if autocast else None)
+    source = args.manifest or args.images
+    if args.buckets:
+        from .images import build_image_cache, build_video_cache
+
+        buckets = parse_buckets(args.buckets, video=args.video)
+        if args.video:
+            path = build_video_cache(encoder, source, args.out, args.split, buckets=buckets, frame_stride=args.frame_stride,
+                                     skip_bad_clips=args.skip_bad_images, lock_timeout=args.lock_timeout, **common)
+        else:
+            path = build_image_cache(encoder, source, args.out, args.split, buckets=buckets,
+                                     skip_bad_images=args.skip_bad_images, lock_timeout=args.lock_timeout, **common)
+    else:
+        from .builder import build_latent_cache
+
+        path = build_latent_cache(encoder, source, args.out, args.split, line_height=args.line_height,
+                                  max_line_width=args.max_line_width, layout=args.layout, lock_timeout=args.lock_timeout,
+                                  skip_bad_images=args.skip_bad_images, **common)
     if not args.quiet:
         print(f"latent cache written: {path}")
+    return 0
+
+
+def run_import(args) -> int:
+    from .importers import import_latents
+
+    stats: dict = {}
+    path = import_latents(args.source_dir, args.out, args.split, format=args.format, key=args.key, quiet=args.quiet,
+                          lock_timeout=args.lock_timeout, stats=stats)
+    if not args.quiet:
+        what = "unchanged" if stats.get("unchanged") else f"{stats['imported']} files imported, {stats['resumed']} resumed"
+        print(f"latent cache written: {path} ({what})")
     return 0
 
 
@@ -102,8 +201,14 @@ def run_inspect(args) -> int:
     if "encoder" in meta:
         print(f"  encoder: {json.dumps(meta['encoder'], sort_keys=True)}")
     if meta.get("skipped"):
-        print(f"  skipped lines: {len(meta['skipped'])} (first: {meta['skipped'][0]})")
+        print(f"  skipped: {len(meta['skipped'])} (first: {meta['skipped'][0]})")
     print(f"rows: {info['n']}   layout: {info['layout']}")
+    if "shape_counts" in info:
+        print(f"bytes on disk: {info['bytes_on_disk']:,}   data: {info['data_bytes']:,}")
+        print("items per shape:")
+        for shape, count in info["shape_counts"][:40]:
+            print(f"  {'x'.join(map(str, shape)):>20} {count:>9}")
+        return 0
     print(f"bytes on disk: {info['bytes_on_disk']:,}   data: {info['data_bytes']:,}   padded layout would be: {info['padded_layout_bytes']:,}")
     print(f"padding waste: {info['padding_waste_pct']:.1f}% of the data file")
     if info["resident_bytes"] is not None:
@@ -117,19 +222,22 @@ def run_inspect(args) -> int:
 
 
 def run_verify(args) -> int:
-    from .reader import IncompleteCacheError, verify_cache
+    from .reader import verify_cache
 
     try:
         result = verify_cache(args.cache_dir, args.split)
-    except (ValueError, OSError, IncompleteCacheError) as exc:  # corrupt, inconsistent or missing files
-        print(f"verify FAILED: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - corrupt, inconsistent or missing files: one line
+        if os.environ.get("LATENTFAST_DEBUG"):
+            raise
+        print(f"verify FAILED: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
-        kind = "checksums, finiteness and widths" if result["checksummed"] else "finiteness and widths (this cache stores no checksums)"
+        kind = "checksums, finiteness and index" if result["checksummed"] else "finiteness and index (this cache stores no checksums)"
         print(f"verify OK: {result['rows']} rows, {result['bytes']:,} bytes, {result['blocks']} blocks: "
-              f"{kind} in {result['seconds']:.3f} s ({result['gb_per_s']:.2f} GB/s)")
+              f"{kind} in {result['seconds']:.3f} s ({result['gb_per_s']:.2f} GB/s, from the page cache if the file was "
+              f"read recently)")
     return 0
 
 

@@ -37,7 +37,7 @@ import torch
 from .. import ops
 from ..devices import as_device
 from ..errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
-from . import prefetch
+from . import prefetch, shaped
 
 DEFAULT_RING_ROWS = 64  # rows per slot of a fresh ring (grows if a larger batch arrives)
 RING_SLOTS = 3  # batches that may be in flight (gathering / copying / being expanded)
@@ -67,6 +67,9 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         ``(latents [B, C, h, W] of dtype on device, widths [B] int32 on the CPU)``; columns from a
         row's width up to W hold the cache's white column.
     """
+    if shaped.intercepts(cache):  # shaped caches (batches of one item shape) and verify_rows
+        return shaped.read_batch(cache, indices, device=device, dtype=dtype, width=width, out=out, backend=backend,
+                                 cold=cold)
     source = cache.gather_source()
     dtype = torch.float16 if dtype is None else dtype
     if dtype not in ops.GATHER_DTYPES:

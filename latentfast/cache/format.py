@@ -11,6 +11,20 @@ A cache for ``split`` in ``cache_dir`` is these files:
 - ``{split}.latents.offsets.npy``  ragged only: int64 ``[N + 1]``, element offset of each row.
 - ``{split}.latents.white.npy``    float16 ``[C, h, 1]``, the encoder's latent of white paper.
 - ``{split}.latents.crc32.npy``    uint32, one CRC-32 per block of ``checksum.block_rows`` rows.
+- ``{split}.latents.keys.json``    the source name of each row (a JSON list of strings).
+- ``{split}.latents.hashes.npy``   uint8 ``[N, 16]``: BLAKE2b-128 of each row's source bytes.
+
+A ``shaped`` cache (from :class:`~latentfast.cache.writer.LatentCacheWriter`: image buckets,
+video clips, imported per-item latents) holds items of any shape, ``[C, h, w]`` or ``[C, T, h, w]``,
+back to back, C-contiguous, and instead of the widths file:
+
+- ``{split}.latents.shapes.npy``   int64 ``[N, ndim]``, each item's shape (all share ``ndim`` and ``C``).
+- ``{split}.latents.offsets.npy``  int64 ``[N + 1]``, element offset of each item, then the end.
+- ``{split}.latents.info.json``    optional, a JSON list of one dict per item (e.g. crop and size).
+
+Its meta has ``layout: "shaped"`` and ``ndim``; its nine original fields hold ``channels``, the
+largest ``h`` (``latent_h``) and ``w`` (``w_max``), and null where a field has no meaning
+(``line_height``, ``max_line_width``). Its checksum blocks are single items (``block_rows`` 1).
 
 A cache written by other code with only the first three files and the nine fields opens as a
 padded cache. The meta file is written last, with an atomic rename: a cache without it is not
@@ -25,8 +39,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-FORMAT_VERSION = 1
-LAYOUTS = ("padded", "ragged")
+from ..errors import ArgumentTypeError, CacheCorruptError, InvalidArgumentError
+
+FORMAT_VERSION = 2  # 2: the shaped layout, keys and content hashes (version-1 caches open unchanged)
+LAYOUTS = ("padded", "ragged", "shaped")
+LINE_LAYOUTS = ("padded", "ragged")
 SEED_FIELDS = (
     "n",
     "channels",
@@ -51,15 +68,19 @@ _SUFFIXES = {
     "white": "latents.white.npy",
     "checksums": "latents.crc32.npy",
     "progress": "latents.progress",
+    "shapes": "latents.shapes.npy",
+    "keys": "latents.keys.json",
+    "hashes": "latents.hashes.npy",
+    "info": "latents.info.json",
 }
 PARTIAL_SUFFIX = ".partial"
 
 
 def cache_path(cache_dir: str | os.PathLike, split: str, kind: str) -> str:
     """Path of one of the cache's files; ``kind`` is data, widths, meta, offsets, white,
-    checksums or progress."""
+    checksums, progress, shapes, keys, hashes or info."""
     if kind not in _SUFFIXES:
-        raise ValueError(f"kind must be one of {sorted(_SUFFIXES)}, got {kind!r}")
+        raise InvalidArgumentError(f"kind must be one of {sorted(_SUFFIXES)}, got {kind!r}")
     return os.path.join(os.fspath(cache_dir), f"{split}.{_SUFFIXES[kind]}")
 
 
@@ -82,6 +103,14 @@ def ragged_offsets(widths: np.ndarray, channels: int, latent_h: int) -> np.ndarr
     """int64 ``[N + 1]`` element offsets of rows stored back to back, ``[C, h, w_i]`` each."""
     offsets = np.zeros(len(widths) + 1, dtype=np.int64)
     np.cumsum(np.asarray(widths, dtype=np.int64) * (int(channels) * int(latent_h)), out=offsets[1:])
+    return offsets
+
+
+def shaped_offsets(shapes: np.ndarray) -> np.ndarray:
+    """int64 ``[N + 1]`` element offsets of items of ``shapes`` (``[N, ndim]``) stored back to back."""
+    shapes = np.asarray(shapes, dtype=np.int64)
+    offsets = np.zeros(len(shapes) + 1, dtype=np.int64)
+    np.cumsum(np.prod(shapes, axis=1, dtype=np.int64), out=offsets[1:])
     return offsets
 
 
@@ -118,27 +147,53 @@ def first_nonfinite(block: np.ndarray, scratch: np.ndarray | None = None) -> int
     return int(np.argmax(masked == 0x7C00))
 
 
+MAX_ROW_ELEMENTS = 1 << 40  # a row (or item) larger than this is a corrupt meta, not a latent
+
+
 def read_meta(path: str) -> dict:
+    """The meta stamp at ``path``, checked: :class:`CacheCorruptError` (a ``ValueError``) names the bad field."""
     with open(path, encoding="utf-8") as fh:
         try:
             meta = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"latent cache meta {path} is not valid JSON: {exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CacheCorruptError(f"latent cache meta {path} is not valid JSON: {exc}") from None
     if not isinstance(meta, dict):
-        raise ValueError(f"latent cache meta {path} must hold a JSON object, got {type(meta).__name__}")
+        raise CacheCorruptError(f"latent cache meta {path} must hold a JSON object, got {type(meta).__name__}")
     missing = [f for f in SEED_FIELDS if f not in meta]
     if missing:
-        raise ValueError(f"latent cache meta {path} lacks the fields {missing}")
+        raise CacheCorruptError(f"latent cache meta {path} lacks the fields {missing}")
     for f in ("n", "channels", "latent_h", "w_max"):
         if not isinstance(meta[f], int) or isinstance(meta[f], bool) or meta[f] < (0 if f == "n" else 1):
-            raise ValueError(f"latent cache meta {path}: {f} must be a {'non-negative' if f == 'n' else 'positive'} integer, got {meta[f]!r}")
+            raise CacheCorruptError(f"latent cache meta {path}: {f} must be a {'non-negative' if f == 'n' else 'positive'} integer, got {meta[f]!r}")
+    if meta["channels"] * meta["latent_h"] * meta["w_max"] > MAX_ROW_ELEMENTS:
+        raise CacheCorruptError(f"latent cache meta {path}: channels * latent_h * w_max = "
+                                f"{meta['channels'] * meta['latent_h'] * meta['w_max']} elements per row is not a plausible geometry")
     layout = meta.get("layout", "padded")
     if layout not in LAYOUTS:
-        raise ValueError(f"latent cache meta {path}: layout must be one of {LAYOUTS}, got {layout!r}")
+        raise CacheCorruptError(f"latent cache meta {path}: layout must be one of {LAYOUTS}, got {layout!r}")
+    ndim = meta.get("ndim", 3)
+    if layout == "shaped" and (not isinstance(ndim, int) or isinstance(ndim, bool) or not 1 <= ndim <= 8):
+        raise CacheCorruptError(f"latent cache meta {path}: ndim must be an integer in [1, 8], got {ndim!r}")
     dtype = meta.get("dtype", "float16")
     if dtype != "float16":
-        raise ValueError(f"latent cache meta {path}: dtype must be 'float16', got {dtype!r}")
+        raise CacheCorruptError(f"latent cache meta {path}: dtype must be 'float16', got {dtype!r}")
     return meta
+
+
+def checksum_block_rows(meta: Mapping[str, Any], path: str) -> int | None:
+    """Rows per checksum block from the meta's ``checksum`` entry (None when the cache has no
+    checksums); a malformed entry raises :class:`CacheCorruptError` naming it."""
+    checksum = meta.get("checksum")
+    if checksum is None:
+        return None
+    if not isinstance(checksum, Mapping):
+        raise CacheCorruptError(f"latent cache meta {path}: checksum must be an object, got {checksum!r}")
+    if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise CacheCorruptError(f"latent cache meta {path}: unknown checksum algorithm {checksum.get('algorithm')!r} (expected {CHECKSUM_ALGORITHM!r})")
+    block_rows = checksum.get("block_rows")
+    if not isinstance(block_rows, int) or isinstance(block_rows, bool) or block_rows < 1:
+        raise CacheCorruptError(f"latent cache meta {path}: checksum.block_rows must be a positive integer, got {block_rows!r}")
+    return block_rows
 
 
 def write_bytes_durably(path: str, payload: bytes) -> None:
@@ -178,7 +233,7 @@ def _as_dict(expected: Any) -> dict:
     for method in ("model_dump", "dict", "_asdict"):  # pydantic v2 / v1 models, namedtuples
         if hasattr(expected, method):
             return dict(getattr(expected, method)())
-    raise TypeError(f"expected must be a mapping of meta fields (or a model with model_dump), got {type(expected).__name__}")
+    raise ArgumentTypeError(f"expected must be a mapping of meta fields (or a model with model_dump), got {type(expected).__name__}")
 
 
 _MISSING = "<missing>"
@@ -195,10 +250,18 @@ def stamp_differences(meta: Mapping[str, Any], expected: Any) -> list[tuple[str,
 
 
 def rebuild_command(cache_dir: str, split: str, meta: Mapping[str, Any], expected: Mapping[str, Any]) -> str:
-    """The CLI line that rebuilds this cache for the ``expected`` geometry."""
+    """The CLI line that rebuilds this cache for the ``expected`` geometry and encoder."""
     want = {**meta, **_as_dict(expected)}
     source = meta.get("source")
+    if meta.get("kind") == "import":
+        return (f"latentfast cache import {source or '<source dir>'} --out {cache_dir} --split {split} "
+                f"--format {meta.get('import_format')}")
     src = f"--manifest {source}" if source and not os.path.isdir(source) else f"--images {source or '<images dir>'}"
+    if meta.get("layout") == "shaped":
+        video = meta.get("kind") == "video"
+        buckets = ",".join("x".join(str(x) for x in b) for b in meta.get("buckets") or []) or "<buckets>"
+        return (f"latentfast cache build {src} --out {cache_dir} --split {split} {'--video ' if video else ''}"
+                f"--buckets {buckets} --encoder <the expected encoder>")
     return (
         f"latentfast cache build {src} --out {cache_dir} --split {split} "
         f"--line-height {want.get('line_height')} --max-line-width {want.get('max_line_width')} "

@@ -1,6 +1,7 @@
 """Open, read, inspect and verify a latent cache (see :mod:`latentfast.cache.format`)."""
 from __future__ import annotations
 
+import json
 import operator
 import os
 import time
@@ -11,83 +12,78 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CacheCorruptError, IncompleteCacheError
+from ..errors import CacheCorruptError, IncompleteCacheError, IndexOutOfRangeError, InvalidArgumentError
 from . import format as fmt
 
 
 class LatentCache:
-    """Read-only, worker-safe view of a built latent cache.
+    """Read-only, worker-safe view of a built latent cache (any layout, see :mod:`~latentfast.cache.format`).
 
-    ``cache[i]`` is a float16 ``[C, h, w_i]`` copy. ``expected`` (a dict of meta fields, e.g.
-    from :func:`latentfast.cache.cache_meta_for`) that disagrees with the cache raises
-    ``ValueError`` naming every differing field. ``white_column`` (``[C, h, 1]``) serves caches
-    that store none. The data file is memory-mapped lazily in each process; pickling carries
-    paths, meta and the small index arrays only.
+    ``cache[i]`` is a float16 copy of item i, of shape ``shapes[i]``: ``[C, h, w_i]`` in a line
+    cache, any shape in a ``shaped`` one. ``shapes`` (int64 ``[N, ndim]``) and ``keys`` (each
+    item's source name; the row number as a string where the cache stores none) exist on every
+    cache. ``expected`` (a dict of meta fields, e.g. from :func:`latentfast.cache.cache_meta_for`
+    or ``{"encoder": vae.identity()}``) that disagrees with the cache raises ``ValueError`` naming
+    every differing field. ``white_column`` (``[C, h, 1]``) serves line caches that store none.
+    ``verify_rows=True`` checks each row's checksum block (once per process) before it is read and
+    raises :class:`CacheCorruptError` if it fails.
+
+    The data file is memory-mapped lazily in each process; pickling carries paths, meta and the
+    small index arrays only. Each read (``cache[i]``, and each batch through :meth:`gather_source`)
+    first checks that the data file still has the size it had when mapped: a file truncated under
+    a reader raises :class:`CacheCorruptError` instead of killing the process with SIGBUS.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, split: str = "train", expected: Any = None, white_column: Any = None):
+    def __init__(self, cache_dir: str | os.PathLike, split: str = "train", expected: Any = None,
+                 white_column: Any = None, *, verify_rows: bool = False):
         self.cache_dir = os.fspath(cache_dir)
         self.split = split
+        self.verify_rows = bool(verify_rows)
         meta_path = fmt.cache_path(self.cache_dir, split, "meta")
         if not os.path.exists(meta_path):
             if fmt.build_in_progress(self.cache_dir, split):
                 raise IncompleteCacheError(
                     f"latent cache {self.cache_dir} (split {split!r}) is incomplete: its build was interrupted "
-                    f"before writing {meta_path}. Re-run the same `latentfast cache build` command to resume it."
+                    f"before writing {meta_path}. Re-run the same `latentfast cache build` command to resume it (or the same LatentCacheWriter job)."
                 )
             raise FileNotFoundError(f"latent cache meta {meta_path} does not exist (no cache for split {split!r} in {self.cache_dir})")
         meta = fmt.read_meta(meta_path)
         if "format_version" in meta and meta.get("complete") is not True:
             raise IncompleteCacheError(
                 f"latent cache {meta_path} has no completion mark: the build did not finish. "
-                f"Re-run the same `latentfast cache build` command to resume it."
+                f"Re-run the same `latentfast cache build` command to resume it (or the same LatentCacheWriter job)."
             )
         if expected is not None:
             diffs = fmt.stamp_differences(meta, expected)
             if diffs:
                 lines = "\n".join(f"  {k}: cache has {have!r}, expected {want!r}" for k, have, want in diffs)
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"latent cache {meta_path} was built for a different encoder/geometry:\n{lines}\n"
                     f"Rebuild it with: {fmt.rebuild_command(self.cache_dir, split, meta, expected)}"
                 )
         self.meta = meta
         self._data_path = fmt.cache_path(self.cache_dir, split, "data")
         self._load_index()
-        self.white_column = self._resolve_white(white_column)
-        self._mm: np.ndarray | None = None
-        self._data: torch.Tensor | None = None
-        self._set_geometry()
+        self.white_column = self._resolve_white(white_column) if not self.shaped else None
+        self._reset_process_state()
 
-    def _set_geometry(self) -> None:
-        """Plain ints for the per-row hot path."""
+    def _reset_process_state(self) -> None:
+        """What each process opens for itself: the map, its file descriptor, the tensor views."""
+        self._mm: np.ndarray | None = None
+        self._fd: int | None = None
+        self._data: torch.Tensor | None = None
+        self._keys: list[str] | None = None
+        self._verified: set[int] = set()
         self._row_shape = (self.channels, self.latent_h, self.w_max)
         self._line_elements = self.channels * self.latent_h
         self._row_elements = self._line_elements * self.w_max
 
     # -- opening and validation -------------------------------------------------------------
     def _load_index(self) -> None:
-        m = self.meta
-        n, C, h, w_max = m["n"], m["channels"], m["latent_h"], m["w_max"]
-        widths = _load_npy(fmt.cache_path(self.cache_dir, self.split, "widths"), "widths")
-        wpath = fmt.cache_path(self.cache_dir, self.split, "widths")
-        if widths.ndim != 1 or not np.issubdtype(widths.dtype, np.integer):
-            raise ValueError(f"latent cache widths {wpath} must be a 1-D integer array, got {widths.dtype} {widths.shape}")
-        if len(widths) != n:
-            raise ValueError(f"latent cache widths {wpath} has {len(widths)} rows but the meta says n={n}")
-        if n and (widths.min() < 1 or widths.max() > w_max):
-            bad = int(np.flatnonzero((widths < 1) | (widths > w_max))[0])
-            raise ValueError(f"latent cache widths {wpath}: row {bad} has width {int(widths[bad])}, outside [1, w_max={w_max}]")
-        self.widths = widths.astype(np.int32, copy=False)
-        if self.layout == "ragged":
-            opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
-            offsets = _load_npy(opath, "offsets")
-            if offsets.shape != (n + 1,):
-                raise ValueError(f"latent cache offsets {opath} must have n + 1 = {n + 1} entries, got shape {offsets.shape}")
-            self.row_starts = self._row_starts_from_widths()
-            if not np.array_equal(offsets, self.row_starts):
-                raise ValueError(f"latent cache offsets {opath} disagree with the widths (row i must span C*h*w_i elements, back to back)")
+        if self.shaped:
+            self._load_shapes()
         else:
-            self.row_starts = self._row_starts_from_widths()
+            self._load_widths()
         expected_bytes = int(self.row_starts[-1]) * 2
         try:
             actual = os.path.getsize(self._data_path)
@@ -95,10 +91,52 @@ class LatentCache:
             raise FileNotFoundError(f"latent cache data file {self._data_path} does not exist") from None
         if actual != expected_bytes:
             what = "shorter" if actual < expected_bytes else "longer"
-            raise ValueError(
+            m = self.meta
+            raise CacheCorruptError(
                 f"latent cache data file {self._data_path} is {what} than the meta implies: "
-                f"expected {expected_bytes} bytes ({self.layout} layout, n={n}, C={C}, h={h}, w_max={w_max}), found {actual}"
+                f"expected {expected_bytes} bytes ({self.layout} layout, n={m['n']}, C={m['channels']}, "
+                f"h={m['latent_h']}, w_max={m['w_max']}), found {actual}"
             )
+
+    def _load_widths(self) -> None:
+        n, w_max = self.meta["n"], self.meta["w_max"]
+        wpath = fmt.cache_path(self.cache_dir, self.split, "widths")
+        widths = _load_npy(wpath, "widths")
+        if widths.ndim != 1 or not np.issubdtype(widths.dtype, np.integer):
+            raise CacheCorruptError(f"latent cache widths {wpath} must be a 1-D integer array, got {widths.dtype} {widths.shape}")
+        if len(widths) != n:
+            raise CacheCorruptError(f"latent cache widths {wpath} has {len(widths)} rows but the meta says n={n}")
+        if n and (widths.min() < 1 or widths.max() > w_max):
+            bad = int(np.flatnonzero((widths < 1) | (widths > w_max))[0])
+            raise CacheCorruptError(f"latent cache widths {wpath}: row {bad} has width {int(widths[bad])}, outside [1, w_max={w_max}]")
+        self.widths = widths.astype(np.int32, copy=False)
+        self.row_starts = self._line_row_starts()
+        if self.layout == "ragged":
+            opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
+            offsets = _load_npy(opath, "offsets")
+            if offsets.shape != (n + 1,):
+                raise CacheCorruptError(f"latent cache offsets {opath} must have n + 1 = {n + 1} entries, got shape {offsets.shape}")
+            if not np.array_equal(offsets, self.row_starts):
+                raise CacheCorruptError(f"latent cache offsets {opath} disagree with the widths (row i must span C*h*w_i elements, back to back)")
+
+    def _load_shapes(self) -> None:
+        m = self.meta
+        n, ndim = m["n"], m["ndim"]
+        spath = fmt.cache_path(self.cache_dir, self.split, "shapes")
+        shapes = _load_npy(spath, "shapes")
+        if shapes.shape != (n, ndim) or not np.issubdtype(shapes.dtype, np.integer):
+            raise CacheCorruptError(f"latent cache shapes {spath} must be an integer array of shape [n, ndim] = [{n}, {ndim}], got {shapes.dtype} {list(shapes.shape)}")
+        shapes = shapes.astype(np.int64, copy=False)
+        if n and (shapes.min() < 1 or np.any(shapes[:, 0] != m["channels"]) or np.prod(shapes, axis=1, dtype=np.float64).max() > fmt.MAX_ROW_ELEMENTS):
+            bad = int(np.flatnonzero((shapes.min(axis=1) < 1) | (shapes[:, 0] != m["channels"]) | (np.prod(shapes, axis=1, dtype=np.float64) > fmt.MAX_ROW_ELEMENTS))[0])
+            raise CacheCorruptError(f"latent cache shapes {spath}: item {bad} has shape {shapes[bad].tolist()} (needs positive sizes and channels={m['channels']})")
+        self._shapes = shapes
+        self.widths = shapes[:, -1].astype(np.int32)
+        self.row_starts = fmt.shaped_offsets(shapes)
+        opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
+        offsets = _load_npy(opath, "offsets")
+        if offsets.shape != (n + 1,) or not np.array_equal(offsets, self.row_starts):
+            raise CacheCorruptError(f"latent cache offsets {opath} disagree with the shapes (item i must span prod(shapes[i]) elements, back to back)")
 
     def _resolve_white(self, given: Any) -> torch.Tensor | None:
         shape = (self.channels, self.latent_h, 1)
@@ -107,21 +145,27 @@ class LatentCache:
         if os.path.exists(path):
             stored = _load_npy(path, "white column")
             if stored.shape != shape:
-                raise ValueError(f"latent cache white column {path} must have shape {list(shape)}, got {list(stored.shape)}")
+                raise CacheCorruptError(f"latent cache white column {path} must have shape {list(shape)}, got {list(stored.shape)}")
             stored = torch.from_numpy(stored.astype(np.float16))
         if given is None:
             return stored
         given = torch.as_tensor(given).detach().to("cpu", torch.float16)
         if tuple(given.shape) != shape:
-            raise ValueError(f"white_column must have shape [C, h, 1] = {list(shape)}, got {list(given.shape)}")
+            raise InvalidArgumentError(f"white_column must have shape [C, h, 1] = {list(shape)}, got {list(given.shape)}")
         if stored is not None and not torch.equal(stored, given):
-            raise ValueError(f"white_column disagrees with the one stored in {path}; omit the argument to use the stored one")
+            raise InvalidArgumentError(f"white_column disagrees with the one stored in {path}; omit the argument to use the stored one")
         return given.contiguous()
 
     # -- geometry ---------------------------------------------------------------------------
     @property
     def layout(self) -> str:
         return self.meta.get("layout", "padded")
+
+    @property
+    def shaped(self) -> bool:
+        """Whether items have shapes of their own (image buckets, video): ``read_batch`` then returns
+        ``(latents [B, *shape], shapes [B, ndim])`` for a batch of one shape."""
+        return self.layout == "shaped"
 
     @property
     def channels(self) -> int:
@@ -135,16 +179,69 @@ class LatentCache:
     def w_max(self) -> int:
         return int(self.meta["w_max"])
 
+    @property
+    def shapes(self) -> np.ndarray:
+        """int64 ``[N, ndim]``: each item's shape (``[C, h, w_i]`` rows in a line cache)."""
+        if self.shaped:
+            return self._shapes
+        shapes = np.empty((len(self), 3), dtype=np.int64)
+        shapes[:, 0], shapes[:, 1], shapes[:, 2] = self.channels, self.latent_h, self.widths
+        return shapes
+
+    @property
+    def keys(self) -> list[str]:
+        """Each item's source name (file name without extension for imports, the image's path for
+        builds); the row number as a string for caches that store no keys (the original format)."""
+        if self._keys is None:
+            path = fmt.cache_path(self.cache_dir, self.split, "keys")
+            if os.path.exists(path):
+                keys = _load_json(path, "keys")
+                if not isinstance(keys, list) or len(keys) != len(self) or not all(isinstance(k, str) for k in keys):
+                    raise CacheCorruptError(f"latent cache keys {path} must be a JSON list of {len(self)} strings")
+            else:
+                keys = [str(i) for i in range(len(self))]
+            self._keys = keys
+        return self._keys
+
+    def info(self, i: int) -> dict:
+        """The small dict stored with item ``i`` (e.g. ``original_size``, ``crop_top_left``), or ``{}``."""
+        i = self._checked_index(i)
+        if not hasattr(self, "_info"):
+            path = fmt.cache_path(self.cache_dir, self.split, "info")
+            self._info = _load_json(path, "info") if os.path.exists(path) else None
+            if self._info is not None and (not isinstance(self._info, list) or len(self._info) != len(self)):
+                raise CacheCorruptError(f"latent cache info {path} must be a JSON list of {len(self)} objects")
+        return dict(self._info[i]) if self._info else {}
+
+    def content_hashes(self) -> np.ndarray | None:
+        """uint8 ``[N, 16]`` BLAKE2b-128 of each item's source bytes, or None when the cache stores none."""
+        path = fmt.cache_path(self.cache_dir, self.split, "hashes")
+        if not os.path.exists(path):
+            return None
+        hashes = _load_npy(path, "hashes")
+        if hashes.shape != (len(self), 16) or hashes.dtype != np.uint8:
+            raise CacheCorruptError(f"latent cache hashes {path} must be uint8 [{len(self)}, 16], got {hashes.dtype} {list(hashes.shape)}")
+        return hashes
+
     def __len__(self) -> int:
         return int(self.meta["n"])
 
     def __repr__(self) -> str:
+        if self.shaped:
+            return f"LatentCache({self.cache_dir!r}, split={self.split!r}, n={len(self)}, layout='shaped', ndim={self.meta['ndim']}, C={self.channels})"
         return f"LatentCache({self.cache_dir!r}, split={self.split!r}, n={len(self)}, layout={self.layout!r}, C={self.channels}, h={self.latent_h}, w_max={self.w_max})"
 
     # -- data access ------------------------------------------------------------------------
+    def _open_fd(self) -> int:
+        """This process's descriptor of the data file (what reads and the size check use)."""
+        if self._fd is None:
+            self._fd = os.open(self._data_path, os.O_RDONLY)
+        return self._fd
+
     def _memmap(self) -> np.ndarray:
         """The whole data file as a flat read-only float16 array, opened once per process."""
         if self._mm is None:
+            self._open_fd()
             if self.row_starts[-1] == 0:
                 self._mm = np.zeros(0, dtype=np.float16)
             else:
@@ -152,39 +249,92 @@ class LatentCache:
                 self._mm = mm.view(np.ndarray)  # plain-array slicing is cheaper; the view keeps the map open
         return self._mm
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def check_unchanged(self) -> None:
+        """Raise :class:`CacheCorruptError` if the mapped data file no longer has its size (one fstat):
+        reading a page past a truncated file's end would kill the process with SIGBUS."""
+        if self._fd is None:
+            return
+        size = os.fstat(self._fd).st_size
+        if size != int(self.row_starts[-1]) * 2:
+            raise CacheCorruptError(
+                f"latent cache data file {self._data_path} changed size under this reader "
+                f"({int(self.row_starts[-1]) * 2} bytes when opened, {size} now): it was truncated or rewritten in "
+                f"place; rebuild the cache or reopen it"
+            )
+
+    def _checked_index(self, i) -> int:
         n = self.meta["n"]
         i = operator.index(i)
         if i < 0:
             i += n
         if not 0 <= i < n:
-            raise IndexError(f"latent cache index {i} out of range for {n} rows")
-        w = int(self.widths[i])
+            raise IndexOutOfRangeError(f"latent cache index {i} out of range for {n} rows")
+        return i
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """Item ``i`` as a float16 copy, read with one ``preadv`` (a file truncated under the reader
+        reads short and raises :class:`CacheCorruptError`; a map would die of SIGBUS instead)."""
+        i = self._checked_index(i)
+        if self.verify_rows:
+            self.verify_items([i])
+        fd = self._fd if self._fd is not None else self._open_fd()
         start = int(self.row_starts[i])
-        data = self._mm if self._mm is not None else self._memmap()
-        if self.meta.get("layout") == "ragged":
-            row = data[start : start + self._line_elements * w].reshape(self._row_shape[0], self._row_shape[1], w)
+        if self.shaped:
+            row = np.empty(self._shapes[i], dtype=np.float16)
+        elif self.layout == "ragged":
+            row = np.empty((self._row_shape[0], self._row_shape[1], int(self.widths[i])), dtype=np.float16)
         else:
-            row = data[start : start + self._row_elements].reshape(self._row_shape)[:, :, :w]
-        return torch.from_numpy(row.copy())  # a copy: never hand out a view of the map
+            row = np.empty(self._row_shape, dtype=np.float16)
+        if os.preadv(fd, [row], 2 * start) != row.nbytes:
+            self.check_unchanged()
+            raise CacheCorruptError(f"latent cache data file {self._data_path}: row {i} reads short")
+        if self.layout == "padded":
+            row = np.ascontiguousarray(row[:, :, : int(self.widths[i])])
+        return torch.from_numpy(row)
+
+    def verify_items(self, indices) -> None:
+        """Check the checksum block of every row in ``indices`` (each block once per process);
+        :class:`CacheCorruptError` names the first failing block. A cache without checksums
+        (the original format) has nothing to check against: ``InvalidArgumentError``."""
+        block_rows = fmt.checksum_block_rows(self.meta, fmt.cache_path(self.cache_dir, self.split, "meta"))
+        if block_rows is None:
+            raise InvalidArgumentError(f"verify_rows: latent cache {self.cache_dir} (split {self.split!r}) stores no checksums")
+        if not hasattr(self, "_sums"):
+            self._sums = _checksums(self.cache_dir, self.split, len(self), block_rows)
+        data = self._memmap()
+        n = len(self)
+        for block in sorted({int(i) // block_rows for i in indices} - self._verified):
+            r0, r1 = block * block_rows, min(n, (block + 1) * block_rows)
+            if zlib.crc32(data[int(self.row_starts[r0]) : int(self.row_starts[r1])]) != int(self._sums[block]):
+                raise CacheCorruptError(f"latent cache {self._data_path}: block {block} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
+            self._verified.add(block)
 
     def gather_source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """``(data, row_offsets, widths, pitch)`` for batch gathers.
+        """``(data, row_offsets, widths, pitch)`` for batch gathers; checks the file size first (one fstat).
 
         ``data`` is a 1-D float16 tensor over the whole (read-only) data file; row i's line
         ``(c, y)`` starts at element ``row_offsets[i] + (c * h + y) * pitch_i``, where
         ``pitch_i`` is ``pitch`` (w_max) for the padded layout and the row's own width when
-        ``pitch`` is 0 (ragged). Never write through ``data``."""
+        ``pitch`` is 0 (ragged). In a shaped cache each item is one line (C = h = 1 in gather
+        terms) whose width is its element count, with pitch 0. Never write through ``data``."""
         if self._data is None:
             with warnings.catch_warnings():  # torch warns that the memmap is not writable
                 warnings.simplefilter("ignore", UserWarning)
                 self._data = torch.from_numpy(self._memmap())
             self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
-            self._widths_t = torch.from_numpy(np.ascontiguousarray(self.widths))
+            if self.shaped:
+                numel = np.diff(self.row_starts)
+                if numel.size and numel.max() > np.iinfo(np.int32).max:
+                    raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max())} elements is too large for the batch gather (int32 widths)")
+                self._widths_t = torch.from_numpy(numel.astype(np.int32))
+            else:
+                self._widths_t = torch.from_numpy(np.ascontiguousarray(self.widths))
+        self.check_unchanged()
         pitch = self.w_max if self.layout == "padded" else 0
         return self._data, self._row_offsets, self._widths_t, pitch
 
     def read_batch(self, indices, **kwargs):
+        """See :func:`latentfast.cache.read_batch`."""
         from .decode import read_batch
 
         return read_batch(self, indices, **kwargs)
@@ -198,18 +348,21 @@ class LatentCache:
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_mm", "_data", "_row_offsets", "_widths_t", "row_starts"):
-            state.pop(key, None)  # row_starts: recomputed from the widths (validated equal on open)
+        for key in ("_mm", "_fd", "_data", "_row_offsets", "_widths_t", "row_starts", "_keys", "_verified", "_sums", "_info"):
+            state.pop(key, None)  # row_starts: recomputed from the index (validated equal on open)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.row_starts = self._row_starts_from_widths()
-        self._mm = None
-        self._data = None
-        self._set_geometry()
+        self.row_starts = fmt.shaped_offsets(self._shapes) if self.shaped else self._line_row_starts()
+        self._reset_process_state()
 
-    def _row_starts_from_widths(self) -> np.ndarray:
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _line_row_starts(self) -> np.ndarray:
         if self.layout == "ragged":
             return fmt.ragged_offsets(self.widths, self.channels, self.latent_h)
         return np.arange(len(self) + 1, dtype=np.int64) * fmt.row_elements(self.meta)
@@ -220,79 +373,115 @@ def _load_npy(path: str, what: str) -> np.ndarray:
         return np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise FileNotFoundError(f"latent cache {what} file {path} does not exist") from None
-    except ValueError as exc:
-        raise ValueError(f"latent cache {what} file {path} is not a valid .npy array: {exc}") from None
+    except (ValueError, EOFError, OSError, MemoryError) as exc:
+        raise CacheCorruptError(f"latent cache {what} file {path} is not a valid .npy array: {exc}") from None
 
 
-def verify_cache(cache_dir: str | os.PathLike, split: str = "train") -> dict:
-    """Recompute every block checksum, check every value is finite and every width valid.
+def _load_json(path: str, what: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CacheCorruptError(f"latent cache {what} file {path} is not valid JSON: {exc}") from None
 
-    Raises :class:`CacheCorruptError` naming the first bad block or row; returns
-    ``{"rows", "bytes", "blocks", "checksummed", "seconds", "gb_per_s"}``."""
-    start = time.perf_counter()
-    cache = LatentCache(cache_dir, split)  # validates sizes, widths and offsets
-    data = cache._memmap()
+
+def _checksums(cache_dir: str, split: str, n: int, block_rows: int) -> np.ndarray:
+    spath = fmt.cache_path(cache_dir, split, "checksums")
+    sums = _load_npy(spath, "checksums")
+    blocks = -(-n // block_rows)
+    if sums.shape != (blocks,):
+        raise CacheCorruptError(f"latent cache checksums {spath} must hold {blocks} entries, got shape {list(sums.shape)}")
+    return sums
+
+
+def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tuple[int, int, int, int | None]], int]:
+    """``([(block, first_row, end_row, nonfinite_row)], block_rows)`` for every checksum block that
+    fails its CRC-32 (``nonfinite_row`` None) or holds a non-finite value (the first such row);
+    only the first bad block when ``first_only``."""
+    meta_path = fmt.cache_path(cache.cache_dir, cache.split, "meta")
+    block_rows = fmt.checksum_block_rows(cache.meta, meta_path)
     n = len(cache)
-    checksum = cache.meta.get("checksum")
-    sums = None
-    if checksum is not None:
-        if checksum.get("algorithm") != fmt.CHECKSUM_ALGORITHM:
-            raise CacheCorruptError(f"latent cache {cache_dir}: unknown checksum algorithm {checksum.get('algorithm')!r}")
-        block_rows = int(checksum["block_rows"])
-        spath = fmt.cache_path(cache_dir, split, "checksums")
-        sums = _load_npy(spath, "checksums")
-        blocks = -(-n // block_rows)
-        if sums.shape != (blocks,):
-            raise CacheCorruptError(f"latent cache checksums {spath} must hold {blocks} entries, got shape {sums.shape}")
-    else:
-        block_rows = fmt.block_row_count(cache.meta)
-    scratch = np.empty(int(max(1, block_rows * fmt.row_elements(cache.meta))), dtype=np.uint16)
+    sums = None if block_rows is None else _checksums(cache.cache_dir, cache.split, n, block_rows)
+    if block_rows is None:
+        block_rows = max(1, fmt.CHECKSUM_BLOCK_BYTES // (2 * max(1, int(cache.row_starts[-1]) // max(1, n))))
+    data = cache._memmap()
+    cache.check_unchanged()
+    widest = int(np.diff(cache.row_starts).max(initial=0))
+    scratch = np.empty(max(1, min(int(cache.row_starts[-1]), block_rows * widest)), dtype=np.uint16)
+    found = []
     for b, r0, r1, e0, e1 in fmt.block_bounds(cache.row_starts, n, block_rows):
         block = data[e0:e1]
         if sums is not None and zlib.crc32(block) != int(sums[b]):
-            raise CacheCorruptError(f"latent cache {cache._data_path}: block {b} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
-        bad = fmt.first_nonfinite(block, scratch)
-        if bad >= 0:
+            found.append((b, r0, r1, None))
+        else:
+            bad = fmt.first_nonfinite(block, scratch if block.size <= scratch.size else None)
+            if bad < 0:
+                continue
             row = int(np.searchsorted(cache.row_starts, e0 + bad, side="right")) - 1
+            found.append((b, r0, r1, row))
+        if first_only:
+            break
+    return found, block_rows
+
+
+def verify_cache(cache_dir: str | os.PathLike, split: str = "train") -> dict:
+    """Recompute every block checksum, check every value is finite and every index valid.
+
+    Raises :class:`CacheCorruptError` naming the first bad block or row (also for malformed meta or
+    index files); returns ``{"rows", "bytes", "blocks", "checksummed", "seconds", "gb_per_s"}``.
+    ``gb_per_s`` is the rate of this pass, from whatever page cache state the file was in (a second
+    run over a cache that fits in RAM measures a hot page cache, not the disk)."""
+    start = time.perf_counter()
+    cache = LatentCache(cache_dir, split)  # validates sizes, widths, shapes and offsets
+    found, block_rows = bad_blocks(cache, first_only=True)
+    if found:
+        b, r0, r1, row = found[0]
+        if row is not None:
             raise CacheCorruptError(f"latent cache {cache._data_path}: row {row} (block {b}) holds a non-finite value")
+        raise CacheCorruptError(f"latent cache {cache._data_path}: block {b} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
     if cache.white_column is not None and not torch.isfinite(cache.white_column.float()).all():
         raise CacheCorruptError(f"latent cache {cache_dir}: the white column holds a non-finite value")
+    cache.keys  # noqa: B018 - a malformed keys file fails verify
     seconds = time.perf_counter() - start
     nbytes = int(cache.row_starts[-1]) * 2
+    n = len(cache)
     return {
         "rows": n,
         "bytes": nbytes,
         "blocks": -(-n // block_rows),
-        "checksummed": sums is not None,
+        "checksummed": "checksum" in cache.meta,
         "seconds": seconds,
         "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf"),
     }
 
 
 def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int = 10) -> dict:
-    """Meta, row count, bytes on disk, padding waste and a latent-width histogram."""
+    """Meta, row count, bytes on disk, padding waste and a latent-width histogram (line caches), or
+    the count of items per shape (shaped caches)."""
     cache = LatentCache(cache_dir, split)
     files = {}
-    for kind in ("data", "widths", "meta", "offsets", "white", "checksums"):
+    for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info"):
         path = fmt.cache_path(cache_dir, split, kind)
         if os.path.exists(path):
             files[os.path.basename(path)] = os.path.getsize(path)
-    real = int(cache.widths.sum(dtype=np.int64)) * cache.channels * cache.latent_h * 2
-    padded = len(cache) * fmt.row_elements(cache.meta) * 2
     data_bytes = int(cache.row_starts[-1]) * 2
     from .prefetch import resident_bytes
 
+    info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files,
+            "bytes_on_disk": sum(files.values()), "data_bytes": data_bytes,
+            "resident_bytes": resident_bytes(cache._data_path)}  # in the page cache now (None: the OS cannot say)
+    if cache.shaped:
+        shapes, counts = np.unique(cache.shapes, axis=0, return_counts=True)
+        order = np.argsort(-counts, kind="stable")
+        info["shape_counts"] = [(shapes[k].tolist(), int(counts[k])) for k in order]
+        info["padding_waste_pct"] = 0.0
+        return info
+    real = int(cache.widths.sum(dtype=np.int64)) * cache.channels * cache.latent_h * 2
     edges = np.unique(np.linspace(1, cache.w_max + 1, min(bins, cache.w_max) + 1).astype(np.int64))
     counts, _ = np.histogram(cache.widths, bins=edges)
-    return {
-        "meta": cache.meta,
-        "n": len(cache),
-        "layout": cache.layout,
-        "files": files,
-        "bytes_on_disk": sum(files.values()),
-        "data_bytes": data_bytes,
-        "resident_bytes": resident_bytes(cache._data_path),  # in the page cache now (None: the OS cannot say)
-        "padding_waste_pct": 100.0 * (data_bytes - real) / data_bytes if data_bytes else 0.0,
-        "padded_layout_bytes": padded,
-        "histogram": [(int(lo), int(hi) - 1, int(c)) for lo, hi, c in zip(edges[:-1], edges[1:], counts)],  # inclusive bounds
-    }
+    info.update(
+        padding_waste_pct=100.0 * (data_bytes - real) / data_bytes if data_bytes else 0.0,
+        padded_layout_bytes=len(cache) * fmt.row_elements(cache.meta) * 2,
+        histogram=[(int(lo), int(hi) - 1, int(c)) for lo, hi, c in zip(edges[:-1], edges[1:], counts)],  # inclusive bounds
+    )
+    return info

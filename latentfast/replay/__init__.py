@@ -2,16 +2,19 @@
 replay only those through the generator.
 
 * :class:`FeatureGradientReplay` / :class:`FeatureGradientReplayResult` -- the cache and what
-  ``finalize`` returns (old names: ``MultiRepresentationFreshVideoGradCache[Result]``);
+  ``finalize`` returns. Aliases kept from the original training code:
+  ``MultiRepresentationFreshVideoGradCache`` = ``FeatureGradientReplay`` and
+  ``MultiRepresentationFreshVideoGradCacheResult`` = ``FeatureGradientReplayResult``;
 * :class:`MultiEncoderMMD` -- the multi-encoder mixed-RBF MMD loss (exact or Nyström);
 * :func:`scatter_cotangents` -- the batched, compiled split of leaf gradients into cotangents;
 * :class:`ReplayRNG`, :func:`replay_backward`, :func:`selection_correction_factor` -- what a
   trainer needs to replay a microbatch and apply the B/b correction;
-* :func:`demo_replay_step` -- one step on the toys, checked against plain backpropagation.
+* :func:`gradient_sync` -- one gradient reduction per step under DDP/FSDP, not one per replay.
+
+``latentfast.replay.demo`` runs one step on the toy models against plain backpropagation.
 """
 from __future__ import annotations
 
-from .demo import demo_replay_step
 from .gradcache import (
     FeatureGradientReplay,
     FeatureGradientReplayResult,
@@ -21,6 +24,7 @@ from .gradcache import (
 from .mmd import MultiEncoderMMD
 from .rng import ReplayRNG, replay_backward, selection_correction_factor
 from .scatter import ScatteredCotangents, scatter_cotangents
+from .sync import gradient_sync
 
 __all__ = [
     "FeatureGradientReplay",
@@ -30,7 +34,7 @@ __all__ = [
     "MultiRepresentationFreshVideoGradCacheResult",
     "ReplayRNG",
     "ScatteredCotangents",
-    "demo_replay_step",
+    "gradient_sync",
     "replay_backward",
     "scatter_cotangents",
     "selection_correction_factor",

@@ -5,10 +5,18 @@ the rollout) renders clips, two :class:`~latentfast.toy.ToyFeatureEncoder` branc
 features, and :class:`MultiEncoderMMD` compares them with a reference distribution. The tests, the
 benchmark and ``latentfast demo`` all run these two paths:
 
-* :func:`plain_step` -- forward every microbatch of every shard with a graph, evaluate the loss with
-  the selected suffix rows carrying the gradient, backward (activation memory ~ B);
+* :func:`plain_step` -- forward every microbatch of every shard, evaluate the loss with the
+  selected suffix rows carrying the gradient, backward. By default every microbatch keeps its
+  graph (activation memory ~ B, what a direct implementation does); ``detach_unselected=True``
+  runs the unselected ones under ``no_grad`` (same gradients, activation memory ~ b: the fair
+  baseline for replay's memory);
 * :func:`replay_step` -- collect every microbatch without a graph, ``finalize``, replay the
-  selected microbatches with their captured RNG, ``replay_backward`` (activation memory ~ b).
+  selected microbatches with their captured RNG, ``replay_backward`` (activation memory ~ b),
+  each replay inside :func:`~latentfast.replay.gradient_sync` so DDP/FSDP reduce once per step.
+
+``model`` (optional) is what the forward calls -- the generator wrapped in DDP or FSDP -- while
+``generator`` stays the plain module (its attributes and parameters). Both steps accept
+``autocast_dtype`` to run the generator and encoders under ``torch.autocast``.
 
 A *shard* is one rank's data: its conditions ``[B_local, cond_dim]`` and the seed its random
 stream starts from. ``plain_step`` over all shards in one process equals the sum over ranks of
@@ -16,15 +24,19 @@ stream starts from. ``plain_step`` over all shards in one process equals the sum
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from ..devices import as_device
+from ..errors import InvalidArgumentError
 from ..toy import ToyFeatureEncoder, ToyGenerator
 from .gradcache import FeatureGradientReplay, FeatureGradientReplayResult
 from .mmd import MultiEncoderMMD
 from .rng import ReplayRNG, replay_backward
+from .sync import gradient_sync
 
 
 @dataclass
@@ -45,10 +57,26 @@ class ToyReplayProblem:
     loss_scale: float = 1.0
     dtype: torch.dtype = torch.float64
     timings: dict[str, float] = field(default_factory=dict)
+    model: torch.nn.Module | None = None  # the generator as the forward calls it (DDP/FSDP wrapper)
 
     @property
     def local_samples(self) -> int:
         return int(self.shards[0].condition.shape[0])
+
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        return self.generator if self.model is None else self.model
+
+    @property
+    def feature_dtype(self) -> torch.dtype:
+        """The replay cache's dtype (and the dtype plain_step evaluates the loss in)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    def autocast(self, dtype: torch.dtype | None):
+        """``torch.autocast`` on the problem's device with ``dtype``, or nothing for None."""
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.shards[0].condition.device.type, dtype=dtype)
 
 
 def build_toy_problem(
@@ -70,7 +98,7 @@ def build_toy_problem(
     """A deterministic toy problem (same arguments -> same models, data and reference state),
     built on the CPU and then moved to ``device``."""
     if local_samples % microbatch or gradient_local_samples % microbatch:
-        raise ValueError("local_samples and gradient_local_samples must be multiples of microbatch")
+        raise InvalidArgumentError("local_samples and gradient_local_samples must be multiples of microbatch")
     gen_kwargs = dict(noise_dim=8, cond_dim=4, hidden=16, depth=2, frames=4, height=4, width=4)
     gen_kwargs.update(generator_kwargs or {})
     generator = ToyGenerator(dropout=dropout, seed=seed, **gen_kwargs).to(dtype).train()
@@ -99,6 +127,7 @@ def build_toy_problem(
         Shard(torch.randn(local_samples, generator.cond_dim, generator=data, dtype=dtype), seed=seed + 1000 + r)
         for r in range(num_shards)
     ]
+    device = as_device(device)
     for module in (generator, teacher, loss, *encoders.values()):
         if module is not None:
             module.to(device)
@@ -114,7 +143,7 @@ def rollout(problem: ToyReplayProblem, condition: torch.Tensor) -> dict[str, tor
     noise = torch.randn(
         condition.shape[0], problem.generator.noise_dim, dtype=condition.dtype, device=condition.device
     )
-    clip = problem.generator(noise, condition)
+    clip = problem.forward_module(noise, condition)
     return {name: encoder(clip) for name, encoder in problem.encoders.items()}
 
 
@@ -136,10 +165,18 @@ def _microbatches(problem: ToyReplayProblem, shard: Shard):
         yield m, shard.condition[rows], m >= first_selected, ids
 
 
-def plain_step(problem: ToyReplayProblem, shards: list[Shard] | None = None) -> torch.Tensor:
+def plain_step(
+    problem: ToyReplayProblem,
+    shards: list[Shard] | None = None,
+    *,
+    detach_unselected: bool = False,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Plain backprop over all ``shards`` in this process; returns the (detached) loss.
 
-    Every microbatch keeps its graph until the backward, as a direct implementation would.
+    Every microbatch keeps its graph until the backward, as a direct implementation would, unless
+    ``detach_unselected`` (the unselected ones run under ``no_grad``: they enter the loss as
+    values only, so the gradients are the same). The loss is evaluated in the replay cache's dtype.
     """
     shards = problem.shards if shards is None else shards
     started = time.perf_counter()
@@ -148,7 +185,10 @@ def plain_step(problem: ToyReplayProblem, shards: list[Shard] | None = None) -> 
     for shard in shards:
         torch.manual_seed(shard.seed)
         for m, condition, selected, _ in _microbatches(problem, shard):
-            features = rollout(problem, condition)
+            graph = torch.enable_grad() if selected or not detach_unselected else torch.no_grad()
+            with graph, problem.autocast(autocast_dtype):
+                features = rollout(problem, condition)
+            features = {name: value.to(problem.feature_dtype) for name, value in features.items()}
             all_features.append(features)
             if selected:
                 selected_features.append(features)
@@ -175,22 +215,51 @@ def replay_step(
     restore_rng: bool = True,
     offload: bool = False,
     cotangents: str = "fsdp",
+    sync_every_replay: bool = False,
+    autocast_dtype: torch.dtype | None = None,
 ) -> FeatureGradientReplayResult:
-    """One replay step on ``shard`` (this rank's data); gradients accumulate into the generator."""
+    """One replay step on ``shard`` (this rank's data); gradients accumulate into the generator.
+
+    Each replay runs inside ``gradient_sync(problem.forward_module, enabled=<last replay>)`` (or
+    enabled for every replay with ``sync_every_replay``, the way to compare).
+    """
     shard = problem.shards[0] if shard is None else shard
     cache = FeatureGradientReplay(
         problem.loss,
         target_local_samples=problem.local_samples,
         gradient_local_samples=problem.gradient_local_samples,
         loss_scale=problem.loss_scale,
-        feature_dtype=torch.float64 if problem.dtype == torch.float64 else torch.float32,
+        feature_dtype=problem.feature_dtype,
     )
     started = time.perf_counter()
+    replays = _collect(problem, shard, cache, autocast_dtype)
+    collected = time.perf_counter()
+    result = cache.finalize()
+    if offload:
+        result = cache.offload_finalized_to_cpu()
+    finalized = time.perf_counter()
+    chosen = result.fsdp_cotangents if cotangents == "fsdp" else result.local_cotangents
+    for i, ((condition, rng), cotangent) in enumerate(zip(replays, chosen)):
+        last = i == len(replays) - 1
+        with gradient_sync(problem.forward_module, enabled=last or sync_every_replay):
+            with rng.replay() if restore_rng else contextlib.nullcontext(), problem.autocast(autocast_dtype):
+                features = rollout(problem, condition)
+                replay_backward(features, cotangent)
+    cache.commit()
+    problem.timings.update(
+        collect_s=collected - started, finalize_s=finalized - collected, replay_s=time.perf_counter() - finalized
+    )
+    return result
+
+
+def _collect(problem: ToyReplayProblem, shard: Shard, cache: FeatureGradientReplay, autocast_dtype):
+    """Run every microbatch of ``shard`` without a graph into ``cache``; returns the selected ones'
+    ``(condition, captured RNG)`` for the replay."""
     torch.manual_seed(shard.seed)
     replays = []
     for m, condition, selected, ids in _microbatches(problem, shard):
         rng = ReplayRNG.capture() if selected else None
-        with torch.no_grad():
+        with torch.no_grad(), problem.autocast(autocast_dtype):
             features = rollout(problem, condition)
         teacher = teacher_features(problem, condition) if selected and problem.teacher is not None else None
         cache.add(
@@ -202,24 +271,7 @@ def replay_step(
         )
         if selected:
             replays.append((condition, rng))
-    collected = time.perf_counter()
-    result = cache.finalize()
-    if offload:
-        result = cache.offload_finalized_to_cpu()
-    finalized = time.perf_counter()
-    chosen = result.fsdp_cotangents if cotangents == "fsdp" else result.local_cotangents
-    for (condition, rng), cotangent in zip(replays, chosen):
-        if restore_rng:
-            with rng.replay():
-                features = rollout(problem, condition)
-        else:
-            features = rollout(problem, condition)
-        replay_backward(features, cotangent)
-    cache.commit()
-    problem.timings.update(
-        collect_s=collected - started, finalize_s=finalized - collected, replay_s=time.perf_counter() - finalized
-    )
-    return result
+    return replays
 
 
 def generator_gradients(problem: ToyReplayProblem) -> dict[str, torch.Tensor]:

@@ -34,10 +34,14 @@ changes the module's state, so evaluating it twice on the same input gives the s
 """
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+
+from ..errors import InvalidArgumentError, ReplayError
 
 EMBEDDINGS = ("mean", "flatten")
 MODES = ("exact", "nystrom")
@@ -98,39 +102,39 @@ class MultiEncoderMMD(nn.Module):
     ):
         super().__init__()
         if not isinstance(sample_shapes, Mapping) or not sample_shapes:
-            raise ValueError(f"sample_shapes must be a non-empty mapping name -> (N, D), got {sample_shapes!r}")
+            raise InvalidArgumentError(f"sample_shapes must be a non-empty mapping name -> (N, D), got {sample_shapes!r}")
         shapes = {}
         for name, shape in sample_shapes.items():
             shape = tuple(int(v) for v in shape)
             if len(shape) != 2 or min(shape) <= 0:
-                raise ValueError(f"sample_shapes[{name!r}] must be a positive (N, D), got {shape}")
+                raise InvalidArgumentError(f"sample_shapes[{name!r}] must be a positive (N, D), got {shape}")
             shapes[str(name)] = shape
         self.branch_names: tuple[str, ...] = tuple(shapes)
         self.sample_shapes: dict[str, tuple[int, int]] = shapes
         weights = dict(weights or {})
         unknown = set(weights) - set(shapes)
         if unknown:
-            raise ValueError(f"weights name unknown branches {sorted(unknown)}; branches are {self.branch_names}")
+            raise InvalidArgumentError(f"weights name unknown branches {sorted(unknown)}; branches are {self.branch_names}")
         self.weights = {name: float(weights.get(name, 1.0)) for name in self.branch_names}
         how = embedding if isinstance(embedding, Mapping) else {name: embedding for name in self.branch_names}
         if set(how) != set(shapes) or any(v not in EMBEDDINGS for v in how.values()):
-            raise ValueError(f"embedding must be one of {EMBEDDINGS} or a mapping of them per branch, got {embedding!r}")
+            raise InvalidArgumentError(f"embedding must be one of {EMBEDDINGS} or a mapping of them per branch, got {embedding!r}")
         self.embedding = {name: how[name] for name in self.branch_names}
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         if int(num_landmarks) < 2:
-            raise ValueError(f"num_landmarks must be >= 2, got {num_landmarks}")
+            raise InvalidArgumentError(f"num_landmarks must be >= 2, got {num_landmarks}")
         self.num_landmarks = int(num_landmarks)
         if not 0.0 <= float(ema_decay) < 1.0:
-            raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
+            raise InvalidArgumentError(f"ema_decay must be in [0, 1), got {ema_decay}")
         self.ema_decay = float(ema_decay)
         ladder = [float(s) for s in bandwidth_ladder]
         if not ladder or min(ladder) <= 0:
-            raise ValueError(f"bandwidth_ladder must be positive multipliers, got {bandwidth_ladder!r}")
+            raise InvalidArgumentError(f"bandwidth_ladder must be positive multipliers, got {bandwidth_ladder!r}")
         self.register_buffer("bandwidth_ladder", torch.tensor(ladder, dtype=torch.float64))
         if float(teacher_attraction_weight) < 0:
-            raise ValueError(f"teacher_attraction_weight must be >= 0, got {teacher_attraction_weight}")
+            raise InvalidArgumentError(f"teacher_attraction_weight must be >= 0, got {teacher_attraction_weight}")
         self.teacher_attraction_weight = float(teacher_attraction_weight)
         self.current_teacher_attraction_enabled = self.teacher_attraction_weight > 0
         self.landmark_seed = int(landmark_seed)
@@ -169,17 +173,17 @@ class MultiEncoderMMD(nn.Module):
     def _check_branches(self, features, label: str, rows: int | None = None) -> None:
         if not isinstance(features, Mapping) or set(features) != set(self.branch_names):
             got = sorted(features) if isinstance(features, Mapping) else type(features).__name__
-            raise ValueError(f"{label} must map exactly the branches {self.branch_names}, got {got}")
+            raise InvalidArgumentError(f"{label} must map exactly the branches {self.branch_names}, got {got}")
         for name in self.branch_names:
             value = features[name]
             if not isinstance(value, torch.Tensor) or value.ndim != 3 or not value.is_floating_point():
-                raise ValueError(f"{label}[{name!r}] must be a floating [B, N, D] tensor")
+                raise InvalidArgumentError(f"{label}[{name!r}] must be a floating [B, N, D] tensor")
             if tuple(value.shape[1:]) != self.sample_shapes[name]:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{label}[{name!r}] geometry {tuple(value.shape[1:])} != expected {self.sample_shapes[name]}"
                 )
             if rows is not None and value.shape[0] != rows:
-                raise ValueError(f"{label}[{name!r}] has {value.shape[0]} rows, expected {rows}")
+                raise InvalidArgumentError(f"{label}[{name!r}] has {value.shape[0]} rows, expected {rows}")
 
     def _feature_map(self, embedded: torch.Tensor, name: str) -> torch.Tensor:
         landmarks = self._state("landmarks", name).to(embedded.dtype)
@@ -199,7 +203,7 @@ class MultiEncoderMMD(nn.Module):
         for name in self.branch_names:
             embedded = _embed(reference_features[name].detach(), self.embedding[name])
             if embedded.shape[0] < 2:
-                raise ValueError(f"reference_features[{name!r}] needs at least 2 rows, got {embedded.shape[0]}")
+                raise InvalidArgumentError(f"reference_features[{name!r}] needs at least 2 rows, got {embedded.shape[0]}")
             if self.mode == "exact":
                 self._set_state("reference", name, embedded.clone())
                 continue
@@ -250,70 +254,86 @@ class MultiEncoderMMD(nn.Module):
             ``(loss, metadata)``; metadata has ``mmd2/<branch>``, ``bandwidth/<branch>``,
             ``attraction/<branch>`` (attraction on), ``loss/<branch>`` (weighted term), ``mmd2``.
         """
+        index = self._check_forward(gradient_students, student_reference, current_teacher, gradient_student_indices)
+        metadata: dict[str, torch.Tensor] = {}
+        terms, mmds = [], []
+        for name in self.branch_names:
+            differentiable = gradient_students[name]
+            x = self._students(name, differentiable, student_reference[name], index)
+            mmd2, bandwidth = self._exact_mmd2(name, x) if self.mode == "exact" else self._nystrom_mmd2(name, x)
+            metadata[f"mmd2/{name}"] = mmd2.detach()
+            metadata[f"bandwidth/{name}"] = bandwidth.detach()
+            term = mmd2
+            if self.current_teacher_attraction_enabled:
+                attraction = self._attraction(name, differentiable, current_teacher[name])
+                metadata[f"attraction/{name}"] = attraction.detach()
+                term = term + self.teacher_attraction_weight * attraction
+            terms.append(self.weights[name] * term)
+            metadata[f"loss/{name}"] = terms[-1].detach()
+            mmds.append(mmd2.detach())
+        metadata["mmd2"] = functools.reduce(operator.add, mmds)
+        return functools.reduce(operator.add, terms), metadata
+
+    def _check_forward(self, gradient_students, student_reference, current_teacher, index) -> torch.Tensor:
+        """Validate ``forward``'s arguments; returns the index tensor."""
         self._check_branches(student_reference, "student_reference")
         total_rows = student_reference[self.branch_names[0]].shape[0]
         self._check_branches(student_reference, "student_reference", rows=total_rows)
         if total_rows < 2:
-            raise ValueError(f"student_reference needs at least 2 rows, got {total_rows}")
-        index = gradient_student_indices
+            raise InvalidArgumentError(f"student_reference needs at least 2 rows, got {total_rows}")
         if not isinstance(index, torch.Tensor) or index.ndim != 1 or index.dtype != torch.long:
-            raise ValueError("gradient_student_indices must be a 1-D int64 tensor")
+            raise InvalidArgumentError("gradient_student_indices must be a 1-D int64 tensor")
         self._check_branches(gradient_students, "gradient_students", rows=index.numel())
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= total_rows):
-            raise ValueError(f"gradient_student_indices must lie in [0, {total_rows}), got {index.tolist()}")
+        if index.numel():
+            low, high = torch.stack(torch.aminmax(index)).tolist()
+            if low < 0 or high >= total_rows:
+                raise InvalidArgumentError(f"gradient_student_indices must lie in [0, {total_rows}), got {index.tolist()}")
         if index.unique().numel() != index.numel():
-            raise ValueError("gradient_student_indices must be distinct")
+            raise InvalidArgumentError("gradient_student_indices must be distinct")
         if self.current_teacher_attraction_enabled:
             if current_teacher is None:
-                raise ValueError("current_teacher is required while current-teacher attraction is enabled")
+                raise InvalidArgumentError("current_teacher is required while current-teacher attraction is enabled")
             self._check_branches(current_teacher, "current_teacher", rows=index.numel())
         elif current_teacher is not None:
-            raise ValueError("current_teacher was given while current-teacher attraction is disabled")
+            raise InvalidArgumentError("current_teacher was given while current-teacher attraction is disabled")
+        return index
 
-        metadata: dict[str, torch.Tensor] = {}
-        loss = None
-        mmd_total = None
-        for name in self.branch_names:
-            how = self.embedding[name]
-            differentiable = gradient_students[name]
-            students = student_reference[name].detach().to(differentiable.dtype)
-            students = students.index_copy(0, index.to(students.device), differentiable)
-            x = _embed(students, how)
-            ladder = self.bandwidth_ladder.to(x.dtype)
-            if self.mode == "exact":
-                reference = self._state("reference", name)
-                if reference is None:
-                    raise RuntimeError("call update_reference(...) before evaluating the loss")
-                y = reference.to(device=x.device, dtype=x.dtype)
-                pooled = torch.cat([x.detach(), y])
-                bandwidth = _median_offdiagonal(_squared_distances(pooled, pooled))
-                mmd2 = (
-                    _offdiagonal_mean(_mixed_rbf(_squared_distances(x, x), bandwidth, ladder))
-                    + _offdiagonal_mean(_mixed_rbf(_squared_distances(y, y), bandwidth, ladder))
-                    - 2.0 * _mixed_rbf(_squared_distances(x, y), bandwidth, ladder).mean()
-                )
-            else:
-                summary = self._state("summary", name)
-                if summary is None:
-                    raise RuntimeError("call update_reference(...) before evaluating the loss")
-                mu = summary.to(device=x.device, dtype=x.dtype)
-                bandwidth = self._state("bandwidth", name).to(x.dtype)
-                phi = self._feature_map(x, name)
-                total = phi.sum(0)
-                rows = phi.shape[0]
-                xx = (total.dot(total) - (phi * phi).sum()) / (rows * (rows - 1))
-                mmd2 = xx - 2.0 * phi.mean(0).dot(mu) + mu.dot(mu)
-            term = mmd2
-            metadata[f"mmd2/{name}"] = mmd2.detach()
-            metadata[f"bandwidth/{name}"] = bandwidth.detach()
-            if self.current_teacher_attraction_enabled:
-                teacher = _embed(current_teacher[name].detach().to(x.dtype), how)
-                attraction = (_embed(differentiable, how) - teacher).pow(2).sum(1).mean()
-                metadata[f"attraction/{name}"] = attraction.detach()
-                term = term + self.teacher_attraction_weight * attraction
-            weighted = self.weights[name] * term
-            metadata[f"loss/{name}"] = weighted.detach()
-            loss = weighted if loss is None else loss + weighted
-            mmd_total = mmd2.detach() if mmd_total is None else mmd_total + mmd2.detach()
-        metadata["mmd2"] = mmd_total
-        return loss, metadata
+    def _students(self, name: str, differentiable, reference, index) -> torch.Tensor:
+        """Embedded students ``X``: all rows' values, with the indexed rows carrying the graph."""
+        students = reference.detach().to(differentiable.dtype)
+        students = students.index_copy(0, index.to(students.device), differentiable)
+        return _embed(students, self.embedding[name])
+
+    def _exact_mmd2(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unbiased MMD² against the current reference batch; bandwidth from the pooled median."""
+        reference = self._state("reference", name)
+        if reference is None:
+            raise ReplayError("call update_reference(...) before evaluating the loss")
+        y = reference.to(device=x.device, dtype=x.dtype)
+        ladder = self.bandwidth_ladder.to(x.dtype)
+        pooled = torch.cat([x.detach(), y])
+        bandwidth = _median_offdiagonal(_squared_distances(pooled, pooled))
+        mmd2 = (
+            _offdiagonal_mean(_mixed_rbf(_squared_distances(x, x), bandwidth, ladder))
+            + _offdiagonal_mean(_mixed_rbf(_squared_distances(y, y), bandwidth, ladder))
+            - 2.0 * _mixed_rbf(_squared_distances(x, y), bandwidth, ladder).mean()
+        )
+        return mmd2, bandwidth
+
+    def _nystrom_mmd2(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MMD² of the students' Nyström features against the persistent summary ``mu``."""
+        summary = self._state("summary", name)
+        if summary is None:
+            raise ReplayError("call update_reference(...) before evaluating the loss")
+        mu = summary.to(device=x.device, dtype=x.dtype)
+        phi = self._feature_map(x, name)
+        total, rows = phi.sum(0), phi.shape[0]
+        xx = (total.dot(total) - (phi * phi).sum()) / (rows * (rows - 1))
+        mmd2 = xx - 2.0 * phi.mean(0).dot(mu) + mu.dot(mu)
+        return mmd2, self._state("bandwidth", name).to(x.dtype)
+
+    def _attraction(self, name: str, differentiable, teacher) -> torch.Tensor:
+        """Mean squared distance between each differentiated student's embedding and its teacher's."""
+        how = self.embedding[name]
+        target = _embed(teacher.detach().to(differentiable.dtype), how)
+        return (_embed(differentiable, how) - target).pow(2).sum(1).mean()

@@ -17,6 +17,9 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from ..devices import as_device
+from ..errors import ArgumentTypeError, InvalidArgumentError
+
 
 class ReplayRNG:
     """The CPU random state and that of every used CUDA device, captured at collection time.
@@ -38,7 +41,7 @@ class ReplayRNG:
         else:
             indices = []
             for device in devices:
-                device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+                device = as_device(device, name="devices[...]")
                 if device.type != "cuda":
                     continue  # the CPU state is always captured
                 indices.append(device.index if device.index is not None else torch.cuda.current_device())
@@ -68,26 +71,31 @@ def replay_backward(features: Mapping[str, torch.Tensor], cotangents: Mapping[st
     ``features[name]``: the replayed forward's output with its graph; ``cotangents[name]``: the
     matching ``dL/d feature`` from :class:`FeatureGradientReplayResult` (``fsdp_cotangents`` under
     FSDP/DDP averaging, ``local_cotangents`` otherwise), on any device -- it is moved to the
-    feature's device and dtype. Parameter gradients accumulate into ``.grad`` as usual.
+    feature's device and dtype. Parameter gradients accumulate into ``.grad`` as usual. Works
+    inside ``torch.autocast`` (the replayed forward's features may be half precision; the
+    cotangents come in the dtype the features were collected in).
+
+    Under DDP/FSDP wrap the replayed forward and this call in
+    :func:`~latentfast.replay.gradient_sync` so the gradients are reduced once per step.
     """
     if not isinstance(features, Mapping) or not isinstance(cotangents, Mapping):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"features and cotangents must be mappings, got {type(features).__name__} and {type(cotangents).__name__}"
         )
     if set(features) != set(cotangents):
-        raise ValueError(f"features keys {sorted(features)} differ from cotangents keys {sorted(cotangents)}")
+        raise InvalidArgumentError(f"features keys {sorted(features)} differ from cotangents keys {sorted(cotangents)}")
     outputs, grads = [], []
     for name, feature in features.items():
         cotangent = cotangents[name]
         if not isinstance(feature, torch.Tensor) or not isinstance(cotangent, torch.Tensor):
-            raise TypeError(f"features[{name!r}] and cotangents[{name!r}] must be tensors")
+            raise ArgumentTypeError(f"features[{name!r}] and cotangents[{name!r}] must be tensors")
         if feature.shape != cotangent.shape:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"features[{name!r}] has shape {tuple(feature.shape)} but its cotangent has {tuple(cotangent.shape)}:"
                 " the replayed microbatch differs from the collected one"
             )
         if not feature.requires_grad:
-            raise ValueError(f"features[{name!r}] has no graph: replay the forward with gradients enabled")
+            raise InvalidArgumentError(f"features[{name!r}] has no graph: replay the forward with gradients enabled")
         outputs.append(feature)
         grads.append(cotangent.to(device=feature.device, dtype=feature.dtype, non_blocking=True))
     torch.autograd.backward(outputs, grads)
@@ -111,5 +119,5 @@ def selection_correction_factor(global_samples, gradient_global_samples: int | N
         global_samples, gradient_global_samples = result.global_samples, result.gradient_global_samples
     big, small = int(global_samples), int(gradient_global_samples)
     if not 0 < small <= big:
-        raise ValueError(f"need 0 < gradient_global_samples <= global_samples, got b={small}, B={big}")
+        raise InvalidArgumentError(f"need 0 < gradient_global_samples <= global_samples, got b={small}, B={big}")
     return big / small

@@ -1,60 +1,26 @@
-"""Run the balanced encode step in a real spawned gloo group (demo, benchmark and tests share this).
+"""The balanced encode step in a real spawned gloo group (the demo and the benchmark share it).
 
-:func:`spawn_gloo` starts ``world_size`` processes in a fresh gloo group (rendezvous through a
-FileStore in a temporary folder) and returns what each rank's function returned.
 :func:`demo_balanced_encode` runs a skewed step: rank 0 holds several multiview uint8 clips, the
 other ranks little or nothing; every rank encodes its items locally (unbalanced) and balanced,
-checks the balanced latents equal the local ones bit for bit, and reports the wall clock of both.
+compares the two bit for bit, and reports the wall clock of both plus per-item checksums of the
+balanced latents (so a caller can check them against its own encoding).
+
+Import it from here (``latentfast.vision.demo``): ``import latentfast.vision`` does not load it,
+the toy models or ``torch.multiprocessing``.
 """
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
 import statistics
-import tempfile
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ..testing import spawn_gloo
 from ..toy import ToyVAE
 from .cost import EncodeCostModel
+from .balance import measure_link_bandwidth
 from .encoder import BalanceGroup, VisionEncoder
-
-
-def _spawned_rank(rank: int, world_size: int, folder: str, timeout_s: float, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)  # one core per rank: the ranks stand for separate machines
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(folder, 'store')}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    try:
-        result = fn(rank, world_size, *args)
-    except BaseException as exc:
-        result = exc
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(folder, f"result{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def spawn_gloo(fn: Callable, world_size: int, *args, timeout_s: float = 60.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on every rank of a new gloo group; return the results
-    in rank order. An exception raised on a rank is returned (not raised) as that rank's result.
-    ``fn`` must be importable by name (module level); ``timeout_s`` is the group's timeout."""
-    with tempfile.TemporaryDirectory(prefix="latentfast_gloo_") as folder:
-        mp.start_processes(_spawned_rank, args=(world_size, folder, timeout_s, fn, args), nprocs=world_size, start_method="spawn")
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(folder, f"result{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-    return results
 
 
 def skewed_items(rank: int, world_size: int, *, views: int, frames: int, size: int, heavy_items: int, seed: int = 0):
@@ -69,6 +35,11 @@ def skewed_items(rank: int, world_size: int, *, views: int, frames: int, size: i
     return [], [], []
 
 
+def checksums(latents: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """``(sum, sum of squares)`` of every latent, in float64."""
+    return [(float(t.double().sum()), float(t.double().square().sum())) for t in latents]
+
+
 def _skewed_step(rank: int, world_size: int, config: dict) -> dict:
     vae = ToyVAE(hidden=config["hidden"])
 
@@ -78,9 +49,8 @@ def _skewed_step(rank: int, world_size: int, config: dict) -> dict:
         return vae.encode_video(clip)
 
     costs = EncodeCostModel.measure(encode, [(config["frames"], config["size"], config["size"])], repeats=3)
-    encoder = VisionEncoder(
-        tokenizer=costs, parallel_dims=BalanceGroup(), encode_fn=encode, fp32_kwargs={"device": "cpu", "dtype": torch.float32}
-    )
+    link = measure_link_bandwidth(nbytes=1 << 20, repeats=3) if config["transfer_aware"] else None
+    encoder = VisionEncoder(cost_model=costs, parallel_dims=BalanceGroup(), encode_fn=encode, device="cpu", link_bandwidth=link)
     items, views, frames = skewed_items(
         rank, world_size, views=config["views"], frames=config["frames"], size=config["size"], heavy_items=config["heavy_items"]
     )
@@ -94,21 +64,23 @@ def _skewed_step(rank: int, world_size: int, config: dict) -> dict:
         dist.barrier()  # the step ends when the slowest rank is done
         return time.perf_counter() - start, out
 
-    local_times, balanced_times = [], []
+    local_times, balanced_times, equal = [], [], True
     for _ in range(config["repeats"]):
         seconds, local = timed(lambda: encoder.encode_local(items, views, frames))
         local_times.append(seconds)
         seconds, balanced = timed(lambda: encoder.encode_balanced(items, views, frames))
         balanced_times.append(seconds)
-        if len(local) != len(balanced) or not all(torch.equal(a, b) for a, b in zip(local, balanced)):
-            raise AssertionError(f"rank {rank}: balanced latents differ from local encoding")
+        equal = equal and len(local) == len(balanced) and all(torch.equal(a, b) for a, b in zip(local, balanced))
     plan = encoder.last_plan
     return {
         "rank": rank,
         "items": len(items),
-        "planned_speedup": plan.home_makespan / plan.makespan,
+        "equal_to_local": equal,
+        "checksums": checksums(balanced),
+        "planned_speedup": plan.home_makespan / plan.step_seconds,
         "moved_units": plan.moved_units,
         "moved_bytes": plan.moved_bytes,
+        "link_bandwidth": link,
         "unbalanced_s": statistics.median(local_times),
         "balanced_s": statistics.median(balanced_times),
     }
@@ -123,19 +95,23 @@ def demo_balanced_encode(
     heavy_items: int = 3,
     hidden: int = 16,
     device_seconds: float = 0.02,
+    transfer_aware: bool = False,
     repeats: int = 3,
     timeout_s: float = 60.0,
 ) -> dict:
     """Spawn a ``world_size`` gloo group, encode a skewed step unbalanced and balanced with the toy
-    VAE, check the balanced latents equal local encoding, and return the timings (medians over
-    ``repeats``, measured on rank 0 between barriers), the speedup, and the plan's predicted one.
+    VAE, and return the timings (medians over ``repeats``, measured on rank 0 between barriers),
+    the speedup, the plan's predicted one, whether every rank's balanced latents equal its local
+    encoding bit for bit (``equal_to_local``), and every rank's latent checksums.
 
     ``hidden`` sizes the toy VAE's compute (one core per rank). ``device_seconds`` adds that much
     idle wait to every encode call, standing in for a GPU encode during which the host CPU is
-    free: then the step's time does not depend on how many CPU cores other work leaves free."""
+    free: then the step's time does not depend on how many CPU cores other work leaves free.
+    ``transfer_aware`` measures the link between the ranks and plans with the transfers counted."""
     config = dict(
-        views=views, frames=frames, size=size, heavy_items=heavy_items, hidden=hidden, device_seconds=device_seconds, repeats=repeats
-    )
+        views=views, frames=frames, size=size, heavy_items=heavy_items, hidden=hidden, device_seconds=device_seconds,
+        transfer_aware=transfer_aware, repeats=repeats,
+    )  # fmt: skip
     results = spawn_gloo(_skewed_step, world_size, config, timeout_s=timeout_s)
     for result in results:
         if isinstance(result, BaseException):
@@ -145,11 +121,13 @@ def demo_balanced_encode(
         "world_size": world_size,
         "config": config,
         "items_per_rank": [r["items"] for r in results],
-        "equal_to_local": True,
+        "equal_to_local": all(r["equal_to_local"] for r in results),
+        "checksums_per_rank": [r["checksums"] for r in results],
         "unbalanced_s": unbalanced,
         "balanced_s": balanced,
         "speedup": unbalanced / balanced,
         "planned_speedup": results[0]["planned_speedup"],
         "moved_units": results[0]["moved_units"],
         "moved_bytes": results[0]["moved_bytes"],
+        "link_bandwidth": results[0]["link_bandwidth"],
     }

@@ -1,8 +1,8 @@
 """A step's vision items -> one latent per item, locally or with the encode work balanced across ranks.
 
-:class:`VisionEncoder` is a small object over four injected collaborators (a cost source, the
-balancing group, the encode function, the normalize dtype/device), so it can be built and
-exercised without a real model or config.
+:class:`VisionEncoder` is a small object over injected collaborators (a cost model, the balancing
+group, the encode function, the normalize device/dtype), so it can be built and exercised without
+a real model or config.
 """
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..devices import as_device
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from .balance import offload_encode
-from .plan import Plan
-from .units import build_units, check_item_layout, normalize_uint8_item, regroup_latents, validate_multiview_length
+from .plan import Plan, as_bandwidth
+from .units import VisionEncodeUnit, build_units, check_item_layout, check_item_lists, item_views, normalize_uint8_item, regroup_latents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,39 +48,74 @@ class BalanceGroup:
         return dist.get_world_size(self.group)
 
 
+_UNSET = object()
+
+
+def _resolve_aliases(cost_model, tokenizer, device, dtype, fp32_kwargs) -> tuple[Any, torch.device, torch.dtype]:
+    """The clean keywords, or the specification's ``tokenizer=`` / ``fp32_kwargs=`` aliases (not both)."""
+    if tokenizer is not _UNSET:
+        if cost_model is not _UNSET:
+            raise InvalidArgumentError("pass cost_model= or its alias tokenizer=, not both")
+        cost_model = tokenizer
+    if fp32_kwargs is not None:
+        if not isinstance(fp32_kwargs, dict) or set(fp32_kwargs) - {"device", "dtype"}:
+            raise InvalidArgumentError(f"fp32_kwargs must be a dict with 'device' and optionally 'dtype', got {fp32_kwargs!r}")
+        if device is not None or dtype is not None:
+            raise InvalidArgumentError("pass device=/dtype= or their alias fp32_kwargs=, not both")
+        device, dtype = fp32_kwargs.get("device"), fp32_kwargs.get("dtype")
+    if device is None:
+        raise InvalidArgumentError("device is required (where normalized views and received units live), e.g. device='cuda'")
+    dtype = torch.float32 if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ArgumentTypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return (None if cost_model is _UNSET else cost_model), as_device(device), dtype
+
+
 class VisionEncoder:
     """Encodes a step's vision items, optionally balancing the encode calls across the ``lb`` group.
 
     Args:
-        tokenizer: the cost source, read for ``encode_seconds_benchmarked`` and
-            ``predicted_encode_seconds(t, h, w)`` (an :class:`EncodeCostModel` has both). ``None``
-            or an object without them makes balancing unavailable.
+        cost_model: the cost source, read for ``encode_seconds_benchmarked`` and
+            ``predicted_encode_seconds(t, h, w)`` (an :class:`EncodeCostModel` has both, and
+            ``predicted_latent_bytes`` for transfer-aware plans). ``None`` or an object without
+            them makes balancing unavailable. Alias: ``tokenizer=`` (the specification's name).
         parallel_dims: the balancing group (``lb_enabled``, ``lb_rank``, ``lb_size`` and
             ``lb_group`` or ``lb_mesh.get_group()``), e.g. :class:`BalanceGroup`; ``None`` = none.
         encode_fn: encodes one prepared tensor. Stored as the public attribute ``encode_fn`` and
             looked up on every call (late-bound): a timer wrapped around it later, or a caller
             passing ``lambda x: model.encode(x)`` and timing ``model.encode``, sees every call.
-        fp32_kwargs: ``{"device": ..., "dtype": ...}`` for normalized views and received units.
-            Taken from config rather than a tensor: a rank may have no items on a step and must
-            still join the group's collectives.
+        device: where normalized views and received units live (``"cuda"`` = the current CUDA
+            device). Taken from config rather than a tensor: a rank may have no items on a step
+            and must still join the group's collectives.
+        dtype: the normalized views' dtype (default float32).
+        link_bandwidth: bytes per second of each rank's link, the same on every rank (e.g. from
+            :func:`~latentfast.vision.balance.measure_link_bandwidth`). When given, the plan
+            counts the transfers (pixels out, latents back) and minimizes the predicted step time.
+        fp32_kwargs: alias of ``device=`` / ``dtype=`` (the specification's ``{"device": ..., "dtype": ...}``).
     """
 
     def __init__(
         self,
         *,
-        tokenizer: Any,
-        parallel_dims: Any,
+        cost_model: Any = _UNSET,
+        parallel_dims: Any = None,
         encode_fn: Callable[[torch.Tensor], torch.Tensor],
-        fp32_kwargs: dict[str, Any],
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        link_bandwidth: float | None = None,
+        tokenizer: Any = _UNSET,
+        fp32_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if "device" not in fp32_kwargs:
-            raise ValueError(f"fp32_kwargs must name a device, got {fp32_kwargs}")
-        self.tokenizer = tokenizer
+        self.cost_model, self.device, self.dtype = _resolve_aliases(cost_model, tokenizer, device, dtype, fp32_kwargs)
         self.parallel_dims = parallel_dims
         self.encode_fn = encode_fn
-        self.device = torch.device(fp32_kwargs["device"])
-        self.dtype = fp32_kwargs.get("dtype", torch.float32)
-        self.last_plan: Plan | None = None  # the plan of the latest balanced step (makespan, bytes moved)
+        self.link_bandwidth = as_bandwidth(link_bandwidth, "link_bandwidth")
+        self.last_plan: Plan | None = None  # the plan of the latest balanced step (step time, bytes moved)
+
+    @property
+    def tokenizer(self) -> Any:
+        """Alias of :attr:`cost_model` (the specification's name)."""
+        return self.cost_model
 
     def balancing_available(self) -> bool:
         """Whether this step may balance encode across the group.
@@ -90,7 +127,7 @@ class VisionEncoder:
         return bool(
             self.parallel_dims is not None
             and self.parallel_dims.lb_enabled
-            and getattr(self.tokenizer, "encode_seconds_benchmarked", False)
+            and getattr(self.cost_model, "encode_seconds_benchmarked", False)
         )
 
     def _encode_prepared(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -101,11 +138,9 @@ class VisionEncoder:
         """Encode one item here. A multiview item is normalized and encoded one view at a time
         (peak memory: one normalized view) and its latents concatenated camera-major on T."""
         check_item_layout(item)
+        num_views, frames_per_view = item_views(item, num_views, frames_per_view)
         if frames_per_view is None:
-            if num_views != 1:
-                raise ValueError(f"frames_per_view is required when num_views is greater than one, got num_views={num_views}")
             return self._encode_prepared(item)
-        validate_multiview_length(item, num_views=num_views, frames_per_view=frames_per_view)
         item = item.to(self.device)
         time_axis = item.ndim - 3
         latents = [
@@ -118,16 +153,23 @@ class VisionEncoder:
         self, items: Sequence[torch.Tensor], num_views_per_item: Sequence[int], frames_per_item: Sequence[int | None]
     ) -> list[torch.Tensor]:
         """Encode every item on this rank (the reference the balanced path must equal)."""
-        if not (len(items) == len(num_views_per_item) == len(frames_per_item)):
-            raise ValueError(
-                "items, num_views_per_item and frames_per_item must have the same length, got "
-                f"{len(items)}, {len(num_views_per_item)} and {len(frames_per_item)}"
-            )
+        check_item_lists(items, num_views_per_item, frames_per_item)
         return [self.encode_item(x, v, f) for x, v, f in zip(items, num_views_per_item, frames_per_item)]
 
     def _lb_group(self):
         mesh = getattr(self.parallel_dims, "lb_mesh", None)
         return mesh.get_group() if mesh is not None else self.parallel_dims.lb_group
+
+    def _unit_costs(self, units: list[VisionEncodeUnit]) -> tuple[list[float], list[int] | None]:
+        """Predicted seconds of every unit and, for transfer-aware plans, its latent's bytes."""
+        seconds, latent = [], []
+        for unit in units:
+            t = unit.tensor
+            clips = t.shape[0] if t.ndim == 5 else 1
+            seconds.append(self.cost_model.predicted_encode_seconds(*t.shape[-3:]) * clips)
+            size = getattr(self.cost_model, "predicted_latent_bytes", lambda *_: None)(*t.shape[-3:])
+            latent.append(0 if size is None else size * clips)
+        return seconds, (latent if self.link_bandwidth is not None else None)
 
     def encode_balanced(
         self, items: Sequence[torch.Tensor], num_views_per_item: Sequence[int], frames_per_item: Sequence[int | None]
@@ -135,27 +177,25 @@ class VisionEncoder:
         """Encode every item with the encode calls spread across the group; same result as
         :meth:`encode_local`. Enters collectives unconditionally: call it on every rank of the
         group, after :meth:`balancing_available` said yes."""
-        units, tensors, seconds, failure = [], [], [], None
+        units, seconds, latent, failure = [], [], None, None
         try:
             units = build_units(items, num_views_per_item, frames_per_item, dtype=self.dtype, device=self.device)
-            tensors = [unit.tensor for unit in units]
-            seconds = [
-                self.tokenizer.predicted_encode_seconds(*t.shape[-3:]) * (t.shape[0] if t.ndim == 5 else 1)
-                for t in tensors
-            ]
+            seconds, latent = self._unit_costs(units)
         except Exception as exc:  # noqa: BLE001
             # Still enter the collectives, carrying the error: peers raise naming this rank
             # instead of waiting for it.
-            units, tensors, seconds, failure = [], [], [], exc
+            units, seconds, latent, failure = [], [], None, exc
         try:
             latents, self.last_plan = offload_encode(
-                tensors,
+                [unit.tensor for unit in units],
                 seconds,
                 self._encode_prepared,
                 group=self._lb_group(),
                 group_rank=self.parallel_dims.lb_rank,
                 group_size=self.parallel_dims.lb_size,
                 device=self.device,
+                bandwidth=self.link_bandwidth,
+                local_latent_bytes=latent,
                 return_plan=True,
                 failure=failure,
             )

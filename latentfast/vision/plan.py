@@ -1,27 +1,58 @@
-"""Which rank encodes which unit: a deterministic makespan planner (every rank computes the same plan).
+"""Which rank encodes which unit: a deterministic planner for the step's encode time.
 
-Costs are quantized to integer nanoseconds before planning, so every comparison and sum is exact:
-the plan depends only on the gathered inputs, never on floating-point summation order, and
-equal loads really compare equal (identical shapes have identical predicted costs).
+Every rank computes the same plan from the same gathered numbers. Costs are quantized to integer
+nanoseconds first, so every sum and comparison is exact and a plan never depends on summation
+order; a step whose total predicted time does not fit that grid (over ~146 years) is refused.
 
-Algorithm: longest-processing-time first (LPT), then a local search that repeatedly relieves the
-most loaded rank by the best single move or pairwise swap with another rank, until no move or
-swap lowers it or the makespan is within ``PLAN_TOLERANCE`` of the lower bound. The resulting groups of units are then matched to ranks so as many bytes as
-possible stay home, and units that can go home without raising the makespan go home. If the
-result is not strictly better than not balancing at all, nothing moves.
+Every moved unit costs network traffic (pixels out, latents back), so the plan starts from
+"everything at home" and moves only what lowers the most loaded rank:
+
+1. **Coarse moves: the public anchor's.** The move-once heuristic of cosmos-framework's
+   ``plan_rebalance`` (``vae_load_balance.py``, re-implemented here on the quantized costs):
+   from the most to the least loaded rank, the unit whose cost is nearest half their gap, each
+   unit at most once. Every later step only lowers the step time, so no plan is ever worse than
+   the anchor's.
+2. **Local search to the goal** (the lower bound plus ``PLAN_TOLERANCE``): the most loaded rank
+   is relieved by a single move, else a pairwise swap with one of the least loaded ranks; among
+   the steps that reach the goal the one that moves the fewest bytes, else the one that lowers
+   the rank the most.
+3. **Home where free, lighter where free.** Moved units that can go home without raising the
+   step time go home; a moved unit trades places with a lighter unit of its owner when that keeps
+   the step time (bytes given). If the result does not beat not balancing, nothing moves.
+
+Transfer-aware mode (``bandwidth=``): a moved unit's bytes cost ``bytes / bandwidth`` seconds on
+its owner's link and the same on its helper's (pixels out and, with ``latent_bytes_per_rank``,
+latents back). The planner then minimizes the predicted step time, every rank's encode load plus
+its transfer time, and reports it in :class:`Plan`; the local search also starts from home (the
+anchor ignores transfers) and the better plan wins.
+
+Memory is linear in the units: nothing is sized units x units or ranks x ranks. Time: one sort
+per rank the plan touches, the anchor's moves (at most 10,000) and the local search's steps (at
+most ``4 * (units + ranks) + 16``) each cost O(log) heap and list operations plus a scan of a few
+candidate units, or of the most loaded rank's units for a swap.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
+import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import ArgumentTypeError, InvalidArgumentError
+
 NS_PER_SECOND = 1_000_000_000
+# Loads are exact integer nanoseconds; a step longer than this (about 146 years) is refused rather
+# than overflowing.
+MAX_TOTAL_NS = 2**62
 # The local search stops within this fraction of the lower bound: costs are measured predictions
-# with noise of several percent, so polishing the plan further buys nothing but planner time.
-PLAN_TOLERANCE = 1e-3
+# with noise of several percent, so polishing the plan further only moves more units.
+PLAN_TOLERANCE = 1.5e-3
+SWAP_PARTNERS = 4  # swaps are tried with the few least loaded ranks (cheap, usually enough)
+ANCHOR_MAX_ITERATIONS = 10_000  # plan_rebalance's own default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +64,10 @@ class Plan:
     max(total / m, largest unit)`` (no plan can beat it); ``home_makespan`` is the makespan of not
     balancing. ``moved_bytes`` is the size of the units that leave home (``None`` when no bytes
     were given); ``moved_units`` counts them.
+
+    ``transfer_seconds[k]`` is the predicted time rank ``k``'s link spends on moved units (zero
+    without ``bandwidth``) and ``step_seconds = max(loads[k] + transfer_seconds[k])`` the predicted
+    step time the planner minimized (equal to ``makespan`` without ``bandwidth``).
     """
 
     assignment: tuple[tuple[int, ...], ...]
@@ -42,136 +77,478 @@ class Plan:
     home_makespan: float
     moved_units: int
     moved_bytes: int | None
+    transfer_seconds: tuple[float, ...]
+    step_seconds: float
+    bandwidth: float | None
 
 
-def _to_nanoseconds(costs_per_rank: Sequence[Sequence[float]]) -> list[np.ndarray]:
-    out = []
-    for rank, costs in enumerate(costs_per_rank):
-        array = np.asarray(costs, dtype=np.float64).reshape(-1)
-        if not np.all(np.isfinite(array)) or np.any(array < 0):
-            raise ValueError(f"costs_per_rank[{rank}] must be finite and >= 0 seconds, got {array.tolist()}")
-        out.append(np.rint(array * NS_PER_SECOND).astype(np.int64))
-    return out
+# ---- inputs -------------------------------------------------------------------------------------
 
 
-def _loads(bins: np.ndarray, costs: np.ndarray, num_bins: int) -> np.ndarray:
-    """Exact integer load of every bin."""
-    loads = np.zeros(num_bins, dtype=np.int64)
-    np.add.at(loads, bins, costs)
-    return loads
+def _as_array(values, name: str) -> np.ndarray:
+    try:
+        return np.asarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise ArgumentTypeError(f"{name} must be a sequence of numbers, got {values!r}") from exc
 
 
-def lpt_bins(costs: np.ndarray, num_bins: int) -> np.ndarray:
-    """Plain LPT: units in decreasing cost (ties by input order) each go to the least loaded bin
-    (ties by lowest bin index). Returns the bin of every unit."""
-    bins = np.empty(len(costs), dtype=np.int64)
-    heap = [(0, b) for b in range(num_bins)]
-    for unit in np.argsort(-costs, kind="stable").tolist():
-        load, b = heapq.heappop(heap)
-        bins[unit] = b
-        heapq.heappush(heap, (load + int(costs[unit]), b))
-    return bins
+def _flat(per_rank, name: str) -> tuple[np.ndarray, list[int]]:
+    """All ranks' values as one float64 array (one numpy call, not one per rank), and the counts."""
+    if isinstance(per_rank, (str, bytes)) or not hasattr(per_rank, "__len__"):
+        raise ArgumentTypeError(f"{name} must be a sequence with one sequence of numbers per rank, got {per_rank!r}")
+    try:
+        counts = [len(values) for values in per_rank]
+        flat = np.fromiter(itertools.chain.from_iterable(per_rank), dtype=np.float64, count=sum(counts))
+    except (TypeError, ValueError) as exc:
+        for rank, values in enumerate(per_rank):  # name the rank that holds the bad value
+            _as_array(values, f"{name}[{rank}]")
+        raise ArgumentTypeError(f"{name} must hold one sequence of numbers per rank: {exc}") from exc
+    return flat, counts
 
 
-NEAR_BINS = 8  # swap partners tried first: units on the least loaded bins (cheap, usually enough)
-NO_STEP = np.iinfo(np.int64).max
+def _bad_rank(bad: np.ndarray, counts: list[int]) -> int:
+    """The rank holding the first flagged value."""
+    return int(np.searchsorted(np.cumsum(counts), int(np.argmax(bad)), side="right"))
 
 
-def _best_step(costs, bins, loads, top, partner_bins):
-    """Best move (a unit of ``top`` onto the least loaded bin) or swap (a unit of ``top`` with a
-    smaller unit on one of ``partner_bins``), scored by the larger of the two new loads.
-    Returns ``(score, top_unit, partner_unit or -1, target_bin)``."""
-    top_load = int(loads[top])
-    on_top = np.flatnonzero(bins == top)
-    if len(on_top) == 0:
-        return NO_STEP, -1, -1, -1
-    top_costs = costs[on_top]
-    other_loads = loads.copy()
-    other_loads[top] = NO_STEP
-    target = int(np.argmin(other_loads))
-    move_score = np.maximum(top_load - top_costs, loads[target] + top_costs)
-    i = int(np.argmin(move_score))
-    best = (int(move_score[i]), int(on_top[i]), -1, target)
-    is_partner = np.zeros(len(loads), dtype=bool)
-    is_partner[partner_bins] = True
-    is_partner[top] = False
-    partners = np.flatnonzero(is_partner[bins])
-    if len(partners):
-        delta = top_costs[:, None] - costs[partners][None, :]
-        swap_score = np.maximum(top_load - delta, loads[bins[partners]][None, :] + delta)
-        swap_score[delta <= 0] = NO_STEP
-        flat = int(np.argmin(swap_score))
-        if int(swap_score.flat[flat]) < best[0]:
-            u, v = divmod(flat, len(partners))
-            best = (int(swap_score.flat[flat]), int(on_top[u]), int(partners[v]), int(bins[partners[v]]))
+def quantize_costs(costs_per_rank: Sequence[Sequence[float]]) -> list[list[int]]:
+    """Predicted seconds -> exact integer nanoseconds per rank (the grid every plan is computed on).
+
+    Raises :class:`InvalidArgumentError` for a cost that is not finite and >= 0, or for a step whose
+    total does not fit ``MAX_TOTAL_NS``."""
+    flat, counts = _flat(costs_per_rank, "costs_per_rank")
+    ns = _quantized(flat, counts)
+    offsets = np.cumsum([0, *counts]).tolist()
+    return [ns[offsets[r] : offsets[r + 1]] for r in range(len(counts))]
+
+
+def _quantized(flat: np.ndarray, counts: list[int]) -> list[int]:
+    bad = ~(np.isfinite(flat) & (flat >= 0))
+    if bad.any():
+        rank = _bad_rank(bad, counts)
+        start = sum(counts[:rank])
+        values = flat[start : start + counts[rank]].tolist()
+        raise InvalidArgumentError(f"costs_per_rank[{rank}] must be finite and >= 0 seconds, got {values}")
+    ns = np.rint(flat * NS_PER_SECOND)
+    if float(ns.sum()) > MAX_TOTAL_NS:
+        raise InvalidArgumentError(
+            f"costs_per_rank: the step's total predicted time must be at most {MAX_TOTAL_NS / NS_PER_SECOND:.3g} s "
+            f"so every load is exact in integer nanoseconds, got {float(flat.sum()):.3g} s"
+        )
+    return ns.astype(np.int64).tolist()
+
+
+def as_bandwidth(bandwidth, name: str = "bandwidth") -> float | None:
+    """A link's bytes per second as a float (``None`` stays ``None``); numpy numbers welcome."""
+    if bandwidth is None:
+        return None
+    if isinstance(bandwidth, (bool, str, bytes)) or not hasattr(bandwidth, "__float__"):
+        raise ArgumentTypeError(f"{name} must be a number of bytes per second, got {bandwidth!r}")
+    if not (math.isfinite(float(bandwidth)) and float(bandwidth) > 0):
+        raise InvalidArgumentError(f"{name} must be finite and > 0 bytes per second, got {bandwidth}")
+    return float(bandwidth)
+
+
+def _byte_counts(bytes_per_rank, counts: list[int], name: str) -> list[int]:
+    """Flattened whole, non-negative byte counts with the same nesting as the costs."""
+    flat, got = _flat(bytes_per_rank, name)
+    if got != counts:
+        raise InvalidArgumentError(f"{name} must match costs_per_rank's nesting {counts}, got {got}")
+    bad = ~(np.isfinite(flat) & (flat >= 0) & (flat == np.floor(flat)))
+    if bad.any():
+        rank = _bad_rank(bad, counts)
+        start = sum(counts[:rank])
+        raise InvalidArgumentError(f"{name}[{rank}] must be whole numbers of bytes >= 0, got {flat[start : start + counts[rank]].tolist()}")
+    if float(flat.sum()) >= 2**63:
+        raise InvalidArgumentError(f"{name}: the step's bytes must total less than 2**63, got {float(flat.sum()):.3g}")
+    return flat.astype(np.int64).tolist()
+
+
+@dataclasses.dataclass
+class _Problem:
+    """The flattened, quantized instance: units ``offsets[r]`` to ``offsets[r + 1] - 1`` belong to rank ``r``."""
+
+    num_ranks: int
+    offsets: list[int]
+    cost: list[int]  # encode ns
+    weight: list[int]  # bytes (or 1 per unit when no bytes were given): what "fewest moved" counts
+    xfer: list[int]  # ns on each end's link when the unit moves (0 without bandwidth)
+    home: list[int]
+    home_load: list[int]  # encode ns per rank when nothing moves
+    transfer_aware: bool
+    bytes_vary: bool  # units differ in size: worth trading a moved unit for a lighter one
+    _by_cost: dict = dataclasses.field(default_factory=dict)
+
+    def by_cost(self, r: int) -> tuple[list[int], list[int]]:
+        """``(costs, units)`` of rank ``r``'s own units, cheapest first (ties: lowest unit first);
+        sorted once per rank, on first use. Shared: callers copy before editing."""
+        if r not in self._by_cost:
+            units = sorted(range(self.offsets[r], self.offsets[r + 1]), key=self.cost.__getitem__)
+            self._by_cost[r] = (list(map(self.cost.__getitem__, units)), units)
+        return self._by_cost[r]
+
+
+def _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank) -> _Problem:
+    flat, counts = _flat(costs_per_rank, "costs_per_rank")
+    if not counts:
+        raise InvalidArgumentError("costs_per_rank must list at least one rank, got an empty sequence")
+    cost = _quantized(flat, counts)
+    home = list(itertools.chain.from_iterable(itertools.repeat(r, n) for r, n in enumerate(counts)))
+    weight = [1] * len(cost) if bytes_per_rank is None else _byte_counts(bytes_per_rank, counts, "bytes_per_rank")
+    xfer = [0] * len(cost)
+    if bandwidth is not None:
+        if bytes_per_rank is None:
+            raise InvalidArgumentError("bandwidth needs bytes_per_rank (the bytes each unit sends when it moves)")
+        bandwidth = as_bandwidth(bandwidth)
+        latent = [0] * len(cost)
+        if latent_bytes_per_rank is not None:
+            latent = _byte_counts(latent_bytes_per_rank, counts, "latent_bytes_per_rank")
+        xfer = [math.ceil((w + b) * NS_PER_SECOND / bandwidth) for w, b in zip(weight, latent)]
+        if sum(cost) + 2 * sum(xfer) > MAX_TOTAL_NS:
+            raise InvalidArgumentError(
+                f"bandwidth={bandwidth} predicts transfers longer than {MAX_TOTAL_NS / NS_PER_SECOND:.3g} s in total"
+            )
+    elif latent_bytes_per_rank is not None:
+        raise InvalidArgumentError("latent_bytes_per_rank is only used with bandwidth=")
+    offsets = np.cumsum([0, *counts]).tolist()
+    home_load = [sum(cost[offsets[r] : offsets[r + 1]]) for r in range(len(counts))]
+    return _Problem(len(counts), offsets, cost, weight, xfer, home, home_load, any(xfer), len(set(weight)) > 1)
+
+
+# ---- assignments --------------------------------------------------------------------------------
+
+
+class _Assignment:
+    """Where every unit is encoded, with exact per-rank step loads (encode + transfer ns).
+
+    A unit at home adds its cost to its home rank. A moved unit adds cost + transfer to its helper
+    and its transfer to its home rank (the owner's link sends the pixels and receives the latent).
+    Only moved units are tracked one by one, so the bookkeeping costs what the plan moves, not
+    what the step holds.
+    """
+
+    def __init__(self, problem: _Problem):
+        self.p = problem
+        self.where = list(problem.home)
+        self.load = list(problem.home_load)
+        self.away: set[int] = set()  # units encoded away from home
+        self.visitors: dict[int, set[int]] = {}  # rank -> units of other ranks encoded there
+        self._sorted: dict[int, tuple[list[int], list[int]]] = {}  # rank -> (costs, units), built on use
+
+    def units_on(self, r: int) -> tuple[list[int], list[int]]:
+        """``(costs, units)`` of every unit encoded on ``r``, cheapest first (kept up to date once built)."""
+        if r not in self._sorted:
+            p, where = self.p, self.where
+            costs, units = p.by_cost(r)
+            if len(self.visitors.get(r, ())) or any(where[u] != r for u in units):
+                units = sorted([u for u in units if where[u] == r] + list(self.visitors.get(r, ())))
+                units.sort(key=p.cost.__getitem__)  # stable: (cost, unit) order
+                costs = list(map(p.cost.__getitem__, units))
+            self._sorted[r] = (list(costs), list(units))
+        return self._sorted[r]
+
+    def move(self, u: int, dest: int) -> None:
+        p, load, src = self.p, self.load, self.where[u]
+        c, t, h = p.cost[u], p.xfer[u], p.home[u]
+        if src == h:
+            load[h] -= c
+        else:
+            load[src] -= c + t
+            load[h] -= t
+            self.visitors[src].discard(u)
+        if dest == h:
+            load[h] += c
+            self.away.discard(u)
+        else:
+            load[dest] += c + t
+            load[h] += t
+            self.away.add(u)
+            self.visitors.setdefault(dest, set()).add(u)
+        self.where[u] = dest
+        for r, leaving in ((src, True), (dest, False)):
+            if r in self._sorted:  # (cost, unit) order, found by bisection even in long runs of equal costs
+                costs, units = self._sorted[r]
+                lo = bisect.bisect_left(costs, c)
+                i = bisect.bisect_left(units, u, lo, bisect.bisect_right(costs, c, lo))
+                if leaving:
+                    del costs[i], units[i]
+                else:
+                    costs.insert(i, c)
+                    units.insert(i, u)
+
+    def makespan(self) -> int:
+        return max(self.load, default=0)
+
+    def moved(self) -> tuple[int, int]:
+        """``(bytes moved, units moved)``: what ties between equal step times are decided by."""
+        return sum(self.p.weight[u] for u in self.away), len(self.away)
+
+    def encode_loads(self) -> list[int]:
+        """Per-rank encode ns (the load without transfers)."""
+        loads = list(self.p.home_load)
+        for u in self.away:
+            loads[self.p.home[u]] -= self.p.cost[u]
+            loads[self.where[u]] += self.p.cost[u]
+        return loads
+
+
+def _score(a: _Assignment, steps) -> tuple[int, int]:
+    """``(highest load among the ranks touched, bytes added)`` if every ``(unit, dest)`` of
+    ``steps`` were applied."""
+    p, delta, added = a.p, {}, 0
+    for u, dest in steps:
+        src, c, t, h = a.where[u], p.cost[u], p.xfer[u], p.home[u]
+        if src == h:
+            delta[h] = delta.get(h, 0) - c
+        else:
+            delta[src] = delta.get(src, 0) - c - t
+            delta[h] = delta.get(h, 0) - t
+        if dest == h:
+            delta[h] = delta.get(h, 0) + c
+        else:
+            delta[dest] = delta.get(dest, 0) + c + t
+            delta[h] = delta.get(h, 0) + t
+        added += p.weight[u] * ((dest != h) - (src != h))
+    return max(a.load[r] + d for r, d in delta.items()), added
+
+
+# ---- the coarse phase: cosmos-framework's move-once heuristic -----------------------------------
+
+
+def _nearest_half(costs: list[int], units: list[int], spread: int) -> int | None:
+    """Position (in the cost-sorted lists) of the unit ``plan_rebalance`` picks: cost nearest
+    ``spread / 2``, the lowest local index among ties; ``None`` when even that one would not
+    shrink the gap."""
+    i = bisect.bisect_right(costs, spread // 2)  # positions [0, i) have 2 * cost <= spread
+    picks = []
+    if i > 0:
+        j = bisect.bisect_left(costs, costs[i - 1])  # the lowest local index of that cost
+        picks.append((spread - 2 * costs[j], units[j], j))
+    if i < len(costs):
+        picks.append((2 * costs[i] - spread, units[i], i))
+    gap, _, position = min(picks)
+    return position if gap < spread else None
+
+
+def _move_once(p: _Problem, max_iterations: int = ANCHOR_MAX_ITERATIONS) -> list[tuple[int, int]]:
+    """The public anchor on the quantized costs: cosmos-framework's ``plan_rebalance``
+    (``vae_load_balance.py``, NVIDIA, OpenMDW-1.1), re-implemented with heaps and sorted lists.
+
+    Repeatedly, from the most to the least loaded rank (lowest rank among ties), it offloads the
+    not-yet-moved unit owned by the former whose cost is nearest half their gap (lowest local
+    index among ties), while that shrinks the gap; no unit moves twice; at most
+    ``max_iterations`` moves. Returns the same moves as ``(unit, to_rank)``, in order.
+    """
+    totals = list(p.home_load)
+    high = [(-x, r) for r, x in enumerate(totals)]
+    low = [(x, r) for r, x in enumerate(totals)]
+    heapq.heapify(high)
+    heapq.heapify(low)
+    available: dict[int, tuple[list[int], list[int]]] = {}  # owner -> its unmoved units' costs, ids (sorted)
+    moves = []
+    for _ in range(max_iterations if p.num_ranks > 1 else 0):
+        while -high[0][0] != totals[high[0][1]]:  # heap entries are dropped once stale
+            heapq.heappop(high)
+        while low[0][0] != totals[low[0][1]]:
+            heapq.heappop(low)
+        over, under = high[0][1], low[0][1]
+        spread = totals[over] - totals[under]
+        if over not in available:
+            available[over] = tuple(map(list, p.by_cost(over)))
+        costs, units = available[over]
+        position = _nearest_half(costs, units, spread) if spread > 0 and costs else None
+        if position is None:
+            break
+        cost, unit = costs.pop(position), units.pop(position)
+        moves.append((unit, under))
+        totals[over] -= cost
+        totals[under] += cost
+        for r in (over, under):
+            heapq.heappush(high, (-totals[r], r))
+            heapq.heappush(low, (totals[r], r))
+    return moves
+
+
+def move_once_moves(costs_per_rank: Sequence[Sequence[float]]) -> list[tuple[int, int, int]]:
+    """The moves of cosmos-framework's ``plan_rebalance`` on the quantized costs, as its
+    ``(local_index, from_rank, to_rank)``, in order: the candidate :func:`plan_assignment` starts from."""
+    p = _problem(costs_per_rank, None, None, None)
+    return [(u - p.offsets[p.home[u]], p.home[u], dest) for u, dest in _move_once(p)]
+
+
+# ---- the local search ---------------------------------------------------------------------------
+
+
+def _around(costs: list[int], value: float, width: int) -> range:
+    """Positions of a sorted cost list around ``value`` (where the best step must be)."""
+    i = bisect.bisect_left(costs, value)
+    return range(max(i - width, 0), min(i + width, len(costs)))
+
+
+def _best_move(a: _Assignment, top: int, bottom: int, goal: int):
+    """The best single move off ``top``: a unit with a cost near half the gap to the least loaded
+    rank goes there (with transfers, also the same units back home). Returns its key
+    ``(max(score, goal), bytes added, score, ((unit, dest),))`` or ``None``."""
+    p, lt, lb = a.p, a.load[top], a.load[bottom]
+    costs, units = a.units_on(top)
+    near = _around(costs, (lt - lb) / 2, 2)
+    if p.transfer_aware:
+        keys = []
+        for u in (units[i] for i in near):
+            for dest in {bottom, p.home[u]} - {top}:
+                score, added = _score(a, ((u, dest),))
+                keys.append((max(score, goal), added, score, ((u, dest),)))
+        return min(keys, default=None)
+    if bottom == top:
+        return None
+    best = None
+    for i in near:  # inlined: the common case, and the planner's hot loop
+        c, u = costs[i], units[i]
+        score, h = (lt - c if lt - c > lb + c else lb + c), p.home[u]
+        key = (score if score > goal else goal, p.weight[u] * ((bottom != h) - (top != h)), score, u)
+        if best is None or key < best:
+            best = key
+    return None if best is None else (*best[:3], ((best[3], bottom),))
+
+
+def _best_swap(a: _Assignment, top: int, bottom: int, goal: int):
+    """The best swap of a unit on ``top`` with a smaller one on the least loaded rank, the
+    partner's unit chosen near the cost that would balance the two; when that does not reach
+    ``goal``, the next ``SWAP_PARTNERS - 1`` least loaded ranks are tried too. Same key as
+    :func:`_best_move`."""
+    best = _swap_with(a, top, bottom, goal, None)
+    if best is None or best[2] > goal:
+        for r in heapq.nsmallest(SWAP_PARTNERS + 1, range(a.p.num_ranks), key=a.load.__getitem__):
+            if r not in (top, bottom):
+                best = _swap_with(a, top, r, goal, best)
     return best
 
 
-def _improve(costs: np.ndarray, bins: np.ndarray, num_bins: int, max_steps: int, good_enough: int) -> np.ndarray:
-    """Move/swap local search on the most loaded bin. Every accepted step lowers the top bin
-    without raising its partner to that level, so the sorted load vector strictly decreases and
-    the search terminates; ``max_steps`` caps the planner's time, and it stops once the makespan
-    is ``<= good_enough``. Swap partners are first sought on the few least loaded bins, and on
-    all bins only before giving up."""
-    bins = bins.copy()
-    loads = _loads(bins, costs, num_bins)
-    all_bins = np.arange(num_bins)
-    for _ in range(max_steps if num_bins > 1 else 0):
-        top = int(np.argmax(loads))
-        if loads[top] <= good_enough:
+def _swap_with(a: _Assignment, top: int, r: int, goal: int, best):
+    p, lt, lr = a.p, a.load[top], a.load[r]
+    theirs, their_units = a.units_on(r)
+    half_gap, last = (lt - lr) / 2, len(theirs) - 1
+    if last < 0:
+        return best
+    flat = None  # the best here as (max(score, goal), bytes added, score, u, v): cheap to compare
+    for cu, u in zip(*a.units_on(top)):
+        j = bisect.bisect_left(theirs, cu - half_gap)
+        for j in (j - 1, j) if 0 < j <= last else (j,) if j <= last else (last,):
+            cv, v = theirs[j], their_units[j]
+            if cv >= cu:
+                continue
+            if p.transfer_aware:
+                score, added = _score(a, ((u, r), (v, top)))
+            else:  # inlined: the planner's hot loop
+                hu, hv, delta = p.home[u], p.home[v], cu - cv
+                score = lt - delta if lt - delta > lr + delta else lr + delta
+                added = p.weight[u] * ((r != hu) - (top != hu)) + p.weight[v] * ((top != hv) - (r != hv))
+            key = (score if score > goal else goal, added, score, u, v)
+            if flat is None or key < flat:
+                flat = key
+    if flat is None:
+        return best
+    here = (*flat[:3], ((flat[3], r), (flat[4], top)))
+    return here if best is None or here < best else best
+
+
+def _local_search(a: _Assignment, goal: int, max_steps: int) -> _Assignment:
+    """Relieve the most loaded rank by the best move, else the best swap, while that lowers it and
+    it is above ``goal``: the lowest resulting load (down to ``goal``), then the fewest bytes.
+    Every step lowers the top rank and leaves every rank it touches below the old top, so the
+    sorted load vector strictly decreases and the search terminates."""
+    load = a.load
+    high = [(-x, r) for r, x in enumerate(load)]
+    low = [(x, r) for r, x in enumerate(load)]
+    heapq.heapify(high)
+    heapq.heapify(low)
+    for _ in range(max_steps):
+        while -high[0][0] != load[high[0][1]]:
+            heapq.heappop(high)
+        while low[0][0] != load[low[0][1]]:
+            heapq.heappop(low)
+        top = high[0][1]
+        if load[top] <= goal:
             break
-        near = np.argsort(loads, kind="stable")[: NEAR_BINS + 1]
-        score, unit, partner, target = _best_step(costs, bins, loads, top, near)
-        if score >= loads[top] and num_bins > NEAR_BINS + 1:
-            score, unit, partner, target = _best_step(costs, bins, loads, top, all_bins)
-        if score >= loads[top]:
+        step = _best_move(a, top, low[0][1], goal)
+        if step is None or step[2] >= load[top]:
+            step = _best_swap(a, top, low[0][1], goal)
+        if step is None or step[2] >= load[top]:
             break
-        delta = int(costs[unit]) - (int(costs[partner]) if partner >= 0 else 0)
-        bins[unit] = target
-        if partner >= 0:
-            bins[partner] = top
-        loads[top] -= delta
-        loads[target] += delta
-    return bins
+        touched = {top}
+        for u, dest in step[3]:
+            touched.update((dest, a.p.home[u]))
+            a.move(u, dest)
+        for r in touched:
+            heapq.heappush(high, (-load[r], r))
+            heapq.heappush(low, (load[r], r))
+    return a
 
 
-def _bins_to_ranks(bins: np.ndarray, homes: np.ndarray, weights: np.ndarray, num_ranks: int) -> np.ndarray:
-    """Name each (anonymous) bin after a rank, greedily keeping the heaviest home weight in place."""
-    kept = np.zeros((num_ranks, num_ranks), dtype=np.int64)
-    np.add.at(kept, (bins, homes), weights)
-    bin_rank = np.full(num_ranks, -1, dtype=np.int64)
-    rank_taken = np.zeros(num_ranks, dtype=bool)
-    order = np.argsort(-kept.reshape(-1), kind="stable")
-    for flat in order[: int(np.count_nonzero(kept))].tolist():
-        b, r = divmod(flat, num_ranks)
-        if bin_rank[b] < 0 and not rank_taken[r]:
-            bin_rank[b], rank_taken[r] = r, True
-    free_ranks = iter(np.flatnonzero(~rank_taken).tolist())
-    for b in range(num_ranks):
-        if bin_rank[b] < 0:
-            bin_rank[b] = next(free_ranks)
-    return bin_rank[bins]
+def _send_home_where_free(a: _Assignment) -> _Assignment:
+    """Moved units go back home (heaviest first) wherever that keeps the step time."""
+    p, limit = a.p, a.makespan()
+    for u in sorted(sorted(a.away), key=p.weight.__getitem__, reverse=True):  # ties: lowest unit first
+        if p.transfer_aware:
+            fits = _score(a, ((u, p.home[u]),))[0] <= limit
+        else:  # inlined: only the home rank's load rises
+            fits = a.load[p.home[u]] + p.cost[u] <= limit
+        if fits:
+            a.move(u, p.home[u])
+    return a
 
 
-def _send_home_where_free(costs, ranks, homes, weights, num_ranks) -> np.ndarray:
-    """Return moved units home (heaviest first) wherever that keeps the makespan."""
-    ranks = ranks.copy()
-    loads = _loads(ranks, costs, num_ranks)
-    makespan = int(loads.max())
-    away = np.flatnonzero(ranks != homes)
-    for unit in away[np.argsort(-weights[away], kind="stable")].tolist():
-        home = int(homes[unit])
-        if loads[home] + costs[unit] <= makespan:
-            loads[ranks[unit]] -= costs[unit]
-            loads[home] += costs[unit]
-            ranks[unit] = home
-    return ranks
+def _lighter_substitutes(a: _Assignment, scan: int = 8) -> _Assignment:
+    """Each moved unit (heaviest first) trades places with a lighter unit still at its home when
+    that keeps the step time: the same work moves, fewer bytes travel. Candidates are the home
+    units whose cost keeps both ranks within the step time (at most ``scan`` of them)."""
+    p, limit, where, weight = a.p, a.makespan(), a.where, a.p.weight
+    for u in sorted(sorted(a.away), key=weight.__getitem__, reverse=True):  # ties: lowest unit first
+        h, r, c = p.home[u], where[u], p.cost[u]
+        if r == h:
+            continue
+        costs, units = p.by_cost(h)  # h's own units; those still at home are candidates
+        lo = bisect.bisect_left(costs, c - (limit - a.load[r]))
+        hi = min(bisect.bisect_right(costs, c + (limit - a.load[h])), lo + scan)
+        lighter = [v for v in units[lo:hi] if where[v] == h and weight[v] < weight[u]]
+        for v in sorted(lighter, key=lambda v: (weight[v], v)) if len(lighter) > 1 else lighter:
+            if _score(a, ((u, h), (v, r)))[0] <= limit:
+                a.move(u, h)
+                a.move(v, r)
+                break
+    return a
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+
+def _key(a: _Assignment) -> tuple[int, int, int]:
+    """Lower is better: step time, then bytes moved, then units moved."""
+    return (a.makespan(), *a.moved())
+
+
+def _balanced(p: _Problem, lower: int, max_steps: int) -> _Assignment:
+    """The move-once heuristic's moves from home, then the local search down to the goal, then
+    home where free. With transfers (which the heuristic ignores), the local search also starts
+    from home alone, and the better of the two plans wins."""
+    goal = lower + int(lower * PLAN_TOLERANCE)
+    starts = [_Assignment(p)]
+    for unit, helper in _move_once(p):
+        starts[0].move(unit, helper)
+    if p.transfer_aware:
+        starts.append(_Assignment(p))
+    plans = [_send_home_where_free(_local_search(a, goal, max_steps)) for a in starts]
+    if p.bytes_vary:
+        plans = [_lighter_substitutes(a) for a in plans]
+    return min(plans, key=_key)
 
 
 def plan_assignment(
     costs_per_rank: Sequence[Sequence[float]],
     bytes_per_rank: Sequence[Sequence[int]] | None = None,
     *,
+    bandwidth: float | None = None,
+    latent_bytes_per_rank: Sequence[Sequence[int]] | None = None,
     max_steps: int | None = None,
 ) -> Plan:
     """Plan which rank encodes each unit.
@@ -180,69 +557,75 @@ def plan_assignment(
         costs_per_rank: ``costs_per_rank[r][i]`` = predicted seconds of rank ``r``'s ``i``-th unit
             (finite, >= 0). Its length is the number of ranks; a rank may have no units.
         bytes_per_rank: same nesting, bytes of each unit. When given, ties between equally good
-            plans keep the most bytes home and ``Plan.moved_bytes`` is reported; otherwise the most
-            units stay home.
-        max_steps: cap on local-search steps (default ``4 * units + 16``).
+            plans move the fewest bytes and ``Plan.moved_bytes`` is reported; otherwise the fewest units.
+        bandwidth: bytes per second of each rank's link. When given (with ``bytes_per_rank``), a
+            moved unit costs ``(bytes + latent bytes) / bandwidth`` seconds on its owner and on its
+            helper, and the plan minimizes the predicted step time (``Plan.step_seconds``).
+        latent_bytes_per_rank: same nesting, bytes of each unit's latent (the way back); only with
+            ``bandwidth``. Default: the way back is not counted.
+        max_steps: cap on local-search steps (default ``4 * (units + ranks) + 16``).
 
-    Pure and deterministic: the same input gives the same plan on every rank.
+    Pure and deterministic: the same input gives the same plan on every rank. Never a higher
+    step time than not balancing, or than cosmos-framework's ``plan_rebalance`` on the same costs.
     """
-    num_ranks = len(costs_per_rank)
-    if num_ranks < 1:
-        raise ValueError("costs_per_rank must list at least one rank")
-    per_rank = _to_nanoseconds(costs_per_rank)
-    counts = [len(c) for c in per_rank]
-    costs = np.concatenate(per_rank) if per_rank else np.zeros(0, np.int64)
-    homes = np.repeat(np.arange(num_ranks, dtype=np.int64), counts)
-    if bytes_per_rank is None:
-        weights = np.ones(len(costs), dtype=np.int64)
-    else:
-        if len(bytes_per_rank) != num_ranks or any(len(b) != n for b, n in zip(bytes_per_rank, counts)):
-            raise ValueError(
-                f"bytes_per_rank must match costs_per_rank's nesting {counts}, got {[len(b) for b in bytes_per_rank]}"
-            )
-        weights = np.concatenate([np.asarray(b, dtype=np.int64).reshape(-1) for b in bytes_per_rank])
-        if np.any(weights < 0):
-            raise ValueError("bytes_per_rank must be >= 0")
+    p = _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank)
+    steps = 4 * (len(p.cost) + p.num_ranks) + 16 if max_steps is None else _count(max_steps, "max_steps")
+    home = _Assignment(p)
+    lower = max(-(-sum(p.cost) // p.num_ranks), max(p.cost, default=0))
+    best = home
+    if p.num_ranks > 1 and home.makespan() > lower:
+        best = _balanced(p, lower, steps)
+        if best.makespan() >= home.makespan():
+            best = home
+    return _plan_of(p, best, home, lower, bytes_given=bytes_per_rank is not None, bandwidth=bandwidth)
 
-    home_loads = _loads(homes, costs, num_ranks)
-    total = int(costs.sum())
-    largest = int(costs.max()) if len(costs) else 0
-    lower_bound = max(-(-total // num_ranks), largest)
 
-    ranks = homes
-    if len(costs) and int(home_loads.max()) > lower_bound:
-        steps = 4 * len(costs) + 16 if max_steps is None else int(max_steps)
-        good_enough = lower_bound + int(lower_bound * PLAN_TOLERANCE)
-        bins = _improve(costs, lpt_bins(costs, num_ranks), num_ranks, steps, good_enough)
-        candidate = _bins_to_ranks(bins, homes, weights, num_ranks)
-        candidate = _send_home_where_free(costs, candidate, homes, weights, num_ranks)
-        candidate_loads = _loads(candidate, costs, num_ranks)
-        if int(candidate_loads.max()) < int(home_loads.max()):
-            ranks = candidate
+def _count(value, name: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ArgumentTypeError(f"{name} must be an int, got {value!r}")
+    if int(value) < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+    return int(value)
 
-    loads = _loads(ranks, costs, num_ranks)
-    moved = ranks != homes
-    offsets = np.cumsum([0, *counts])
-    assignment = tuple(tuple(ranks[offsets[r] : offsets[r + 1]].tolist()) for r in range(num_ranks))
+
+def _plan_of(p: _Problem, a: _Assignment, home: _Assignment, lower: int, *, bytes_given: bool, bandwidth) -> Plan:
+    encode = a.encode_loads()
+    moved_bytes, moved_units = a.moved()
     return Plan(
-        assignment=assignment,
-        loads=tuple(float(x) / NS_PER_SECOND for x in loads.tolist()),
-        makespan=float(loads.max()) / NS_PER_SECOND,
-        lower_bound=lower_bound / NS_PER_SECOND,
-        home_makespan=float(home_loads.max()) / NS_PER_SECOND,
-        moved_units=int(moved.sum()),
-        moved_bytes=None if bytes_per_rank is None else int(weights[moved].sum()),
+        assignment=tuple(tuple(a.where[p.offsets[r] : p.offsets[r + 1]]) for r in range(p.num_ranks)),
+        loads=tuple(x / NS_PER_SECOND for x in encode),
+        makespan=max(encode, default=0) / NS_PER_SECOND,
+        lower_bound=lower / NS_PER_SECOND,
+        home_makespan=home.makespan() / NS_PER_SECOND,
+        moved_units=moved_units,
+        moved_bytes=moved_bytes if bytes_given else None,
+        transfer_seconds=tuple((s - e) / NS_PER_SECOND for s, e in zip(a.load, encode)),
+        step_seconds=a.makespan() / NS_PER_SECOND,
+        bandwidth=None if bandwidth is None else float(bandwidth),
     )
 
 
+def lpt_bins(costs: np.ndarray, num_bins: int) -> np.ndarray:
+    """Plain LPT: units in decreasing cost (ties by input order) each go to the least loaded bin
+    (ties by lowest bin index). Returns the bin of every unit."""
+    bins = np.empty(len(costs), dtype=np.int64)
+    heap = [(0, b) for b in range(num_bins)]
+    for unit in np.argsort(-np.asarray(costs), kind="stable").tolist():
+        load, b = heapq.heappop(heap)
+        bins[unit] = b
+        heapq.heappush(heap, (load + int(costs[unit]), b))
+    return bins
+
+
 def lpt_makespan(costs_per_rank: Sequence[Sequence[float]]) -> float:
-    """Makespan (seconds) of plain LPT on the same quantized costs; the baseline the planner must not exceed."""
-    per_rank = _to_nanoseconds(costs_per_rank)
-    costs = np.concatenate(per_rank) if per_rank else np.zeros(0, np.int64)
-    if not len(costs):
+    """Makespan (seconds) of plain LPT (every unit placed afresh) on the same quantized costs."""
+    costs = [c for per_rank in quantize_costs(costs_per_rank) for c in per_rank]
+    if not costs:
         return 0.0
-    bins = lpt_bins(costs, len(per_rank))
-    return float(_loads(bins, costs, len(per_rank)).max()) / NS_PER_SECOND
+    loads = [0] * len(costs_per_rank)
+    for unit, b in enumerate(lpt_bins(np.array(costs, dtype=np.int64), len(costs_per_rank)).tolist()):
+        loads[b] += costs[unit]
+    return max(loads) / NS_PER_SECOND
 
 
-__all__ = ["Plan", "plan_assignment", "lpt_bins", "lpt_makespan", "NS_PER_SECOND"]
+__all__ = ["NS_PER_SECOND", "PLAN_TOLERANCE", "Plan", "lpt_bins", "lpt_makespan", "move_once_moves", "plan_assignment", "quantize_costs"]

@@ -8,11 +8,14 @@ encode calls for every kind of batch.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 
 import torch
 
 from .. import ops
+from ..devices import as_device
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,11 +27,24 @@ class VisionEncodeUnit:
 
 
 def check_item_layout(item: torch.Tensor, name: str = "item") -> None:
-    """Raise ``ValueError`` unless ``item`` is a ``[C,T,H,W]`` or ``[B,C,T,H,W]`` tensor."""
+    """Raise unless ``item`` is a ``[C,T,H,W]`` or ``[B,C,T,H,W]`` tensor."""
     if not isinstance(item, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(item).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(item).__name__}")
     if item.ndim not in (4, 5):
-        raise ValueError(f"{name}: VAE inputs must have shape [C,T,H,W] or [B,C,T,H,W], got {tuple(item.shape)}")
+        raise InvalidArgumentError(f"{name}: VAE inputs must have shape [C,T,H,W] or [B,C,T,H,W], got {tuple(item.shape)}")
+
+
+def _positive_int(value, name: str) -> int:
+    """``value`` as an int >= 1 (numpy integers welcome, bools and floats not)."""
+    if isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be a positive int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError as exc:
+        raise ArgumentTypeError(f"{name} must be a positive int, got {value!r}") from exc
+    if value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value}")
+    return value
 
 
 def vae_pixel_shapes(items: Sequence[torch.Tensor | None] | None) -> list[tuple[int, int, int]]:
@@ -45,34 +61,59 @@ def vae_pixel_shapes(items: Sequence[torch.Tensor | None] | None) -> list[tuple[
     return shapes
 
 
-def normalize_uint8_item(x: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 pixels -> ``x / 127.5 - 1`` in ``dtype`` (the fused op; non-uint8 input is an error)."""
+def normalize_uint8_item(x: torch.Tensor, fp32_kwargs: dict | None = None, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 pixels -> ``x / 127.5 - 1`` in ``dtype`` (the fused op; non-uint8 input is an error).
+
+    ``fp32_kwargs`` is the specification's form, ``{"device": ..., "dtype": ...}``: the item is
+    moved to that device first (at 1 byte per element) and normalized to that dtype."""
+    if fp32_kwargs is not None:
+        if not isinstance(fp32_kwargs, dict) or set(fp32_kwargs) - {"device", "dtype"}:
+            raise InvalidArgumentError(f"fp32_kwargs must be a dict with 'device' and/or 'dtype', got {fp32_kwargs!r}")
+        if "device" in fp32_kwargs:
+            x = x.to(as_device(fp32_kwargs["device"]))
+        dtype = fp32_kwargs.get("dtype", dtype)
     return ops.normalize_uint8(x, dtype=dtype)
 
 
 def validate_multiview_length(x: torch.Tensor, *, num_views: int, frames_per_view: int) -> None:
     """Check a camera-major multiview item packs exactly ``num_views * frames_per_view`` frames on T."""
-    for name, value in (("num_views", num_views), ("frames_per_view", frames_per_view)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    num_views = _positive_int(num_views, "num_views")
+    frames_per_view = _positive_int(frames_per_view, "frames_per_view")
     frames = int(x.shape[x.ndim - 3])
     if frames != num_views * frames_per_view:
-        raise ValueError(
+        raise InvalidArgumentError(
             "multiview item length must equal num_views * frames_per_view: "
             f"got T={frames}, num_views={num_views}, frames_per_view={frames_per_view}"
         )
 
 
-def _check_item_lists(items, num_views_per_item, frames_per_item) -> None:
+def check_item_lists(items, num_views_per_item, frames_per_item) -> None:
+    """The three per-item lists of a step line up, and every item is a ``[C,T,H,W]`` /
+    ``[B,C,T,H,W]`` tensor (checked before any item is touched)."""
     if not (len(items) == len(num_views_per_item) == len(frames_per_item)):
-        raise ValueError(
+        raise InvalidArgumentError(
             "items, num_views_per_item and frames_per_item must have the same length, got "
             f"{len(items)}, {len(num_views_per_item)} and {len(frames_per_item)}"
         )
     for index, item in enumerate(items):
         if item is None:
-            raise ValueError(f"items[{index}] is None; drop items without vision before building units")
+            raise InvalidArgumentError(f"items[{index}] is None; drop items without vision before building units")
         check_item_layout(item, f"items[{index}]")
+
+
+def item_views(item: torch.Tensor, num_views, frames, names: tuple[str, str] = ("num_views", "frames_per_view")) -> tuple[int, int | None]:
+    """How an item splits into encode calls: ``(num_views, frames per view)`` as ints, with
+    ``frames`` ``None`` for a plain item (one call on the tensor as it is, ``num_views`` must be 1)
+    and otherwise a multiview item whose T is ``num_views * frames``. ``names`` name the two
+    arguments in error messages."""
+    num_views = _positive_int(num_views, names[0])
+    if frames is None:
+        if num_views != 1:
+            raise InvalidArgumentError(f"{names[1]} is required when num_views is greater than one, got {names[0]}={num_views}")
+        return 1, None
+    frames = _positive_int(frames, names[1])
+    validate_multiview_length(item, num_views=num_views, frames_per_view=frames)
+    return num_views, frames
 
 
 def build_units(
@@ -95,19 +136,15 @@ def build_units(
     ``device``: where normalized views live (the uint8 item is moved first, at 1 byte/element);
     ``None`` keeps the item's device.
     """
-    _check_item_lists(items, num_views_per_item, frames_per_item)
+    check_item_lists(items, num_views_per_item, frames_per_item)
     units: list[VisionEncodeUnit] = []
     for index, (item, num_views, frames) in enumerate(zip(items, num_views_per_item, frames_per_item)):
+        num_views, frames = item_views(item, num_views, frames, (f"num_views_per_item[{index}]", f"frames_per_item[{index}]"))
         if frames is None:
-            if num_views != 1:
-                raise ValueError(
-                    f"frames_per_item[{index}] is required when num_views is greater than one, got num_views={num_views}"
-                )
             units.append(VisionEncodeUnit(index, item))
             continue
-        validate_multiview_length(item, num_views=num_views, frames_per_view=frames)
         if device is not None:
-            item = item.to(device)
+            item = item.to(as_device(device))
         views = ops.normalize_uint8(item, num_views=num_views, dtype=dtype)
         views = [views] if num_views == 1 else views
         units.extend(VisionEncodeUnit(index, view) for view in views)
@@ -123,15 +160,20 @@ def regroup_latents(
     (``item.ndim - 3``; encoding preserves rank, so the same axis holds in latent space).
     """
     if len(units) != len(latents):
-        raise ValueError(f"got {len(latents)} latents for {len(units)} units")
+        raise InvalidArgumentError(f"got {len(latents)} latents for {len(units)} units")
     per_item: list[list[torch.Tensor]] = [[] for _ in items]
     for unit, latent in zip(units, latents):
         if not 0 <= unit.item_index < len(items):
-            raise ValueError(f"unit item_index {unit.item_index} is out of range for {len(items)} items")
+            raise InvalidArgumentError(f"unit item_index {unit.item_index} is out of range for {len(items)} items")
         per_item[unit.item_index].append(latent)
     regrouped = []
     for index, (parts, item) in enumerate(zip(per_item, items)):
         if not parts:
-            raise ValueError(f"items[{index}] has no encoded unit")
+            raise InvalidArgumentError(f"items[{index}] has no encoded unit")
         regrouped.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=item.ndim - 3))
     return regrouped
+
+
+# The specification's names (aliases, kept working).
+get_vae_pixel_shapes = vae_pixel_shapes
+regroup_vision_latents = regroup_latents

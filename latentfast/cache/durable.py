@@ -1,0 +1,105 @@
+"""Durable-write helpers shared by every cache writer: whole writes, content hashes, the build lock.
+
+- :func:`pwrite_all` writes every byte or raises: ``os.pwrite`` may write fewer bytes than asked
+  (a disk filling up), and a loop that ignores the count leaves zeros where a latent should be.
+- :func:`content_hash` hashes a source file's bytes (BLAKE2b, 16 bytes): what decides whether an
+  edited image must be encoded again.
+- :class:`BuildLock` is an exclusive ``fcntl.flock`` on ``.{split}.latents.lock`` in the cache
+  folder, held for a whole build: a second build of the same split into the same folder waits up to
+  ``timeout`` seconds, then raises :class:`~latentfast.errors.CacheLockedError` naming the holder.
+  The lock file is never deleted (deleting a lock file races with the next locker).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+
+from ..errors import CacheLockedError
+
+HASH_BYTES = 16
+
+
+def pwrite_all(fd: int, payload, offset: int) -> None:
+    """Write all of ``payload`` at ``offset``; a write that makes no progress raises ``OSError(ENOSPC)``."""
+    view = memoryview(payload).cast("B")
+    done = 0
+    while done < len(view):
+        written = os.pwrite(fd, view[done:], offset + done)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, f"write made no progress at byte {offset + done} (disk full?)")
+        done += written
+
+
+def content_hash(paths, chunk: int = 1 << 20) -> bytes:
+    """BLAKE2b-128 of the bytes of one file, or of several files in order (names included)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    digest = hashlib.blake2b(digest_size=HASH_BYTES)
+    for path in paths:
+        digest.update(os.path.basename(os.fspath(path)).encode() + b"\0")
+        with open(path, "rb") as fh:
+            while block := fh.read(chunk):
+                digest.update(block)
+    return digest.digest()
+
+
+def lock_path(cache_dir: str | os.PathLike, split: str) -> str:
+    return os.path.join(os.fspath(cache_dir), f".{split}.latents.lock")  # hidden: not one of the cache's files
+
+
+class BuildLock:
+    """Exclusive build lock on one split of a cache folder (a context manager; also ``release()``)."""
+
+    def __init__(self, cache_dir: str | os.PathLike, split: str, timeout: float = 0.0):
+        self._fd = -1
+        os.makedirs(cache_dir, exist_ok=True)
+        self.path = lock_path(cache_dir, split)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = self._holder()
+                    os.close(self._fd)
+                    self._fd = -1
+                    raise CacheLockedError(
+                        f"another build holds the lock {self.path} ({holder}); wait for it to finish "
+                        f"(or pass a lock timeout to wait for it)"
+                    ) from None
+                time.sleep(0.05)
+        os.ftruncate(self._fd, 0)
+        note = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": " ".join(sys.argv)[:300]}
+        os.pwrite(self._fd, (json.dumps(note) + "\n").encode(), 0)  # informative only: a short write is harmless
+
+    def _holder(self) -> str:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                note = json.loads(fh.read() or "{}")
+            return f"pid {note.get('pid')} on {note.get('host')} since {note.get('since')}: {note.get('command')}"
+        except (OSError, ValueError):
+            return "holder unknown"
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "BuildLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()

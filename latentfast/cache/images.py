@@ -1,0 +1,309 @@
+"""Build shaped latent caches from images (aspect-ratio buckets) and video clips, through the writer.
+
+Steps: list the source and probe every item in threads (size, frame count, content hash of the
+bytes); give each item its bucket; plan batches of one bucket (buckets in the order given, keys
+sorted within a bucket); then per batch either copy an item's latents from the cache already in
+the folder (same encoder and settings, same content hash, checksum intact) or decode it (Pillow /
+PyAV on a thread pool, two batches ahead) and encode it. Everything goes through
+:class:`~latentfast.cache.writer.LatentCacheWriter`, so a build is crash-safe and resumable (rerun
+the same call), and a rerun after editing images re-encodes only the edited ones. A rerun over a
+complete, intact cache with unchanged sources writes nothing; one over a damaged cache re-encodes
+the damaged items.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import os
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..devices import as_device
+from ..errors import CacheError, ImageError, InvalidArgumentError
+from . import format as fmt
+from . import media
+from .durable import BuildLock
+from .writer import encoder_identity, open_for_sources
+
+
+@dataclass
+class _Job:
+    """What differs between the image and the video builder."""
+
+    kind: str  # "image" | "video"
+    bucket_of: Callable[[media.Item], tuple]
+    load: Callable[[media.Item], tuple[torch.Tensor, dict]]
+    encode: Callable  # encoder method: (batch, **kw) -> latents
+
+
+def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, buckets, batch_size: int = 8,
+                      device="cpu", autocast_dtype: torch.dtype | None = None, num_workers: int = 4,
+                      skip_bad_images: bool = False, quiet: bool = False, lock_timeout: float = 0.0,
+                      stats: dict | None = None) -> str:
+    """Encode every image of ``source`` (a folder, walked recursively, or a JSONL manifest of
+    ``{"image": path, "key": optional}``) into a shaped cache in ``out_dir``; returns the data path.
+
+    ``buckets``: ``(height, width)`` pixel sizes, multiples of the encoder's downscale factor; each
+    image goes to the bucket of nearest aspect ratio, resized (LANCZOS) to cover it and
+    centre-cropped. ``encoder``: ``encode(images [B, 3, H, W] in [-1, 1]) -> [B, C, H/f, W/f]`` and
+    ``identity() -> dict`` (e.g. :class:`latentfast.encoders.DiffusersVAE`). Items are keyed by their
+    path relative to the folder without extension; ``cache.info(i)`` holds ``original_size`` and
+    ``crop_top_left``. ``skip_bad_images`` leaves out unreadable images (listed in the meta's
+    ``skipped``) instead of raising :class:`~latentfast.errors.ImageError`. ``lock_timeout``: seconds
+    to wait for another build of this split. ``stats`` (a dict) receives counts and timings.
+    """
+    bucket_list = media.check_buckets(buckets, video=False, factor=getattr(encoder, "spatial_downscale", None))
+    job = _Job("image", lambda item: media.nearest_bucket(item.width, item.height, bucket_list), media.load_image,
+               encoder.encode)
+    settings = {"buckets": [list(b) for b in bucket_list], "resize": "lanczos-cover-center-crop"}
+    return _build(job, encoder, source, out_dir, split, settings, batch_size=batch_size, device=device,
+                  autocast_dtype=autocast_dtype, num_workers=num_workers, skip_bad=skip_bad_images, quiet=quiet,
+                  lock_timeout=lock_timeout, stats=stats)
+
+
+def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, buckets, frame_stride: int = 1,
+                      batch_size: int = 1, device="cpu", autocast_dtype: torch.dtype | None = None,
+                      num_workers: int = 4, skip_bad_clips: bool = False, quiet: bool = False,
+                      lock_timeout: float = 0.0, stats: dict | None = None) -> str:
+    """Encode every clip of ``source`` into a shaped cache of ``[C, T', h, w]`` latents; returns the data path.
+
+    A clip is a folder of frame images (file-name order) or a video file (PyAV). ``source`` is a
+    folder of clips or a JSONL manifest of ``{"frames": dir}`` / ``{"video": path}``. ``buckets``:
+    ``(frames, height, width)``; a clip goes to the nearest aspect ratio, then to the bucket with
+    the most frames it can fill, and its first ``frames`` frames (every ``frame_stride``-th) are
+    resized and centre-cropped. ``encoder.encode_video([B, 3, T, H, W])`` encodes them. Otherwise as
+    :func:`build_image_cache`.
+    """
+    if isinstance(frame_stride, bool) or not isinstance(frame_stride, int) or frame_stride < 1:
+        raise InvalidArgumentError(f"frame_stride must be a positive int, got {frame_stride!r}")
+    bucket_list = media.check_buckets(buckets, video=True, factor=getattr(encoder, "spatial_downscale", None))
+    job = _Job("video", lambda item: media.clip_bucket(item, bucket_list, frame_stride),
+               lambda item: media.load_clip(item, frame_stride), encoder.encode_video)
+    settings = {"buckets": [list(b) for b in bucket_list], "frame_stride": frame_stride,
+                "resize": "lanczos-cover-center-crop"}
+    return _build(job, encoder, source, out_dir, split, settings, batch_size=batch_size, device=device,
+                  autocast_dtype=autocast_dtype, num_workers=num_workers, skip_bad=skip_bad_clips, quiet=quiet,
+                  lock_timeout=lock_timeout, stats=stats)
+
+
+def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, device, autocast_dtype,
+           num_workers, skip_bad, quiet, lock_timeout, stats) -> str:
+    """The shared steps: plan, then (under the build lock) skip, copy or encode each batch, finish."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
+    wall = time.perf_counter()
+    device = as_device(device)
+    if hasattr(encoder, "to"):
+        encoder = encoder.to(device)
+    out_dir = os.fspath(out_dir)
+    counts = {"decode_s": 0.0, "encode_s": 0.0, "write_s": 0.0, "encoded": 0, "copied": 0, "resumed": 0}
+    with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
+        items, skipped = _plan(job, source, pool, skip_bad)
+        meta = {**settings, "kind": job.kind, "source": os.path.abspath(os.fspath(source)), "skipped": skipped}
+        identity = encoder_identity(encoder)
+        lock = BuildLock(out_dir, split, lock_timeout)
+        try:
+            previous = _previous_cache(out_dir, split, identity, meta)
+            if previous is not None and _unchanged(previous, items):
+                lock.release()
+                if stats is not None:
+                    stats.update(counts, items=len(items), skipped=len(skipped), unchanged=True,
+                                 wall_s=time.perf_counter() - wall)
+                return fmt.cache_path(out_dir, split, "data")
+            writer = open_for_sources(out_dir, split, encoder=encoder, meta=meta, lock=lock,
+                                      digests={item.key: item.digest for item in items})
+        except BaseException:
+            lock.release()
+            raise
+        with writer:
+            runner = _Runner(job, encoder, writer, previous, pool, device, autocast_dtype, counts)
+            runner.run(_batches(items, batch_size), quiet=quiet)
+    if stats is not None:
+        stats.update(counts, items=len(items), skipped=len(skipped), unchanged=False, wall_s=time.perf_counter() - wall)
+    return fmt.cache_path(out_dir, split, "data")
+
+
+def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], list[dict]]:
+    """Probe every item (threads), then give each its bucket; unreadable items raise or are skipped."""
+    entries = media.list_items(source, video=job.kind == "video")
+    if not entries:
+        raise InvalidArgumentError(f"source {os.fspath(source)} holds no {job.kind}s")
+    items, skipped = [], []
+    futures = [pool.submit(media.probe, key, path) for key, path in entries]
+    for (key, path), future in zip(entries, futures):
+        try:
+            item = future.result()
+            item.bucket = tuple(job.bucket_of(item))
+        except ImageError as exc:
+            if not skip_bad:
+                raise
+            skipped.append({"key": key, "path": path, "error": str(exc)})
+            continue
+        items.append(item)
+    if not items:
+        raise InvalidArgumentError(f"source {os.fspath(source)} has no usable {job.kind}s ({len(skipped)} skipped)")
+    return items, skipped
+
+
+def _batches(items: list[media.Item], batch_size: int) -> list[list[media.Item]]:
+    """Batches of one bucket: buckets in first-use order of the sorted keys, keys sorted within."""
+    by_bucket: dict[tuple, list[media.Item]] = {}
+    for item in sorted(items, key=lambda x: x.key):
+        by_bucket.setdefault(item.bucket, []).append(item)
+    return [group[k : k + batch_size] for group in by_bucket.values() for k in range(0, len(group), batch_size)]
+
+
+def _previous_cache(out_dir, split, identity, meta):
+    """The complete shaped cache already in the folder, if built with this encoder and settings."""
+    from .reader import LatentCache
+
+    try:
+        cache = LatentCache(out_dir, split)
+    except (OSError, ValueError, CacheError):
+        return None
+    # other buckets are fine: an item is copied only if its own bucket is unchanged
+    same = cache.shaped and cache.meta.get("encoder") == identity and all(
+        cache.meta.get(k) == meta.get(k) for k in ("kind", "resize", "frame_stride"))
+    return cache if same else None
+
+
+def _unchanged(cache, items: list[media.Item]) -> bool:
+    """Same keys, content hashes and shapes in the plan's order, and every checksum intact."""
+    from .reader import bad_blocks
+
+    hashes = cache.content_hashes()
+    order = [item for batch in _batches(items, len(items)) for item in batch]
+    if hashes is None or cache.keys != [item.key for item in order]:
+        return False
+    if any(hashes[i].tobytes() != item.digest for i, item in enumerate(order)):
+        return False
+    return not bad_blocks(cache, first_only=True)[0]
+
+
+class _Runner:
+    """Runs the planned batches: skip what the writer has, copy what the old cache holds, encode the rest."""
+
+    lookahead = 2  # batches decoding ahead of the encoder
+
+    def __init__(self, job, encoder, writer, previous, pool, device, autocast_dtype, counts):
+        self.job, self.encoder, self.writer, self.pool = job, encoder, writer, pool
+        self.device, self.autocast_dtype, self.counts = device, autocast_dtype, counts
+        self.previous = previous
+        self.old_rows = {} if previous is None else _old_rows(previous)
+        self.seeded = getattr(encoder, "sample", "mode") == "sample" and _accepts_seeds(job.encode)
+
+    def run(self, batches, *, quiet: bool) -> None:
+        from tqdm import tqdm
+
+        total = sum(len(b) for b in batches)
+        work = [[item for item in batch if item.key not in self.writer] for batch in batches]
+        self.counts["resumed"] = total - sum(len(w) for w in work)
+        bar = tqdm(total=total, initial=self.counts["resumed"], unit=self.job.kind + "s", desc="latent cache",
+                   disable=True if quiet else None)
+        try:
+            plans = [self._split(batch) for batch in work if batch]
+            pending = deque(self._submit(to_encode) for _, to_encode in plans[: self.lookahead])
+            for k, (batch, to_encode) in enumerate(plans):
+                loads = [f.result() for f in pending.popleft()]
+                if k + self.lookahead < len(plans):
+                    pending.append(self._submit(plans[k + self.lookahead][1]))
+                self._write_batch(batch, to_encode, loads)
+                bar.update(len(batch))
+        finally:
+            bar.close()
+
+    def _split(self, batch):
+        """``(batch, items to encode)``: items whose old latents can be copied are not encoded."""
+        return batch, [item for item in batch if not self._copyable(item)]
+
+    def _copyable(self, item) -> bool:
+        old = self.old_rows.get(item.key)
+        return old is not None and old[1] == item.digest and tuple(self.previous.info(old[0]).get("bucket", ())) == item.bucket
+
+    def _submit(self, items):
+        return [self.pool.submit(self._timed_load, item) for item in items]
+
+    def _timed_load(self, item):
+        t0 = time.perf_counter()
+        pixels, info = self.job.load(item)
+        return pixels, info, time.perf_counter() - t0
+
+    def _write_batch(self, batch, to_encode, loads) -> None:
+        self.counts["decode_s"] += sum(seconds for _, _, seconds in loads)
+        latents = self._encode(to_encode, [pixels for pixels, _, _ in loads]) if to_encode else None
+        t0 = time.perf_counter()
+        position = {item.key: j for j, item in enumerate(to_encode)}
+        for item in batch:
+            j = position.get(item.key)
+            if j is None and self._copy(item):
+                continue
+            if j is None:  # the old bytes failed their checksum: encode this one now
+                pixels, info = self.job.load(item)
+                latent = self._encode([item], [pixels])[0]
+            else:
+                latent, info = latents[j], loads[j][1]
+            self.writer.append(item.key, latent, source_hash=item.digest, info={**info, "bucket": list(item.bucket)})
+            self.counts["encoded"] += 1
+        self.counts["write_s"] += time.perf_counter() - t0
+
+    def _copy(self, item) -> bool:
+        index = self.old_rows[item.key][0]
+        start, end = int(self.previous.row_starts[index]), int(self.previous.row_starts[index + 1])
+        payload = self.previous._memmap()[start:end].tobytes()
+        crc = int(self.previous_sums[index])
+        with contextlib.suppress(CacheError):
+            self.writer.append_bytes(item.key, self.previous.shapes[index], payload, crc, source_hash=item.digest,
+                                     info=self.previous.info(index))
+            self.counts["copied"] += 1
+            return True
+        return False
+
+    @property
+    def previous_sums(self):
+        if not hasattr(self, "_sums"):
+            self._sums = _stored_checksums(self.previous)
+        return self._sums
+
+    def _encode(self, items, pixels) -> torch.Tensor:
+        t0 = time.perf_counter()
+        batch = torch.stack(pixels).to(self.device)
+        kwargs = {"seeds": [_item_seed(item.key) for item in items]} if self.seeded else {}
+        with torch.no_grad(), (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                               else contextlib.nullcontext()):
+            z = self.job.encode(batch, **kwargs)
+        z = z.float().cpu()
+        if z.shape[0] != len(items):
+            raise InvalidArgumentError(f"the encoder returned {z.shape[0]} latents for a batch of {len(items)}")
+        self.counts["encode_s"] += time.perf_counter() - t0
+        return z
+
+
+def _old_rows(cache) -> dict[str, tuple[int, bytes]]:
+    hashes = cache.content_hashes()
+    if hashes is None:
+        return {}
+    return {key: (i, hashes[i].tobytes()) for i, key in enumerate(cache.keys)}
+
+
+def _stored_checksums(cache):
+    from .reader import _checksums
+
+    return _checksums(cache.cache_dir, cache.split, len(cache), 1)
+
+
+def _item_seed(key: str) -> int:
+    """A stable per-item seed (the same in every run, process and resume)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _accepts_seeds(fn) -> bool:
+    try:
+        return "seeds" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,243 @@
+"""Source media for the shaped-cache builders: listing, probing, bucket choice, resize + centre crop.
+
+An item is an image file, a folder of frame images (one clip, frames in file-name order) or a video
+file (decoded with PyAV, ``pip install latentfast[video]``). Its key is its path relative to the
+source folder (or as written in the manifest), without extension, with ``/`` separators.
+
+Bucket choice follows the popular trainers (kohya, SimpleTuner, musubi-tuner): the bucket whose
+aspect ratio is nearest in log space; the image is resized with LANCZOS so that it covers the
+bucket, then centre-cropped to it. Each item records ``original_size`` ``[h, w]`` and
+``crop_top_left`` ``[top, left]`` (in resized pixels), the SDXL conditioning a trainer may need.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import ImageError, InvalidArgumentError
+from .durable import content_hash
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
+
+
+@dataclass
+class Item:
+    key: str
+    path: str
+    width: int = 0
+    height: int = 0
+    frames: int = 1  # frame count of a clip (1 for an image)
+    digest: bytes = b""
+    frame_paths: list = field(default_factory=list)  # a folder clip's frames, in order
+    bucket: tuple = ()  # (h, w) or (frames, h, w) once planned
+
+
+def _key_of(rel: str, is_dir: bool) -> str:
+    rel = rel.replace(os.sep, "/")
+    return rel if is_dir else os.path.splitext(rel)[0]
+
+
+def list_items(source, *, video: bool) -> list[tuple[str, str]]:
+    """``(key, path)`` for a folder (walked recursively, sorted) or a JSONL manifest (one object per line
+    with ``"image"`` / ``"video"`` / ``"frames"`` naming a path, relative to the manifest's folder, and an
+    optional ``"key"``). Duplicate keys raise ``InvalidArgumentError`` naming both sources."""
+    source = os.path.abspath(os.fspath(source))  # `imgs`, `./imgs` and `/abs/imgs` plan the same build
+    if os.path.isdir(source):
+        entries = _walk(source, video)
+    elif os.path.isfile(source):
+        entries = _read_manifest(source)
+    else:
+        raise FileNotFoundError(f"source must be a JSONL manifest or a folder, and {source} is neither")
+    seen: dict[str, str] = {}
+    for key, path in entries:
+        if key in seen:
+            raise InvalidArgumentError(f"source {source}: key {key!r} names two items, {seen[key]} and {path}; rename one")
+        seen[key] = path
+    return entries
+
+
+def _walk(root: str, video: bool) -> list[tuple[str, str]]:
+    entries = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        images = [f for f in files if f.lower().endswith(IMAGE_EXTENSIONS)]
+        if video and images and folder != root:  # a folder of frames is one clip
+            entries.append((_key_of(os.path.relpath(folder, root), True), folder))
+            dirs[:] = []
+            continue
+        wanted = VIDEO_EXTENSIONS if video else IMAGE_EXTENSIONS
+        for name in sorted(f for f in files if f.lower().endswith(wanted) and not f.startswith(".")):
+            path = os.path.join(folder, name)
+            entries.append((_key_of(os.path.relpath(path, root), False), path))
+    return sorted(entries)
+
+
+def _read_manifest(path: str) -> list[tuple[str, str]]:
+    root = os.path.dirname(os.path.abspath(path))
+    entries = []
+    with open(path, encoding="utf-8") as fh:
+        for number, text in enumerate(fh, start=1):
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+                name = next(record[k] for k in ("image", "video", "frames") if k in record)
+                key = record.get("key")
+            except (json.JSONDecodeError, TypeError, StopIteration, AttributeError):
+                raise InvalidArgumentError(f"manifest {path} line {number}: expected a JSON object with an 'image', 'video' or 'frames' path, got {text.strip()[:200]!r}") from None
+            full = name if os.path.isabs(name) else os.path.join(root, name)
+            entries.append((str(key) if key is not None else _key_of(os.path.normpath(name), os.path.isdir(full)), full))
+    return entries
+
+
+def probe(key: str, path: str) -> Item:
+    """Size, frame count and content hash of one item (the hash reads the whole file or folder)."""
+    try:
+        if os.path.isdir(path):
+            return _probe_frames(key, path)
+        if path.lower().endswith(VIDEO_EXTENSIONS):
+            return _probe_video(key, path)
+        from PIL import Image
+
+        with Image.open(path) as im:
+            width, height = im.size
+        return Item(key, path, width, height, 1, content_hash(path))
+    except ImageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any reader failure is reported with its key
+        raise ImageError(f"item {key!r} ({path}): cannot read: {exc}") from None
+
+
+def _probe_frames(key: str, folder: str) -> Item:
+    from PIL import Image
+
+    frames = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
+    if not frames:
+        raise ImageError(f"item {key!r} ({folder}): the clip folder holds no frame images")
+    with Image.open(frames[0]) as im:
+        width, height = im.size
+    return Item(key, folder, width, height, len(frames), content_hash(frames), frame_paths=frames)
+
+
+def _probe_video(key: str, path: str) -> Item:
+    av = _import_av()
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        frames = sum(1 for packet in container.demux(stream) if packet.size)
+    return Item(key, path, width, height, frames, content_hash(path))
+
+
+def _import_av():
+    try:
+        import av
+    except ImportError:
+        raise ImageError("video files need PyAV: pip install 'latentfast[video]' (or use folders of frame images)") from None
+    return av
+
+
+def nearest_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The ``(h, w)`` bucket whose aspect ratio is nearest to ``width / height`` in log space
+    (ties: the first listed)."""
+    ratio = math.log(width / height)
+    return min(buckets, key=lambda b: abs(math.log(b[1] / b[0]) - ratio))
+
+
+def check_buckets(buckets, *, video: bool, factor: int | None) -> list[tuple[int, ...]]:
+    """Buckets as tuples of ints: ``(h, w)`` pixel sizes, or ``(frames, h, w)`` for video; sides must be
+    positive multiples of the encoder's spatial ``factor`` (when known)."""
+    size = 3 if video else 2
+    what = "(frames, height, width)" if video else "(height, width)"
+    try:
+        out = [tuple(int(x) for x in b) for b in buckets]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"buckets must be a list of {what} pixel sizes, got {buckets!r}") from None
+    if not out or any(len(b) != size or min(b) < 1 for b in out):
+        raise InvalidArgumentError(f"buckets must be a non-empty list of {what} positive sizes, got {buckets!r}")
+    if factor and any(b[-1] % factor or b[-2] % factor for b in out):
+        bad = next(b for b in out if b[-1] % factor or b[-2] % factor)
+        raise InvalidArgumentError(f"bucket {bad}: height and width must be multiples of the encoder's downscale factor {factor}")
+    return sorted(set(out), key=out.index)
+
+
+def fit(image, bucket_hw: tuple[int, int]):
+    """``(image resized to cover the bucket and centre-cropped to it, info)``."""
+    from PIL import Image
+
+    bh, bw = bucket_hw
+    w, h = image.size
+    scale = max(bw / w, bh / h)
+    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
+    if (rw, rh) != (w, h):
+        image = image.resize((rw, rh), Image.LANCZOS)
+    top, left = (rh - bh) // 2, (rw - bw) // 2
+    image = image.crop((left, top, left + bw, top + bh))
+    return image, {"original_size": [h, w], "crop_top_left": [top, left]}
+
+
+def to_pixels(image) -> torch.Tensor:
+    """A PIL image as float32 ``[3, h, w]`` in [-1, 1] (x / 127.5 - 1)."""
+    array = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+
+
+def load_image(item: Item) -> tuple[torch.Tensor, dict]:
+    from PIL import Image
+
+    try:
+        with Image.open(item.path) as im:
+            image = im.convert("RGB")
+    except Exception as exc:  # noqa: BLE001
+        raise ImageError(f"item {item.key!r} ({item.path}): cannot decode: {exc}") from None
+    image, info = fit(image, item.bucket)
+    return to_pixels(image), info
+
+
+def load_clip(item: Item, frame_stride: int = 1) -> tuple[torch.Tensor, dict]:
+    """The clip's first ``bucket[0]`` frames (every ``frame_stride``-th) as ``[3, T, h, w]`` in [-1, 1]."""
+    count, hw = item.bucket[0], item.bucket[1:]
+    try:
+        images = list(_frames(item, count, frame_stride))
+    except ImageError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ImageError(f"item {item.key!r} ({item.path}): cannot decode: {exc}") from None
+    if len(images) < count:
+        raise ImageError(f"item {item.key!r} ({item.path}): decoded {len(images)} frames, the bucket needs {count}")
+    fitted = [fit(im, hw) for im in images]
+    clip = torch.stack([to_pixels(im) for im, _ in fitted], dim=1)
+    return clip, {**fitted[0][1], "frames": item.frames, "frame_stride": frame_stride}
+
+
+def _frames(item: Item, count: int, stride: int):
+    from PIL import Image
+
+    if item.frame_paths:
+        for path in item.frame_paths[: count * stride : stride]:
+            with Image.open(path) as im:
+                yield im.convert("RGB")
+        return
+    av = _import_av()
+    with av.open(item.path) as container:
+        for k, frame in enumerate(container.decode(video=0)):
+            if k >= count * stride:
+                break
+            if k % stride == 0:
+                yield frame.to_image()
+
+
+def clip_bucket(item: Item, buckets: list[tuple[int, int, int]], frame_stride: int) -> tuple[int, int, int]:
+    """The ``(frames, h, w)`` bucket of a clip: the nearest aspect ratio, then the most frames it can fill."""
+    hw = nearest_bucket(item.width, item.height, sorted({b[1:] for b in buckets}, key=[b[1:] for b in buckets].index))
+    usable = -(-item.frames // frame_stride)
+    fitting = [b for b in buckets if b[1:] == hw and b[0] <= usable]
+    if not fitting:
+        shortest = min(b[0] for b in buckets if b[1:] == hw)
+        raise ImageError(f"item {item.key!r} ({item.path}): {usable} usable frames, fewer than the shortest {hw[0]}x{hw[1]} bucket's {shortest}")
+    return max(fitting, key=lambda b: b[0])

@@ -1,0 +1,414 @@
+"""Write a shaped latent cache one ``(key, latent)`` at a time: crash-safe and resumable by key.
+
+This is the one write path of the image and video builders and of the importers, and what a user's
+own encode job calls::
+
+    with LatentCacheWriter(out_dir, "train", encoder=vae) as writer:
+        for key, image in my_items():
+            if key in writer:          # already written by an earlier, interrupted run
+                continue
+            writer.append(key, vae.encode(image[None])[0])
+    # leaving the block without an exception finishes the cache; with one, it stays resumable
+
+Durability (the same discipline as the line builder): latents are appended to
+``{split}.latents.f16.dat.partial`` with whole writes; every ``flush_every`` items the data is
+fdatasync'ed and only then the items' records (key, shape, CRC-32 of the bytes meant to be written,
+source hash, info) are appended to the progress log ``{split}.latents.progress`` and fsynced. A
+crash loses at most the items not yet flushed; reopening the writer with the same header (encoder
+identity and ``meta``) resumes after the last logged item, truncating any unlogged tail. A
+different header starts over. :meth:`finish` reads the data back and checks every item's CRC
+(``verify=True``), writes the index files, renames the data into place and writes the meta (the
+completion mark) last, each step durable. An exclusive lock on the split
+(:class:`~latentfast.cache.durable.BuildLock`) keeps a second writer out for the whole time.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
+from . import format as fmt
+from .durable import HASH_BYTES, BuildLock, pwrite_all
+
+_LOG_VERSION = 1
+
+
+def encoder_identity(encoder: Any) -> dict | None:
+    """``encoder.identity()`` (or ``encoder`` itself when it is a dict) as plain JSON data; None stays None."""
+    if encoder is None:
+        return None
+    identity = encoder if isinstance(encoder, dict) else encoder.identity()
+    if not isinstance(identity, dict):
+        raise ArgumentTypeError(f"encoder.identity() must return a dict, got {type(identity).__name__}")
+    return json.loads(json.dumps(identity, sort_keys=True))
+
+
+def as_float16(key: str, latent: Any) -> np.ndarray:
+    """A latent (tensor or array, any float dtype) as a C-contiguous float16 array; values that are not
+    finite in float16 (NaN, inf, or beyond +-65504) raise, naming the key."""
+    if isinstance(latent, torch.Tensor):
+        latent = latent.detach().to("cpu")
+        if latent.dtype == torch.bfloat16:
+            latent = latent.float()
+        latent = latent.numpy()
+    array = np.asarray(latent)
+    if not np.issubdtype(array.dtype, np.floating):
+        raise InvalidArgumentError(f"latent of key {key!r} must be floating point, got dtype {array.dtype}")
+    if array.ndim < 1 or array.size == 0:
+        raise InvalidArgumentError(f"latent of key {key!r} must be a non-empty array, got shape {list(array.shape)}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        half = np.ascontiguousarray(array, dtype=np.float16)
+    if fmt.first_nonfinite(half.reshape(-1)) >= 0:
+        raise NonFiniteError(
+            f"latent of key {key!r} holds values that are not finite in float16 (NaN, inf or beyond +-65504; "
+            f"largest magnitude {float(np.nanmax(np.abs(array.astype(np.float64)))):.4g})"
+        )
+    return half
+
+
+class LatentCacheWriter:
+    """Append ``(key, latent)`` items to a shaped cache in ``out_dir``; see the module docstring.
+
+    Args:
+        encoder: an object with ``identity() -> dict`` or the identity dict itself; stamped in the
+            meta's ``encoder`` (so ``LatentCache(..., expected=...)`` refuses another encoder) and
+            part of the resume header. None records no encoder.
+        meta: extra JSON-able meta fields (e.g. buckets, source); part of the resume header.
+        flush_every: items between durability points (a crash loses at most these).
+        lock_timeout: seconds to wait for another writer of this split before
+            :class:`~latentfast.errors.CacheLockedError`.
+        lock: a :class:`~latentfast.cache.durable.BuildLock` the caller already holds on this split
+            (the writer releases it when done) instead of taking one.
+        restart: discard an interrupted run's progress instead of resuming it.
+
+    Every latent must share the first one's ``ndim`` and channel count (``shape[0]``); keys are
+    unique non-empty strings. ``key in writer`` tells whether a key is already written (durably or
+    pending); :attr:`resumed` whether an interrupted run was picked up.
+    """
+
+    def __init__(self, out_dir, split: str = "train", *, encoder: Any = None, meta: dict | None = None,
+                 flush_every: int = 64, lock_timeout: float = 0.0, lock: BuildLock | None = None,
+                 restart: bool = False):
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
+            raise InvalidArgumentError(f"flush_every must be a positive int, got {flush_every!r}")
+        if meta is not None and not isinstance(meta, dict):
+            raise ArgumentTypeError(f"meta must be a dict of extra fields, got {type(meta).__name__}")
+        self.out_dir, self.split, self.flush_every = os.fspath(out_dir), split, flush_every
+        self.identity = encoder_identity(encoder)
+        self.extra_meta = json.loads(json.dumps(meta or {}, sort_keys=True))
+        self._lock = lock if lock is not None else BuildLock(self.out_dir, split, lock_timeout)
+        self._paths = {k: fmt.cache_path(self.out_dir, split, k) for k in
+                       ("data", "meta", "offsets", "shapes", "keys", "hashes", "info", "checksums", "progress", "widths", "white")}
+        self._partial = fmt.partial_path(self._paths["data"])
+        self._records: list[dict] = []  # every item written, in order (logged ones first)
+        self._index: dict[str, int] = {}
+        self._logged = 0  # records already in the progress log
+        self._end = 0  # bytes of data written
+        self._fd = -1
+        self._log = None
+        self.finished = False
+        try:
+            self.resumed = self._open(restart)
+        except BaseException:
+            self._close_files()
+            self._lock.release()
+            raise
+
+    # -- opening: resume a matching log or start over ---------------------------------------
+    def _header(self) -> bytes:
+        head = {"latentfast_writer": _LOG_VERSION, "encoder": self.identity, "meta": self.extra_meta}
+        return (json.dumps(head, sort_keys=True) + "\n").encode()
+
+    def reopen(self, *, restart: bool = False) -> "LatentCacheWriter":
+        """A new writer for the same cache, header and lock (this one is closed, its lock handed over)."""
+        self.flush()
+        self._close_files()
+        return LatentCacheWriter(self.out_dir, self.split, encoder=self.identity, meta=self.extra_meta,
+                                 flush_every=self.flush_every, lock=self._lock, restart=restart)
+
+    def _open(self, restart: bool) -> bool:
+        records = None if restart else self._read_log()
+        if records is not None and not os.path.exists(self._partial) and not os.path.exists(self._paths["meta"]):
+            # a crash inside finish() after the data was renamed into place: take it back
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(self._paths["data"], self._partial)
+        needed = sum(2 * int(np.prod(r["s"])) for r in records or [])
+        if records is None or _size(self._partial) < needed:
+            self._start_over()
+            return False
+        self._fd = os.open(self._partial, os.O_RDWR)
+        os.ftruncate(self._fd, needed)  # drop a tail written after the last logged item
+        self._log = open(self._paths["progress"], "ab")
+        for r in records:
+            self._remember(r)
+        self._logged, self._end = len(records), needed
+        return bool(records)
+
+    def _read_log(self) -> list[dict] | None:
+        """The logged records if the progress log exists with this writer's header, else None."""
+        try:
+            with open(self._paths["progress"], "rb") as fh:
+                text = fh.read()
+        except FileNotFoundError:
+            return None
+        header = self._header()
+        complete = text[: text.rfind(b"\n") + 1]  # a torn last line is dropped
+        if not complete.startswith(header):
+            return None
+        records = []
+        for line in complete[len(header):].splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                return None
+        os.truncate(self._paths["progress"], len(complete))
+        return records
+
+    def _start_over(self) -> None:
+        """A fresh log (durably first), then an empty data file."""
+        fmt.write_bytes_durably(self._paths["progress"], self._header())
+        self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fmt.fsync_dir(self.out_dir)
+        self._log = open(self._paths["progress"], "ab")
+
+    def _remember(self, record: dict) -> None:
+        self._index[record["k"]] = len(self._records)
+        self._records.append(record)
+
+    # -- appending --------------------------------------------------------------------------
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def keys(self) -> list[str]:
+        return [r["k"] for r in self._records]
+
+    def source_hash(self, key: str) -> str | None:
+        """The source hash recorded with ``key`` (hex), or None."""
+        return self._records[self._index[key]].get("h")
+
+    def append(self, key: str, latent: Any, *, source_hash: bytes | str | None = None, info: dict | None = None) -> None:
+        """Write one item. ``latent``: a tensor or array of any float dtype (stored as float16);
+        ``source_hash``: bytes or hex of the source's content hash (what a rebuild compares);
+        ``info``: a small JSON-able dict kept with the item (e.g. original size, crop)."""
+        self._check_open()
+        if not isinstance(key, str) or not key:
+            raise InvalidArgumentError(f"key must be a non-empty str, got {key!r}")
+        if key in self._index:
+            raise InvalidArgumentError(f"key {key!r} was already written (check `key in writer` to resume)")
+        half = as_float16(key, latent)
+        self._check_shape(key, half.shape)
+        record = {"k": key, "s": list(half.shape), "c": zlib.crc32(half)}
+        if source_hash is not None:
+            record["h"] = source_hash.hex() if isinstance(source_hash, bytes) else str(source_hash)
+        if info:
+            record["i"] = json.loads(json.dumps(info, sort_keys=True))  # as a resumed log reads it back
+        pwrite_all(self._fd, half, self._end)
+        self._end += half.nbytes
+        self._remember(record)
+        if len(self._records) - self._logged >= self.flush_every:
+            self.flush()
+
+    def append_bytes(self, key: str, shape, payload: bytes, crc: int, *, source_hash=None, info=None) -> None:
+        """Copy an item already stored as float16 bytes (e.g. from an older cache) after checking its
+        CRC-32; a mismatch raises :class:`CacheCorruptError` and writes nothing."""
+        if zlib.crc32(payload) != crc:
+            raise CacheCorruptError(f"item {key!r}: its bytes fail their CRC-32 checksum")
+        latent = np.frombuffer(payload, dtype=np.float16).reshape([int(x) for x in shape])
+        self.append(key, latent, source_hash=source_hash, info=info)
+
+    def _check_shape(self, key: str, shape: tuple) -> None:
+        if not self._records:
+            return
+        first = self._records[0]["s"]
+        if len(shape) != len(first) or shape[0] != first[0]:
+            raise InvalidArgumentError(
+                f"latent of key {key!r} has shape {list(shape)}, but this cache's items are {len(first)}-D with "
+                f"{first[0]} channels (first item {self._records[0]['k']!r}: {first})"
+            )
+
+    def flush(self) -> None:
+        """Make every appended item durable: data first, then its records in the log."""
+        self._check_open()
+        if self._logged == len(self._records):
+            return
+        os.fdatasync(self._fd)
+        lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in self._records[self._logged:])
+        self._log.write(lines)
+        self._log.flush()
+        os.fsync(self._log.fileno())
+        self._logged = len(self._records)
+
+    # -- finishing ----------------------------------------------------------------------------
+    def finish(self, *, verify: bool = True) -> str:
+        """Complete the cache; returns the data file's path. ``verify`` reads the data back and checks
+        every item against the CRC of the bytes that were meant to be written."""
+        self._check_open()
+        if not self._records:
+            raise InvalidArgumentError(f"no items were appended to the cache {self.out_dir} (split {self.split!r})")
+        self.flush()
+        shapes = np.asarray([r["s"] for r in self._records], dtype=np.int64)
+        offsets = fmt.shaped_offsets(shapes)
+        sums = np.asarray([r["c"] for r in self._records], dtype=np.uint32)
+        if verify:
+            self._verify_written(offsets, sums)
+        os.close(self._fd)
+        self._fd = -1
+        self._write_index(shapes, offsets, sums)
+        self._log.close()
+        self._log = None
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._paths["progress"])
+        fmt.fsync_dir(self.out_dir)
+        self.finished = True
+        self._lock.release()
+        return self._paths["data"]
+
+    def _verify_written(self, offsets: np.ndarray, sums: np.ndarray) -> None:
+        """Every item's bytes on disk against the CRC of what was meant; the first bad item and all
+        after it are dropped from the log (a rerun writes them again) before raising."""
+        with open(self._partial, "rb") as fh:
+            for i, record in enumerate(self._records):
+                start, end = int(offsets[i]) * 2, int(offsets[i + 1]) * 2
+                fh.seek(start)
+                if zlib.crc32(fh.read(end - start)) != int(sums[i]):
+                    self._truncate_log(i)
+                    raise CacheCorruptError(
+                        f"latent cache {self._partial}: item {i} (key {record['k']!r}) on disk differs from what "
+                        f"was written; it and the {len(self._records) - i - 1} items after it were dropped from the "
+                        f"progress log: run the same build again to rewrite them"
+                    )
+
+    def _truncate_log(self, keep: int) -> None:
+        """Forget every item from ``keep`` on, durably (log first, then data), so that appending resumes there."""
+        self._log.close()
+        lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in self._records[:keep])
+        fmt.write_bytes_durably(self._paths["progress"], self._header() + lines)
+        self._log = open(self._paths["progress"], "ab")
+        for record in self._records[keep:]:
+            del self._index[record["k"]]
+        del self._records[keep:]
+        self._logged = keep
+        self._end = sum(2 * int(np.prod(r["s"])) for r in self._records)
+        os.ftruncate(self._fd, self._end)
+
+    def _meta(self, shapes: np.ndarray) -> dict:
+        identity = self.identity or {}
+        stamp = {
+            "n": len(shapes),
+            "channels": int(shapes[0, 0]),
+            "latent_h": int(shapes[:, -2].max()) if shapes.shape[1] > 1 else 1,
+            "w_max": int(shapes[:, -1].max()),
+            "pretrained": str(identity.get("pretrained", "")),
+            "subfolder": str(identity.get("subfolder", "")),
+            "line_height": None,
+            "max_line_width": None,
+            "downscale_factor": identity.get("downscale_factor"),
+        }
+        return {
+            **self.extra_meta, **stamp,
+            "format_version": fmt.FORMAT_VERSION, "layout": "shaped", "ndim": int(shapes.shape[1]), "dtype": "float16",
+            "encoder": self.identity, "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_rows": 1},
+            "complete": True,
+        }
+
+    def _write_index(self, shapes: np.ndarray, offsets: np.ndarray, sums: np.ndarray) -> None:
+        """Old meta out, index files in, data renamed, new meta (the completion mark) last."""
+        paths = self._paths
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(paths["meta"])
+        fmt.fsync_dir(self.out_dir)
+        hashes = [r.get("h") for r in self._records]
+        info = [r.get("i", {}) for r in self._records]
+        for kind, payload in (("shapes", fmt.npy_bytes(shapes)), ("offsets", fmt.npy_bytes(offsets)),
+                              ("checksums", fmt.npy_bytes(sums)), ("keys", _json_bytes(self.keys))):
+            fmt.write_bytes_durably(paths[kind], payload)
+        optional = {"hashes": fmt.npy_bytes(_hash_array(hashes)) if any(hashes) else None,
+                    "info": _json_bytes(info) if any(info) else None, "widths": None, "white": None}
+        for kind, payload in optional.items():  # a line cache's leftovers would contradict this one
+            if payload is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(paths[kind])
+            else:
+                fmt.write_bytes_durably(paths[kind], payload)
+        os.replace(self._partial, paths["data"])
+        fmt.fsync_dir(self.out_dir)
+        fmt.write_meta(paths["meta"], self._meta(shapes))
+
+    # -- closing ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._log is None:
+            raise CacheError(f"this writer of {self.out_dir} (split {self.split!r}) is closed")
+
+    def close(self) -> None:
+        """Stop without finishing: what was appended is flushed and a later writer resumes it."""
+        if self._log is not None and self._fd >= 0:
+            self.flush()
+        self._close_files()
+        self._lock.release()
+
+    def _close_files(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "LatentCacheWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and not self.finished:
+            self.finish()
+        else:
+            try:
+                self.close()
+            except OSError as err:  # the original error matters more than a failed last flush
+                warnings.warn(f"could not flush the latent cache writer: {err}", RuntimeWarning, stacklevel=2)
+                self._close_files()
+                self._lock.release()
+
+
+def open_for_sources(out_dir, split: str, *, encoder: Any, meta: dict, lock: BuildLock,
+                     digests: dict[str, bytes]) -> LatentCacheWriter:
+    """A writer that resumes an interrupted run only if every item it already holds still has its
+    source (``digests``: key -> content hash) unchanged; otherwise it starts over."""
+    writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock)
+    try:
+        if any(writer.source_hash(k) != (digests[k].hex() if k in digests else None) for k in writer.keys):
+            writer = writer.reopen(restart=True)
+    except BaseException:
+        writer.close()
+        raise
+    return writer
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
+def _json_bytes(value) -> bytes:
+    return (json.dumps(value, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def _hash_array(hashes: list) -> np.ndarray:
+    """uint8 ``[N, 16]`` content hashes (zeros where an item has none)."""
+    out = np.zeros((len(hashes), HASH_BYTES), dtype=np.uint8)
+    for i, h in enumerate(hashes):
+        if h:
+            out[i] = np.frombuffer(bytes.fromhex(h)[:HASH_BYTES].ljust(HASH_BYTES, b"\0"), dtype=np.uint8)
+    return out

@@ -1,0 +1,49 @@
+"""The runnable examples under examples/: each runs as its docstring says, and the README's excerpts
+of them are the code that runs."""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "balanced_encode.py"
+
+
+def marked_region(text: str, name: str) -> str:
+    """The lines between ``# --8<-- [start:name]`` and ``# --8<-- [end:name]``, dedented."""
+    match = re.search(rf"^([ \t]*)# --8<-- \[start:{name}\]\n(.*?)^[ \t]*# --8<-- \[end:{name}\]", text, re.S | re.M)
+    assert match, f"no region {name!r}"
+    indent = match.group(1)
+    return "".join(line[len(indent) :] if line.startswith(indent) else line for line in match.group(2).splitlines(True))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_balanced_encode_example_runs_under_torchrun_with_two_gloo_processes(tmp_path):
+    # As the script documents: torchrun --standalone --nproc_per_node 2 examples/balanced_encode.py
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")  # gloo, also on a GPU machine
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLE)],
+        capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "balanced latents equal local encoding on every rank" in proc.stdout, output[-4000:]
+    assert re.search(r"units per rank: \[12, 4\], moved: \d+", proc.stdout), proc.stdout
+    assert re.search(r"predicted step: [\d.]+ ms unbalanced -> [\d.]+ ms balanced", proc.stdout), proc.stdout
+
+
+def test_the_readme_shows_the_examples_code():
+    """The README's torchrun block is marked as an excerpt of the script and is, line for line,
+    the script's marked region (so it cannot drift from the code the test above runs)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "examples/balanced_encode.py" in b]
+    assert len(blocks) == 1, "one README block quotes examples/balanced_encode.py"
+    first, _, body = blocks[0].partition("\n")
+    assert first.startswith("# excerpt of examples/balanced_encode.py")
+    assert body == marked_region(EXAMPLE.read_text(), "balanced-encode")
