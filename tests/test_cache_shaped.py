@@ -323,7 +323,7 @@ def test_sampler_resumes_mid_epoch():
 
 def test_sampler_argument_errors():
     shapes = bucket_shapes([3])
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         ShapeBucketBatchSampler(shapes, 0)
     with pytest.raises(ValueError, match="rank must be < world_size"):
         ShapeBucketBatchSampler(shapes, 1, rank=2, world_size=2)
@@ -359,3 +359,13 @@ def test_read_batch_to_cuda_equals_cpu(tmp_path):
 
 def test_cache_error_classes():
     assert issubclass(CacheLockedError, CacheError) and issubclass(CacheCorruptError, ValueError)
+
+
+def test_shape_sampler_shows_upcoming_batches_without_consuming():
+    # LookaheadSampler peeks a sampler through upcoming(); it must not advance the resumable state
+    sampler = ShapeBucketBatchSampler(bucket_shapes([5, 3, 4]), 2, seed=1)
+    expected = sampler.rank_batches()
+    assert sampler.upcoming(3) == expected[:3] and sampler.consumed == 0
+    for step, batch in enumerate(sampler):
+        assert batch == expected[step]
+        assert sampler.upcoming(2) == expected[step + 1 : step + 3]

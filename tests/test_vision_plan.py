@@ -11,35 +11,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from latentfast.bench.bench_balance import cosmos_plan_rebalance  # the anchor, re-implemented independently of the library
 from latentfast.errors import ArgumentTypeError, InvalidArgumentError
 from latentfast.vision import Plan, lpt_makespan, plan_assignment
 from latentfast.vision.plan import NS_PER_SECOND, move_once_moves, quantize_costs
-
-
-def cosmos_plan_rebalance(local_predicted_seconds: dict[int, list], max_iterations: int = 10_000) -> list[tuple[int, int, int]]:
-    """The public anchor, re-implemented here independently of the library: ``plan_rebalance``
-    from cosmos-framework's ``cosmos_framework/model/generator/mot/vae_load_balance.py`` (NVIDIA,
-    SPDX OpenMDW-1.1), a greedy move-once heuristic. Same loop, same tie-breaking (Python's
-    ``max``/``min`` return the first best), returning ``(local_index, from_rank, to_rank)``."""
-    if len(local_predicted_seconds) < 2:
-        return []
-    totals = {rank: sum(costs) for rank, costs in local_predicted_seconds.items()}
-    available = {rank: list(enumerate(costs)) for rank, costs in local_predicted_seconds.items()}
-    moves = []
-    for _ in range(max_iterations):
-        over = max(totals, key=lambda r: totals[r])
-        under = min(totals, key=lambda r: totals[r])
-        spread = totals[over] - totals[under]
-        if spread <= 0 or not available[over]:
-            break
-        index, cost = min(available[over], key=lambda pair: abs(spread - 2 * pair[1]))
-        if abs(spread - 2 * cost) >= spread:
-            break
-        available[over] = [pair for pair in available[over] if pair[0] != index]
-        totals[over] -= cost
-        totals[under] += cost
-        moves.append((index, over, under))
-    return moves
 
 
 def anchor_result(costs_per_rank) -> tuple[float, int]:

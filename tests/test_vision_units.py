@@ -292,7 +292,7 @@ def test_numpy_integers_are_accepted_where_an_int_is_expected():
     for bad in (True, 2.0, "3"):
         with pytest.raises(TypeError, match="num_views"):
             validate_multiview_length(item, num_views=bad, frames_per_view=4)
-    with pytest.raises(ValueError, match=r"frames_per_item\[0\] must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"frames_per_item\[0\] must be an int >= 1, got 0"):
         build_units([item], [3], [0])
 
 

@@ -20,127 +20,14 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from .. import ops
 from ..devices import as_device, map_tensors
 from ..errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
 from .decode import read_batch
 from .prefetch import DEFAULT_LOOKAHEAD, LookaheadSampler, _check_lookahead
-
-
-class WidthBucketBatchSampler(Sampler[list[int]]):
-    """Batches of rows of similar width, seeded, sharded by rank, resumable mid-epoch.
-
-    Each epoch: a seeded permutation of all rows is cut into chunks of ``batch_size *
-    bucket_batches`` rows; each chunk is sorted by width (so its batches are narrow or wide
-    together, cutting padding) and cut into batches; the batch order is then shuffled. Rank ``r``
-    of ``world_size`` takes batches ``r, r + world_size, ...``; every rank gets the same number of
-    batches: with ``drop_last`` the incomplete last batch and the batches that do not divide
-    evenly are dropped, without it the first batches are repeated to fill the last round.
-
-    Call :meth:`set_epoch` before each epoch (as with ``DistributedSampler``). ``state_dict()``
-    records the epoch and how many of this rank's batches were consumed; ``load_state_dict()``
-    makes the next iteration continue from exactly there. :meth:`upcoming` lets a reader look ahead
-    (:class:`~latentfast.cache.prefetch.LookaheadSampler`) without consuming anything.
-    """
-
-    def __init__(
-        self,
-        widths: Sequence[int] | np.ndarray,
-        batch_size: int,
-        *,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_last: bool = False,
-        bucket_batches: int = 64,
-    ):
-        self.widths = np.asarray(widths)
-        if self.widths.ndim != 1:
-            raise InvalidArgumentError(f"widths must be 1-D (one per row), got shape {self.widths.shape}")
-        if self.widths.size and self.widths.dtype.kind not in "iu":
-            raise ArgumentTypeError(f"widths must be integers, got {self.widths.dtype}")
-        values = {}
-        for name, value, low in (("batch_size", batch_size, 1), ("world_size", world_size, 1),
-                                 ("bucket_batches", bucket_batches, 1), ("rank", rank, 0), ("seed", seed, 0)):
-            values[name] = ops.as_int(name, value, minimum=low)
-        if values["rank"] >= values["world_size"]:
-            raise InvalidArgumentError(f"rank must be < world_size={values['world_size']}, got {values['rank']}")
-        self.batch_size, self.seed, self.rank = values["batch_size"], values["seed"], values["rank"]
-        self.world_size, self.bucket_batches = values["world_size"], values["bucket_batches"]
-        self.drop_last = bool(drop_last)
-        self.epoch = 0
-        self.consumed = 0  # batches of this rank's current epoch already handed out
-        self._epoch_batches: list[list[int]] | None = None  # this rank's batches of the epoch being iterated
-
-    def _all_batches(self) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(len(self.widths))
-        chunk = self.batch_size * self.bucket_batches
-        batches = []
-        for start in range(0, len(order), chunk):
-            part = order[start : start + chunk]
-            part = part[np.argsort(self.widths[part], kind="stable")]
-            batches += [part[k : k + self.batch_size].tolist() for k in range(0, len(part), self.batch_size)]
-        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
-            batches.pop()  # only the very last batch can be short (chunks are whole batches)
-        # shuffle the batch order, but keep a short batch last so drop_last-free shards stay full-sized
-        short = batches.pop() if batches and len(batches[-1]) < self.batch_size else None
-        batches = [batches[k] for k in rng.permutation(len(batches))]
-        if short is not None:
-            batches.append(short)
-        return batches
-
-    def rank_batches(self) -> list[list[int]]:
-        """This rank's batches of the current epoch, in order (ignoring what was consumed)."""
-        batches = self._all_batches()
-        if self.drop_last:
-            batches = batches[: len(batches) - len(batches) % self.world_size]
-        elif batches:
-            fill = -len(batches) % self.world_size
-            batches = batches + [batches[k % len(batches)] for k in range(fill)]
-        return batches[self.rank :: self.world_size]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        batches = self._epoch_batches = self.rank_batches()
-        start = self.consumed
-        for position in range(start, len(batches)):
-            self.consumed = position + 1
-            yield batches[position]
-        self.consumed = 0  # a finished epoch: the next iteration starts the epoch over
-        self._epoch_batches = None
-
-    def upcoming(self, count: int) -> list[list[int]]:
-        """The next ``count`` (or fewer, at the epoch's end) batches the iteration will hand out,
-        without handing them out (``consumed`` is unchanged)."""
-        count = ops.as_int("count", count, minimum=0)
-        if self._epoch_batches is None:
-            self._epoch_batches = self.rank_batches()
-        return self._epoch_batches[self.consumed : self.consumed + count]
-
-    def __len__(self) -> int:
-        n_batches = len(self.widths) // self.batch_size if self.drop_last else -(-len(self.widths) // self.batch_size)
-        per_rank = n_batches // self.world_size if self.drop_last else -(-n_batches // self.world_size)
-        return per_rank
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = ops.as_int("epoch", epoch, minimum=0)
-        self.consumed = 0
-        self._epoch_batches = None
-
-    def state_dict(self, consumed: int | None = None) -> dict:
-        """``consumed``: batches the training loop really used this epoch; pass it when a DataLoader
-        prefetches (the sampler has then handed out more batches than were consumed)."""
-        return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed if consumed is None else consumed,
-                "rank": self.rank, "world_size": self.world_size, "batch_size": self.batch_size}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "world_size", "batch_size"):
-            if state[key] != getattr(self, key):
-                raise InvalidArgumentError(f"state_dict was saved with {key}={state[key]}, this sampler has {getattr(self, key)}")
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
-        self._epoch_batches = None
+from .sampler import WidthBucketBatchSampler  # noqa: F401  (its historical home)
 
 
 class CacheBatchDataset(Dataset):

@@ -1,56 +1,49 @@
-"""``ShapeBucketBatchSampler``: batches whose items share one shape (aspect buckets, video sizes)."""
+"""Batch samplers over a latent cache: batches of rows of similar width (line caches) or of one shape
+(aspect buckets, video sizes), seeded, sharded by rank with the same number of batches on every rank,
+resumable mid-epoch, and able to show the next batches to a reader that reads ahead."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import Sampler
 
+from .. import ops
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
 
-class ShapeBucketBatchSampler(Sampler[list[int]]):
-    """Batches of item indices of one shape, seeded, sharded by rank, resumable mid-epoch.
+class ShardedBatchSampler(Sampler[list[int]]):
+    """What both samplers share: a subclass says how an epoch's batches are made (``_all_batches``,
+    seeded by ``(seed, epoch)``) and how many there are (``_total_batches``); this class shards them.
 
-    ``shapes``: int ``[N, ndim]`` (e.g. ``LatentCache.shapes``), or one hashable bucket label per
-    item. Each epoch, with a generator seeded by ``(seed, epoch)``: every bucket's items are
-    shuffled and cut into batches of ``batch_size`` (a bucket's last batch may be smaller, or is
-    dropped with ``drop_last``); then the batches of all buckets are shuffled together, so buckets
-    are seen in proportion to their size. Rank ``r`` of ``world_size`` takes batches ``r, r +
-    world_size, ...``; every rank gets the same number of batches: with ``drop_last`` the batches
-    that do not divide evenly are dropped, without it the first batches are repeated to fill the
-    last round (so every item is seen at least once per epoch).
-
-    Call :meth:`set_epoch` before each epoch. ``state_dict()`` records the epoch and how many of
-    this rank's batches were handed out (or pass ``consumed``, what the training loop really used);
-    ``load_state_dict()`` continues from exactly there.
+    Rank ``r`` of ``world_size`` takes batches ``r, r + world_size, ...``; every rank gets the same
+    number of batches: with ``drop_last`` the batches that do not divide evenly are dropped, without
+    it the first batches are repeated to fill the last round (so every item is seen at least once per
+    epoch). Call :meth:`set_epoch` before each epoch (as with ``DistributedSampler``).
+    ``state_dict()`` records the epoch and how many of this rank's batches were handed out (or pass
+    ``consumed``, what the training loop really used); ``load_state_dict()`` continues from exactly
+    there. :meth:`upcoming` lets a reader look ahead
+    (:class:`~latentfast.cache.prefetch.LookaheadSampler`) without consuming anything.
     """
 
-    def __init__(self, shapes, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 drop_last: bool = False):
-        self.buckets = _bucket_ids(shapes)
-        for name, value, low in (("batch_size", batch_size, 1), ("world_size", world_size, 1), ("rank", rank, 0),
-                                 ("seed", seed, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < low:
-                raise InvalidArgumentError(f"{name} must be >= {low}, got {value}")
-        if rank >= world_size:
-            raise InvalidArgumentError(f"rank must be < world_size={world_size}, got {rank}")
-        self.batch_size, self.seed, self.rank, self.world_size = int(batch_size), int(seed), int(rank), int(world_size)
+    def __init__(self, n_items: int, batch_size: int, *, seed: int, rank: int, world_size: int, drop_last: bool):
+        values = {name: ops.as_int(name, value, minimum=low) for name, value, low in (
+            ("batch_size", batch_size, 1), ("world_size", world_size, 1), ("rank", rank, 0), ("seed", seed, 0))}
+        if values["rank"] >= values["world_size"]:
+            raise InvalidArgumentError(f"rank must be < world_size={values['world_size']}, got {values['rank']}")
+        self.batch_size, self.seed = values["batch_size"], values["seed"]
+        self.rank, self.world_size = values["rank"], values["world_size"]
         self.drop_last = bool(drop_last)
+        self.n_items = int(n_items)
         self.epoch = 0
-        self.consumed = 0
-        self._members = [np.flatnonzero(self.buckets == b) for b in range(int(self.buckets.max(initial=-1)) + 1)]
+        self.consumed = 0  # batches of this rank's current epoch already handed out
+        self._epoch_batches: list[list[int]] | None = None  # this rank's batches of the epoch being iterated
 
     def _all_batches(self) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, self.epoch])
-        batches = []
-        for members in self._members:
-            order = members[rng.permutation(len(members))]
-            stop = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
-            batches += [order[k : k + self.batch_size].tolist() for k in range(0, stop, self.batch_size)]
-        return [batches[k] for k in rng.permutation(len(batches))]
+        raise NotImplementedError
+
+    def _total_batches(self) -> int:
+        raise NotImplementedError
 
     def rank_batches(self) -> list[list[int]]:
         """This rank's batches of the current epoch, in order (ignoring what was consumed)."""
@@ -63,37 +56,119 @@ class ShapeBucketBatchSampler(Sampler[list[int]]):
         return batches[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
-        batches = self.rank_batches()
-        for position in range(self.consumed, len(batches)):
+        batches = self._epoch_batches = self.rank_batches()
+        start = self.consumed
+        for position in range(start, len(batches)):
             self.consumed = position + 1
             yield batches[position]
         self.consumed = 0  # a finished epoch: the next iteration starts the epoch over
+        self._epoch_batches = None
 
-    def _total_batches(self) -> int:
-        if self.drop_last:
-            return sum(len(m) // self.batch_size for m in self._members)
-        return sum(-(-len(m) // self.batch_size) for m in self._members)
+    def upcoming(self, count: int) -> list[list[int]]:
+        """The next ``count`` (or fewer, at the epoch's end) batches the iteration will hand out,
+        without handing them out (``consumed`` is unchanged)."""
+        count = ops.as_int("count", count, minimum=0)
+        if self._epoch_batches is None:
+            self._epoch_batches = self.rank_batches()
+        return self._epoch_batches[self.consumed : self.consumed + count]
 
     def __len__(self) -> int:
         total = self._total_batches()
         return total // self.world_size if self.drop_last else -(-total // self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        self.epoch = ops.as_int("epoch", epoch, minimum=0)
         self.consumed = 0
+        self._epoch_batches = None
 
     def state_dict(self, consumed: int | None = None) -> dict:
         """``consumed``: batches the training loop really used this epoch; pass it when a DataLoader
         prefetches (the sampler has then handed out more batches than were consumed)."""
         return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed if consumed is None else int(consumed),
                 "rank": self.rank, "world_size": self.world_size, "batch_size": self.batch_size,
-                "drop_last": self.drop_last, "items": int(len(self.buckets))}
+                "drop_last": self.drop_last, "items": self.n_items}
 
     def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
         for key in ("seed", "world_size", "batch_size", "drop_last", "items"):
-            if key in state and state[key] != self.state_dict()[key]:
-                raise InvalidArgumentError(f"state_dict was saved with {key}={state[key]}, this sampler has {self.state_dict()[key]}")
+            if key in state and state[key] != mine[key]:
+                raise InvalidArgumentError(f"state_dict was saved with {key}={state[key]}, this sampler has {mine[key]}")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self._epoch_batches = None
+
+
+class WidthBucketBatchSampler(ShardedBatchSampler):
+    """Batches of rows of similar width (line caches; see :class:`ShardedBatchSampler` for sharding,
+    epochs and resuming).
+
+    Each epoch: a seeded permutation of all rows is cut into chunks of ``batch_size *
+    bucket_batches`` rows; each chunk is sorted by width (so its batches are narrow or wide
+    together, cutting padding) and cut into batches; the batch order is then shuffled, a short last
+    batch kept last (or dropped with ``drop_last``).
+    """
+
+    def __init__(self, widths: Sequence[int] | np.ndarray, batch_size: int, *, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, drop_last: bool = False, bucket_batches: int = 64):
+        self.widths = np.asarray(widths)
+        if self.widths.ndim != 1:
+            raise InvalidArgumentError(f"widths must be 1-D (one per row), got shape {self.widths.shape}")
+        if self.widths.size and self.widths.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"widths must be integers, got {self.widths.dtype}")
+        super().__init__(len(self.widths), batch_size, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
+        self.bucket_batches = ops.as_int("bucket_batches", bucket_batches, minimum=1)
+
+    def _all_batches(self) -> list[list[int]]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(len(self.widths))
+        chunk = self.batch_size * self.bucket_batches
+        batches = []
+        for start in range(0, len(order), chunk):
+            part = order[start : start + chunk]
+            part = part[np.argsort(self.widths[part], kind="stable")]
+            batches += [part[k : k + self.batch_size].tolist() for k in range(0, len(part), self.batch_size)]
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()  # only the very last batch can be short (chunks are whole batches)
+        # shuffle the batch order, but keep a short batch last so drop_last-free shards stay full-sized
+        short = batches.pop() if batches and len(batches[-1]) < self.batch_size else None
+        batches = [batches[k] for k in rng.permutation(len(batches))]
+        if short is not None:
+            batches.append(short)
+        return batches
+
+    def _total_batches(self) -> int:
+        return self.n_items // self.batch_size if self.drop_last else -(-self.n_items // self.batch_size)
+
+
+class ShapeBucketBatchSampler(ShardedBatchSampler):
+    """Batches of item indices of one shape (see :class:`ShardedBatchSampler` for sharding, epochs
+    and resuming).
+
+    ``shapes``: int ``[N, ndim]`` (e.g. ``LatentCache.shapes``), or one hashable bucket label per
+    item. Each epoch, with a generator seeded by ``(seed, epoch)``: every bucket's items are
+    shuffled and cut into batches of ``batch_size`` (a bucket's last batch may be smaller, or is
+    dropped with ``drop_last``); then the batches of all buckets are shuffled together, so buckets
+    are seen in proportion to their size.
+    """
+
+    def __init__(self, shapes, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 drop_last: bool = False):
+        self.buckets = _bucket_ids(shapes)
+        super().__init__(len(self.buckets), batch_size, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
+        self._members = [np.flatnonzero(self.buckets == b) for b in range(int(self.buckets.max(initial=-1)) + 1)]
+
+    def _all_batches(self) -> list[list[int]]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        batches = []
+        for members in self._members:
+            order = members[rng.permutation(len(members))]
+            stop = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
+            batches += [order[k : k + self.batch_size].tolist() for k in range(0, stop, self.batch_size)]
+        return [batches[k] for k in rng.permutation(len(batches))]
+
+    def _total_batches(self) -> int:
+        if self.drop_last:
+            return sum(len(m) // self.batch_size for m in self._members)
+        return sum(-(-len(m) // self.batch_size) for m in self._members)
 
 
 def _bucket_ids(shapes) -> np.ndarray:

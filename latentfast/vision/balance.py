@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices import as_device
+from ..ops import as_int
 from ..errors import ArgumentTypeError, InvalidArgumentError, OffloadEncodeError
 from .plan import Plan, as_bandwidth, plan_assignment
 
@@ -424,7 +425,7 @@ def _settings(g: _Group, capacity, bandwidth, errors: list) -> tuple[int, float 
     here, where the peers would be left waiting."""
     try:
         check_collective_device(g.device, dist.get_backend(g.group), _current_cuda_index())
-        return _setting(capacity, "capacity"), as_bandwidth(bandwidth)
+        return as_int("capacity", capacity, minimum=1), as_bandwidth(bandwidth)
     except (InvalidArgumentError, ArgumentTypeError) as exc:
         errors.append(exc)
         if dist.get_backend(g.group) == "nccl":
@@ -436,17 +437,6 @@ def _current_cuda_index() -> int | None:
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
-def _setting(value, name: str) -> int:
-    """A whole-number setting (numpy integers accepted); a bad one is a local mistake, raised here."""
-    try:
-        value = operator.index(value)
-    except TypeError as exc:
-        raise ArgumentTypeError(f"{name} must be an int, got {value!r}") from exc
-    if value < 1:
-        raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def measure_link_bandwidth(
     *, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu", nbytes: int = 8 << 20, repeats: int = 5
 ) -> float:
@@ -455,7 +445,7 @@ def measure_link_bandwidth(
     times (median); the slowest rank's figure is returned on every rank, so passing it to
     :class:`VisionEncoder` (``link_bandwidth=``) keeps the plan identical everywhere."""
     device, size, rank = as_device(device), dist.get_world_size(group), dist.get_rank(group)
-    nbytes, repeats = _setting(nbytes, "nbytes"), _setting(repeats, "repeats")
+    nbytes, repeats = as_int("nbytes", nbytes, minimum=1), as_int("repeats", repeats, minimum=1)
     if size < 2:
         raise InvalidArgumentError(f"measure_link_bandwidth needs a group of at least 2 ranks, got {size}")
     out, into = torch.zeros(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)

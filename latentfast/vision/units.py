@@ -8,12 +8,12 @@ encode calls for every kind of batch.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from .. import ops
+from ..ops import as_int
 from ..devices import as_device
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
@@ -32,19 +32,6 @@ def check_item_layout(item: torch.Tensor, name: str = "item") -> None:
         raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(item).__name__}")
     if item.ndim not in (4, 5):
         raise InvalidArgumentError(f"{name}: VAE inputs must have shape [C,T,H,W] or [B,C,T,H,W], got {tuple(item.shape)}")
-
-
-def _positive_int(value, name: str) -> int:
-    """``value`` as an int >= 1 (numpy integers welcome, bools and floats not)."""
-    if isinstance(value, bool):
-        raise ArgumentTypeError(f"{name} must be a positive int, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError as exc:
-        raise ArgumentTypeError(f"{name} must be a positive int, got {value!r}") from exc
-    if value < 1:
-        raise InvalidArgumentError(f"{name} must be a positive int, got {value}")
-    return value
 
 
 def vae_pixel_shapes(items: Sequence[torch.Tensor | None] | None) -> list[tuple[int, int, int]]:
@@ -77,8 +64,8 @@ def normalize_uint8_item(x: torch.Tensor, fp32_kwargs: dict | None = None, *, dt
 
 def validate_multiview_length(x: torch.Tensor, *, num_views: int, frames_per_view: int) -> None:
     """Check a camera-major multiview item packs exactly ``num_views * frames_per_view`` frames on T."""
-    num_views = _positive_int(num_views, "num_views")
-    frames_per_view = _positive_int(frames_per_view, "frames_per_view")
+    num_views = as_int("num_views", num_views, minimum=1)
+    frames_per_view = as_int("frames_per_view", frames_per_view, minimum=1)
     frames = int(x.shape[x.ndim - 3])
     if frames != num_views * frames_per_view:
         raise InvalidArgumentError(
@@ -106,12 +93,12 @@ def item_views(item: torch.Tensor, num_views, frames, names: tuple[str, str] = (
     ``frames`` ``None`` for a plain item (one call on the tensor as it is, ``num_views`` must be 1)
     and otherwise a multiview item whose T is ``num_views * frames``. ``names`` name the two
     arguments in error messages."""
-    num_views = _positive_int(num_views, names[0])
+    num_views = as_int(names[0], num_views, minimum=1)
     if frames is None:
         if num_views != 1:
             raise InvalidArgumentError(f"{names[1]} is required when num_views is greater than one, got {names[0]}={num_views}")
         return 1, None
-    frames = _positive_int(frames, names[1])
+    frames = as_int(names[1], frames, minimum=1)
     validate_multiview_length(item, num_views=num_views, frames_per_view=frames)
     return num_views, frames
 
