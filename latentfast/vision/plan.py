@@ -233,6 +233,7 @@ class _Assignment:
         self.load = list(problem.home_load)
         self.away: set[int] = set()  # units encoded away from home
         self.visitors: dict[int, set[int]] = {}  # rank -> units of other ranks encoded there
+        self.gone = [0] * problem.num_ranks  # rank -> how many of its own units are encoded elsewhere
         self._sorted: dict[int, tuple[list[int], list[int]]] = {}  # rank -> (costs, units), built on use
 
     def units_on(self, r: int) -> tuple[list[int], list[int]]:
@@ -240,11 +241,13 @@ class _Assignment:
         if r not in self._sorted:
             p, where = self.p, self.where
             costs, units = p.by_cost(r)
-            if len(self.visitors.get(r, ())) or any(where[u] != r for u in units):
-                units = sorted([u for u in units if where[u] == r] + list(self.visitors.get(r, ())))
-                units.sort(key=p.cost.__getitem__)  # stable: (cost, unit) order
+            if self.gone[r]:  # already in (cost, unit) order: filtering keeps it
+                units = [u for u in units if where[u] == r]
                 costs = list(map(p.cost.__getitem__, units))
-            self._sorted[r] = (list(costs), list(units))
+            costs, units = list(costs), list(units)
+            for v in self.visitors.get(r, ()):
+                _insert(costs, units, p.cost[v], v)
+            self._sorted[r] = (costs, units)
         return self._sorted[r]
 
     def move(self, u: int, dest: int) -> None:
@@ -252,12 +255,14 @@ class _Assignment:
         c, t, h = p.cost[u], p.xfer[u], p.home[u]
         if src == h:
             load[h] -= c
+            self.gone[h] += 1
         else:
             load[src] -= c + t
             load[h] -= t
             self.visitors[src].discard(u)
         if dest == h:
             load[h] += c
+            self.gone[h] -= 1
             self.away.discard(u)
         else:
             load[dest] += c + t
@@ -265,16 +270,12 @@ class _Assignment:
             self.away.add(u)
             self.visitors.setdefault(dest, set()).add(u)
         self.where[u] = dest
-        for r, leaving in ((src, True), (dest, False)):
-            if r in self._sorted:  # (cost, unit) order, found by bisection even in long runs of equal costs
-                costs, units = self._sorted[r]
-                lo = bisect.bisect_left(costs, c)
-                i = bisect.bisect_left(units, u, lo, bisect.bisect_right(costs, c, lo))
-                if leaving:
-                    del costs[i], units[i]
-                else:
-                    costs.insert(i, c)
-                    units.insert(i, u)
+        if src in self._sorted:
+            costs, units = self._sorted[src]
+            i = _position(costs, units, c, u)
+            del costs[i], units[i]
+        if dest in self._sorted:
+            _insert(*self._sorted[dest], c, u)
 
     def makespan(self) -> int:
         return max(self.load, default=0)
@@ -290,6 +291,19 @@ class _Assignment:
             loads[self.p.home[u]] -= self.p.cost[u]
             loads[self.where[u]] += self.p.cost[u]
         return loads
+
+
+def _position(costs: list[int], units: list[int], c: int, u: int) -> int:
+    """Where unit ``u`` of cost ``c`` sits (or would) in (cost, unit) order; bisection even
+    through long runs of equal costs."""
+    lo = bisect.bisect_left(costs, c)
+    return bisect.bisect_left(units, u, lo, bisect.bisect_right(costs, c, lo))
+
+
+def _insert(costs: list[int], units: list[int], c: int, u: int) -> None:
+    i = _position(costs, units, c, u)
+    costs.insert(i, c)
+    units.insert(i, u)
 
 
 def _score(a: _Assignment, steps) -> tuple[int, int]:
