@@ -70,6 +70,30 @@ def _offdiagonal_mean(kernel: torch.Tensor) -> torch.Tensor:
     return kernel.masked_fill(eye, 0.0).sum() / (n * (n - 1))
 
 
+def _checked_shapes(sample_shapes) -> dict[str, tuple[int, int]]:
+    if not isinstance(sample_shapes, Mapping) or not sample_shapes:
+        raise InvalidArgumentError(f"sample_shapes must be a non-empty mapping name -> (N, D), got {sample_shapes!r}")
+    shapes = {}
+    for name, shape in sample_shapes.items():
+        shape = tuple(int(v) for v in shape)
+        if len(shape) != 2 or min(shape) <= 0:
+            raise InvalidArgumentError(f"sample_shapes[{name!r}] must be a positive (N, D), got {shape}")
+        shapes[str(name)] = shape
+    return shapes
+
+
+def _per_branch_settings(branch_names: tuple[str, ...], weights, embedding) -> tuple[dict[str, float], dict[str, str]]:
+    """``weights`` (default 1.0) and ``embedding`` (one name for all, or one per branch) by branch."""
+    weights = dict(weights or {})
+    unknown = set(weights) - set(branch_names)
+    if unknown:
+        raise InvalidArgumentError(f"weights name unknown branches {sorted(unknown)}; branches are {branch_names}")
+    how = embedding if isinstance(embedding, Mapping) else {name: embedding for name in branch_names}
+    if set(how) != set(branch_names) or any(v not in EMBEDDINGS for v in how.values()):
+        raise InvalidArgumentError(f"embedding must be one of {EMBEDDINGS} or a mapping of them per branch, got {embedding!r}")
+    return {name: float(weights.get(name, 1.0)) for name in branch_names}, {name: how[name] for name in branch_names}
+
+
 class MultiEncoderMMD(nn.Module):
     """Distribution loss over several encoders' features (see the module docstring for formulas).
 
@@ -101,25 +125,9 @@ class MultiEncoderMMD(nn.Module):
         landmark_seed: int = 0,
     ):
         super().__init__()
-        if not isinstance(sample_shapes, Mapping) or not sample_shapes:
-            raise InvalidArgumentError(f"sample_shapes must be a non-empty mapping name -> (N, D), got {sample_shapes!r}")
-        shapes = {}
-        for name, shape in sample_shapes.items():
-            shape = tuple(int(v) for v in shape)
-            if len(shape) != 2 or min(shape) <= 0:
-                raise InvalidArgumentError(f"sample_shapes[{name!r}] must be a positive (N, D), got {shape}")
-            shapes[str(name)] = shape
-        self.branch_names: tuple[str, ...] = tuple(shapes)
-        self.sample_shapes: dict[str, tuple[int, int]] = shapes
-        weights = dict(weights or {})
-        unknown = set(weights) - set(shapes)
-        if unknown:
-            raise InvalidArgumentError(f"weights name unknown branches {sorted(unknown)}; branches are {self.branch_names}")
-        self.weights = {name: float(weights.get(name, 1.0)) for name in self.branch_names}
-        how = embedding if isinstance(embedding, Mapping) else {name: embedding for name in self.branch_names}
-        if set(how) != set(shapes) or any(v not in EMBEDDINGS for v in how.values()):
-            raise InvalidArgumentError(f"embedding must be one of {EMBEDDINGS} or a mapping of them per branch, got {embedding!r}")
-        self.embedding = {name: how[name] for name in self.branch_names}
+        self.sample_shapes: dict[str, tuple[int, int]] = _checked_shapes(sample_shapes)
+        self.branch_names: tuple[str, ...] = tuple(self.sample_shapes)
+        self.weights, self.embedding = _per_branch_settings(self.branch_names, weights, embedding)
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
