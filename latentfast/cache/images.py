@@ -5,7 +5,8 @@ bytes); give each item its bucket; plan batches of one bucket (buckets in the or
 sorted within a bucket); then per batch either copy an item's latents from the cache already in
 the folder (same encoder and settings, same content hash, checksum intact) or decode it (Pillow /
 PyAV on a thread pool, two batches ahead) and encode it. Everything goes through
-:class:`~latentfast.cache.writer.LatentCacheWriter`, so a build is crash-safe and resumable (rerun
+:class:`~latentfast.cache.writer.LatentCacheWriter`, and each batch is made durable before the
+next, so a build is crash-safe (a crash loses at most the batch in flight) and resumable (rerun
 the same call), and a rerun after editing images re-encodes only the edited ones. A rerun over a
 complete, intact cache with unchanged sources writes nothing; one over a damaged cache re-encodes
 the damaged items.
@@ -250,6 +251,7 @@ class _Runner:
                 latent, info = latents[j], loads[j][1]
             self.writer.append(item.key, latent, source_hash=item.digest, info={**info, "bucket": list(item.bucket)})
             self.counts["encoded"] += 1
+        self.writer.flush()  # durable per batch: a crash loses at most the batch in flight, as in the line builder
         self.counts["write_s"] += time.perf_counter() - t0
 
     def _copy(self, item) -> bool:
