@@ -243,7 +243,7 @@ def print_report(quality: list[dict], times: dict, steps: dict, load: float) -> 
     print()
     print(format_table(
         f"2-process gloo skewed encode step, barrier to barrier, transfers included (1 thread per rank; host load average {load:.1f})",
-        ["encode", "items per rank", "unbalanced ms", "balanced ms", "speedup (x)", "planned speedup (x)", "moved MB", "link GB/s"],
+        ["encode", "items per rank (count)", "unbalanced ms", "balanced ms", "speedup (x)", "planned speedup (x)", "moved MB", "link GB/s"],
         [[name, str(r["items_per_rank"]), 1e3 * r["unbalanced_s"], 1e3 * r["balanced_s"], r["speedup"], r["planned_speedup"],
           r["moved_bytes"] / 1e6, "-" if r["link_bandwidth"] is None else f"{r['link_bandwidth'] / 1e9:.2f}"] for name, r in steps.items()],
     ))  # fmt: skip

@@ -552,7 +552,7 @@ def print_loops(loops: dict) -> None:
         f"training loop over an evicted cache, simulated {STEP_S * 1e3:.0f} ms step (sleep): "
         "WidthBucketBatchSampler -> LookaheadSampler -> read_batch -> DevicePrefetcher(cpu); wait = time to get "
         "the next batch (target with lookahead: >= 95% of steps < 1 ms)",
-        ["loop", "resident bytes before", "steps", "steps waiting < 1 ms", "median wait ms", "p95 wait ms",
+        ["loop", "resident bytes before", "steps (count)", "steps waiting < 1 ms", "median wait ms", "p95 wait ms",
          "max wait ms", "first step ms"], rows))
 
 

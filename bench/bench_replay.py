@@ -139,8 +139,8 @@ def _step_row(device: str, b: int, repeat: int) -> dict:
 
 def step_report(device: str, quick: bool) -> list[dict]:
     rows = [_step_row(device, b, 3 if quick else 5) for b in (QUICK_SWEEP_b if quick else SWEEP_b)]
-    header = ["b", "b/micro"] + [f"{p} peak MB" for p in STEP_PROVIDERS] + ["replay/fair peak"]
-    header += [f"{p} ms" for p in STEP_PROVIDERS] + ["replay/fair time", "max rel err"]
+    header = ["b (samples)", "replays (b/micro)"] + [f"{p} peak MB" for p in STEP_PROVIDERS] + ["replay/fair peak (x)"]
+    header += [f"{p} ms" for p in STEP_PROVIDERS] + ["replay/fair time (x)", "max rel err (ratio)"]
     table = [
         [r["b"], r["replays"], *(r[f"{p}_peak_MB"] for p in STEP_PROVIDERS), r["replay_over_fair_peak"],
          *(r[f"{p}_ms"] for p in STEP_PROVIDERS), r["replay_over_fair_time"], r["max_rel_error"]]
@@ -252,7 +252,7 @@ def scatter_report(device: str, quick: bool) -> list[dict]:
     rows = [_scatter_row(size, device, repeat, op) for size in (QUICK_SCATTER_SIZES if quick else SCATTER_SIZES)]
     names = ("loop", "mul+split", op)
     header = ["features", "MB in"] + [f"{mode} {n} us" for mode in ("fresh", "reuse") for n in names]
-    header += ["fresh loop/op", "reuse loop/op", "fresh mul+split/op", "reuse mul+split/op"]
+    header += ["fresh loop/op (x)", "reuse loop/op (x)", "fresh mul+split/op (x)", "reuse mul+split/op (x)"]
     table = [
         [r["size"], r["MB_in"], *(r[f"{mode}_{n}_us"] for mode in ("fresh", "reuse") for n in names),
          r["fresh_loop_over_op"], r["reuse_loop_over_op"], r["fresh_mul+split_over_op"], r["reuse_mul+split_over_op"]]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -55,11 +56,39 @@ def test_bench_quick_writes_json(tmp_path):
     replay = report["suites"]["replay"]["summary"]
     assert replay["replay_gradient_max_rel_error"] <= 1e-6
     assert replay["ddp_reductions_per_step_gradient_sync"] < replay["ddp_reductions_per_step_every_replay"]
+    _check_tables(proc.stdout)
+
+
+# a column header names its unit, or is one of these label columns
+UNIT = re.compile(r"\bx\b|\bMB\b|MiB|GB/s|MB/s|\bms\b|\bus\b|\(s\)|\(x\)|%|bytes|\(count\)|\(samples\)|\(ratio\)|\(b/micro\)|/ step")
+LABEL_COLUMNS = {"provider", "loop", "layout", "reader", "path", "setting", "encode", "features", "gradient sync"}
+
+
+def _check_tables(text: str) -> None:
+    """Every printed table: units in every header, a legend for its baselines, no jargon."""
+    lines = text.splitlines()
+    rules = [i for i, line in enumerate(lines) if i and re.fullmatch(r"-+( {2}-+)*", line.strip() or "x")]
+    assert len(rules) >= 4, text[-3000:]
+    for i in rules:
+        spans = [m.span() for m in re.finditer(r"-+", lines[i])]
+        header = [lines[i - 1][: end].strip() if k == 0 else lines[i - 1][start:end].strip() for k, (start, end) in enumerate(spans)]
+        unnamed = [c for c in header if not UNIT.search(c) and c not in LABEL_COLUMNS]
+        assert not unnamed, (lines[i - 1], unnamed)
+        after = "\n".join(lines[i + 1 : i + 40])
+        assert "legend" in after or re.search(r"^  \S+: ", after, re.M), lines[i - 1]  # a legend follows the table
+    assert "spec's way" not in text  # baselines are named for what they are
 
 
 def test_bench_rejects_unknown_suite(tmp_path):
     proc = _latentfast("bench", "--suite", "nope", "--out", str(tmp_path))
     assert proc.returncode != 0 and "unknown suite" in (proc.stdout + proc.stderr)
+
+
+def test_help_says_where_output_goes():
+    demo = _latentfast("demo", "--help")
+    assert demo.returncode == 0 and "summary.json" in demo.stdout and "default:" in demo.stdout and "latentfast-demo" in demo.stdout
+    bench = _latentfast("bench", "--help")
+    assert bench.returncode == 0 and "bench.json" in bench.stdout and "--out" in bench.stdout
 
 
 def test_cache_subcommands_are_wired():

@@ -3,9 +3,10 @@
 1. Each rank replays its own shard; the FSDP-style averaged gradient equals single-process plain
    backprop on the concatenated data. An incomplete rank, or a rank holding non-finite features or
    cotangents, makes every rank's finalize raise (no hang).
-2. Real DDP and FSDP2 (``fully_shard`` on a CPU mesh): with ``gradient_sync`` the replayed step
-   reduces once per bucket / FSDP group, not once per replay (counted by a DDP comm hook and an
-   FSDP2 custom reduce-scatter), and the gradients equal syncing every replay and plain backprop.
+2. Real DDP, FSDP2 (``fully_shard`` on a CPU mesh) and FSDP1 (``FullyShardedDataParallel`` on the
+   CPU): with ``gradient_sync`` the replayed step reduces once per bucket / FSDP unit, not once per
+   replay (counted by a DDP comm hook, an FSDP2 custom reduce-scatter and an FSDP1 comm hook), and
+   the gradients equal syncing every replay and plain backprop.
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def test_two_rank_replay_equals_single_process_plain(tmp_path):
         assert ("in torch.float16" in outcome["overflow"]) == (rank == 1), outcome  # the failing rank's dtype
 
 
-# ---- DDP and FSDP2: one reduction per bucket per step -----------------------------------------
+# ---- DDP, FSDP2 and FSDP1: one reduction per bucket per step -----------------------------------------
 SYNC_SCENARIO = dict(mode="nystrom", attraction=True)
 SYNC_B, SYNC_b = 8, 6  # three replayed microbatches per rank
 
@@ -208,10 +209,41 @@ def _fsdp2(rank: int) -> dict:
     return out
 
 
+def _fsdp1(rank: int) -> dict:
+    from functools import partial
+
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState, reduce_scatter_hook
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    problem = _problem(SYNC_SCENARIO, SYNC_B, SYNC_b)
+    fsdp = FullyShardedDataParallel(
+        problem.generator, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+    calls: list = []
+    state = DefaultState(dist.group.WORLD)
+
+    def counting_hook(state, grad, output):
+        calls.append(1)
+        return reduce_scatter_hook(state, grad, output)
+
+    fsdp.register_comm_hook(state, counting_hook)
+    problem.model = fsdp
+
+    def full_grads():
+        with FullyShardedDataParallel.summon_full_params(fsdp, with_grads=True):
+            return {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in fsdp.named_parameters()}
+
+    out = _run_steps(problem, rank, full_grads, calls)
+    out["buckets"] = len([m for m in fsdp.modules() if isinstance(m, FullyShardedDataParallel) and m._has_params])
+    return out
+
+
 def _sync_worker(rank: int, init_file: str, out_dir: str) -> None:
     _init(rank, init_file)
     try:
-        results = {"ddp": _ddp(rank), "fsdp2": _fsdp2(rank)}
+        results = {"ddp": _ddp(rank), "fsdp2": _fsdp2(rank), "fsdp1": _fsdp1(rank)}
         torch.save(results, f"{out_dir}/sync{rank}.pt")
     finally:
         _teardown()
@@ -219,7 +251,7 @@ def _sync_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_ddp_and_fsdp2_reduce_once_per_step_with_gradient_sync(tmp_path):
+def test_ddp_and_fsdp_reduce_once_per_step_with_gradient_sync(tmp_path):
     _spawn(_sync_worker, tmp_path)
     problem = _problem(SYNC_SCENARIO, SYNC_B, SYNC_b)
     plain_step(problem)  # all shards, one process: the sum the averaged fsdp cotangents give
