@@ -212,7 +212,9 @@ def _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank) -
         raise InvalidArgumentError("latent_bytes_per_rank is only used with bandwidth=")
     offsets = np.cumsum([0, *counts]).tolist()
     home_load = [sum(cost[offsets[r] : offsets[r + 1]]) for r in range(len(counts))]
-    return _Problem(len(counts), offsets, cost, weight, xfer, home, home_load, any(xfer), len(set(weight)) > 1)
+    transfer_aware = bandwidth is not None and any(xfer)
+    bytes_vary = bytes_per_rank is not None and len(set(weight)) > 1
+    return _Problem(len(counts), offsets, cost, weight, xfer, home, home_load, transfer_aware, bytes_vary)
 
 
 # ---- assignments --------------------------------------------------------------------------------
@@ -334,14 +336,13 @@ def _nearest_half(costs: list[int], units: list[int], spread: int) -> int | None
     ``spread / 2``, the lowest local index among ties; ``None`` when even that one would not
     shrink the gap."""
     i = bisect.bisect_right(costs, spread // 2)  # positions [0, i) have 2 * cost <= spread
-    picks = []
+    best = None  # (gap left, unit, position)
     if i > 0:
         j = bisect.bisect_left(costs, costs[i - 1])  # the lowest local index of that cost
-        picks.append((spread - 2 * costs[j], units[j], j))
-    if i < len(costs):
-        picks.append((2 * costs[i] - spread, units[i], i))
-    gap, _, position = min(picks)
-    return position if gap < spread else None
+        best = (spread - 2 * costs[j], units[j], j)
+    if i < len(costs) and (best is None or (2 * costs[i] - spread, units[i]) < best[:2]):
+        best = (2 * costs[i] - spread, units[i], i)
+    return best[2] if best[0] < spread else None
 
 
 def _move_once(p: _Problem, max_iterations: int = ANCHOR_MAX_ITERATIONS) -> list[tuple[int, int]]:
