@@ -142,7 +142,7 @@ def test_two_rank_replay_equals_single_process_plain(tmp_path):
         assert ("in torch.float16" in outcome["overflow"]) == (rank == 1), outcome  # the failing rank's dtype
 
 
-# ---- DDP, FSDP2 and FSDP1: one reduction per bucket per step -----------------------------------------
+# ---- DDP, FSDP2 and FSDP1: one reduction per bucket per step ----------------------------------
 SYNC_SCENARIO = dict(mode="nystrom", attraction=True)
 SYNC_B, SYNC_b = 8, 6  # three replayed microbatches per rank
 
@@ -210,8 +210,6 @@ def _fsdp2(rank: int) -> dict:
 
 
 def _fsdp1(rank: int) -> dict:
-    from functools import partial
-
     from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState, reduce_scatter_hook
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
