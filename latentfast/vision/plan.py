@@ -177,6 +177,7 @@ class _Problem:
     home: list[int]
     home_load: list[int]  # encode ns per rank when nothing moves
     total: int  # encode ns of the whole step
+    largest: int  # encode ns of the dearest unit
     transfer_aware: bool
     bytes_vary: bool  # units differ in size: worth trading a moved unit for a lighter one
     sorted_costs: list[int]  # cost of sorted_units[i]
@@ -189,10 +190,10 @@ class _Problem:
         return self.sorted_costs[lo:hi], self.sorted_units[lo:hi]
 
 
-def _rank_order(ns: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+def _rank_order(ns: np.ndarray, ranks: np.ndarray, largest: int) -> np.ndarray:
     """Every unit by (home rank, cost, unit), in one stable sort: one packed int64 key where rank
     and cost fit in it (ranks come in runs, so this is several times faster than lexsort)."""
-    shift = int(ns.max()).bit_length() if len(ns) else 0
+    shift = largest.bit_length()
     if shift + int(ranks[-1] if len(ranks) else 0).bit_length() <= 62:
         return np.argsort((ranks << shift) | ns, kind="stable")
     return np.lexsort((ns, ranks))
@@ -227,9 +228,10 @@ def _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank) -
     offsets = [0, *itertools.accumulate(counts)]
     ranks = np.repeat(np.arange(m, dtype=np.int64), counts)
     ends = np.concatenate(([0], np.cumsum(ns)))[offsets]  # exact: the total fits int64 (checked above)
-    order = _rank_order(ns, ranks)
+    largest = int(ns.max()) if n else 0
+    order = _rank_order(ns, ranks, largest)
     return _Problem(
-        m, offsets, cost, weight, xfer, ranks.tolist(), np.diff(ends).tolist(), int(ends[-1]),
+        m, offsets, cost, weight, xfer, ranks.tolist(), np.diff(ends).tolist(), int(ends[-1]), largest,
         bandwidth is not None and any(xfer), bytes_vary, ns[order].tolist(), order.tolist(),
     )  # fmt: skip
 
@@ -252,28 +254,32 @@ class _Assignment:
         self.load = list(problem.home_load)
         self.away: set[int] = set()  # units encoded away from home
         self.visitors: dict[int, set[int]] = {}  # rank -> units of other ranks encoded there
+        self.gone = [0] * problem.num_ranks  # rank -> how many of its own units are encoded elsewhere
         self._sorted: list = [None] * problem.num_ranks  # rank -> units_on(rank), built on use
 
     def leave_home(self, moves: list[tuple[int, int]]) -> None:
         """Apply ``(unit, helper)`` moves of units still at home, before any :meth:`units_on`
         (the anchor's moves): :meth:`move` without its general cases."""
-        p, load, where, visitors = self.p, self.load, self.where, self.visitors
+        p, load, where, visitors, gone = self.p, self.load, self.where, self.visitors, self.gone
         for u, dest in moves:
             c, t, h = p.cost[u], p.xfer[u], where[u]
             load[h] -= c - t
             load[dest] += c + t
             where[u] = dest
+            gone[h] += 1
             visitors.setdefault(dest, set()).add(u)
         self.away.update(u for u, _ in moves)
 
     def units_on(self, r: int) -> tuple[list[int], list[int]]:
-        """``(costs, units)`` of every unit encoded on ``r``, cheapest first (kept up to date once built)."""
+        """``(costs, units)`` of every unit encoded on ``r``, cheapest first; built on first use
+        after a move to or from ``r`` (a rank's units are used for a step or two, then it moves on)."""
         on = self._sorted[r]
         if on is None:  # r's own units still here (already in order), then its few visitors put in place
             p, where = self.p, self.where
-            costs, units = p.by_cost(r)
-            kept = [u for u in units if where[u] == r]
-            on = (costs if len(kept) == len(units) else list(map(p.cost.__getitem__, kept)), kept)
+            on = p.by_cost(r)
+            if self.gone[r]:
+                units = [u for u in on[1] if where[u] == r]
+                on = (list(map(p.cost.__getitem__, units)), units)
             for v in self.visitors.get(r, ()):
                 i = _position(on, p.cost[v], v)
                 on[0].insert(i, p.cost[v])
@@ -286,12 +292,14 @@ class _Assignment:
         c, t, h = p.cost[u], p.xfer[u], p.home[u]
         if src == h:
             load[h] -= c
+            self.gone[h] += 1
         else:
             load[src] -= c + t
             load[h] -= t
             self.visitors[src].discard(u)
         if dest == h:
             load[h] += c
+            self.gone[h] -= 1
             self.away.discard(u)
         else:
             load[dest] += c + t
@@ -299,15 +307,7 @@ class _Assignment:
             self.away.add(u)
             self.visitors.setdefault(dest, set()).add(u)
         self.where[u] = dest
-        on = self._sorted[src]
-        if on is not None:
-            i = _position(on, c, u)
-            del on[0][i], on[1][i]
-        on = self._sorted[dest]
-        if on is not None:
-            i = _position(on, c, u)
-            on[0].insert(i, c)
-            on[1].insert(i, u)
+        self._sorted[src] = self._sorted[dest] = None
 
     def makespan(self) -> int:
         return max(self.load, default=0)
@@ -589,35 +589,46 @@ def _local_search(a: _Assignment, goal: int, max_steps: int) -> _Assignment:
 
 def _send_home_where_free(a: _Assignment) -> _Assignment:
     """Moved units go back home (heaviest first) wherever that keeps the step time."""
-    p, limit = a.p, a.makespan()
-    for u in sorted(sorted(a.away), key=p.weight.__getitem__, reverse=True):  # ties: lowest unit first
+    p, limit, load, home, cost = a.p, a.makespan(), a.load, a.p.home, a.p.cost
+    for u in _heaviest_first(a):
         if p.transfer_aware:
-            fits = _score(a, ((u, p.home[u]),))[0] <= limit
+            fits = _score(a, ((u, home[u]),))[0] <= limit
         else:  # inlined: only the home rank's load rises
-            fits = a.load[p.home[u]] + p.cost[u] <= limit
+            fits = load[home[u]] + cost[u] <= limit
         if fits:
-            a.move(u, p.home[u])
+            a.move(u, home[u])
     return a
+
+
+def _heaviest_first(a: _Assignment) -> list[int]:
+    """The moved units, heaviest first (ties: lowest unit first)."""
+    units = sorted(a.away)
+    if a.p.bytes_vary:  # stable, also reversed: equal weights keep their order
+        units.sort(key=a.p.weight.__getitem__, reverse=True)
+    return units
 
 
 def _lighter_substitutes(a: _Assignment, scan: int = 8) -> _Assignment:
     """Each moved unit (heaviest first) trades places with a lighter unit still at its home when
     that keeps the step time: the same work moves, fewer bytes travel. Candidates are the home
     units whose cost keeps both ranks within the step time (at most ``scan`` of them)."""
-    p, limit, where, weight = a.p, a.makespan(), a.where, a.p.weight
-    for u in sorted(sorted(a.away), key=weight.__getitem__, reverse=True):  # ties: lowest unit first
-        h, r, c = p.home[u], where[u], p.cost[u]
+    p, limit, where, weight, load = a.p, a.makespan(), a.where, a.p.weight, a.load
+    sorted_costs, offsets, home, cost = p.sorted_costs, p.offsets, p.home, p.cost
+    for u in _heaviest_first(a):
+        h, r, c = home[u], where[u], cost[u]
         if r == h:
             continue
         # h's own units (its slice of the global order); those still at home are candidates
-        lo = bisect_left(p.sorted_costs, c - (limit - a.load[r]), p.offsets[h], p.offsets[h + 1])
-        hi = min(bisect_right(p.sorted_costs, c + (limit - a.load[h]), lo, p.offsets[h + 1]), lo + scan)
+        lo = bisect_left(sorted_costs, c - (limit - load[r]), offsets[h], offsets[h + 1])
+        hi = bisect_right(sorted_costs, c + (limit - load[h]), lo, min(offsets[h + 1], lo + scan))
+        if hi - lo < 2:  # u alone (it lies in its own window)
+            continue
         lighter = [v for v in p.sorted_units[lo:hi] if where[v] == h and weight[v] < weight[u]]
         for v in sorted(lighter, key=lambda v: (weight[v], v)) if len(lighter) > 1 else lighter:
             if p.transfer_aware:
                 fits = _score(a, ((u, h), (v, r)))[0] <= limit
             else:  # inlined: only h and r change, by the cost difference
-                fits = a.load[h] + c - p.cost[v] <= limit and a.load[r] - c + p.cost[v] <= limit
+                fits = load[h] + c - cost[v] <= limit and load[r] - c + cost[v] <= limit
             if fits:
                 a.move(u, h)
                 a.move(v, r)
@@ -675,7 +686,7 @@ def plan_assignment(
     """
     p = _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank)
     steps = 4 * (len(p.cost) + p.num_ranks) + 16 if max_steps is None else _count(max_steps, "max_steps")
-    lower = max(-(-p.total // p.num_ranks), max(p.cost, default=0))
+    lower = max(-(-p.total // p.num_ranks), p.largest)
     home_makespan = max(p.home_load)
     best = None
     if p.num_ranks > 1 and home_makespan > lower:
@@ -695,17 +706,18 @@ def _count(value, name: str) -> int:
 
 
 def _plan_of(p: _Problem, a: _Assignment, home_makespan: int, lower: int, *, bytes_given: bool, bandwidth) -> Plan:
-    encode = a.encode_loads()
+    encode, where = a.encode_loads(), a.where
     moved_bytes, moved_units = a.moved()
+    transfers = [(s - e) / NS_PER_SECOND for s, e in zip(a.load, encode)] if p.transfer_aware else [0.0] * p.num_ranks
     return Plan(
-        assignment=tuple(tuple(a.where[p.offsets[r] : p.offsets[r + 1]]) for r in range(p.num_ranks)),
+        assignment=tuple([tuple(where[lo:hi]) for lo, hi in zip(p.offsets, p.offsets[1:])]),
         loads=tuple([x / NS_PER_SECOND for x in encode]),
         makespan=max(encode, default=0) / NS_PER_SECOND,
         lower_bound=lower / NS_PER_SECOND,
         home_makespan=home_makespan / NS_PER_SECOND,
         moved_units=moved_units,
         moved_bytes=moved_bytes if bytes_given else None,
-        transfer_seconds=tuple([(s - e) / NS_PER_SECOND for s, e in zip(a.load, encode)]),
+        transfer_seconds=tuple(transfers),
         step_seconds=a.makespan() / NS_PER_SECOND,
         bandwidth=None if bandwidth is None else float(bandwidth),
     )
