@@ -26,10 +26,11 @@ latents back). The planner then minimizes the predicted step time, every rank's 
 its transfer time, and reports it in :class:`Plan`; the local search also starts from home (the
 anchor ignores transfers) and the better plan wins.
 
-Memory is linear in the units: nothing is sized units x units or ranks x ranks. Time: one sort
-per rank the plan touches, the anchor's moves (at most 10,000) and the local search's steps (at
-most ``4 * (units + ranks) + 16``) each cost O(log) heap and list operations plus a scan of a few
-candidate units, or of the most loaded rank's units for a swap.
+Memory is linear in the units: nothing is sized units x units or ranks x ranks. Time: one sort of
+all units (by rank, then cost), the anchor's moves (at most 10,000) and the local search's steps
+(at most ``4 * (units + ranks) + 16``) each cost O(log) heap and list operations plus a scan of a
+few candidate units, or of the most loaded rank's units for a swap. The hot loops are written for
+CPython: flat lists, bare names, keys built only for candidates that can still win.
 """
 from __future__ import annotations
 
@@ -229,10 +230,12 @@ def _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank) -
     ranks = np.repeat(np.arange(m, dtype=np.int64), counts)
     ends = np.concatenate(([0], np.cumsum(ns)))[offsets]  # exact: the total fits int64 (checked above)
     largest = int(ns.max()) if n else 0
-    order = _rank_order(ns, ranks, largest)
+    order = _rank_order(ns, ranks, largest).tolist()
+    # Both lists share their int objects with ``cost`` and with each rank (linear memory, lightly).
+    home = list(itertools.chain.from_iterable(itertools.repeat(r, k) for r, k in enumerate(counts)))
     return _Problem(
-        m, offsets, cost, weight, xfer, ranks.tolist(), np.diff(ends).tolist(), int(ends[-1]), largest,
-        bandwidth is not None and any(xfer), bytes_vary, ns[order].tolist(), order.tolist(),
+        m, offsets, cost, weight, xfer, home, np.diff(ends).tolist(), int(ends[-1]), largest,
+        bandwidth is not None and any(xfer), bytes_vary, list(map(cost.__getitem__, order)), order,
     )  # fmt: skip
 
 
