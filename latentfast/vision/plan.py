@@ -621,18 +621,16 @@ def _lighter_substitutes(a: _Assignment, scan: int = 8) -> _Assignment:
         h, r, c = home[u], where[u], cost[u]
         if r == h:
             continue
-        # h's own units (its slice of the global order); those still at home are candidates
-        lo = bisect_left(sorted_costs, c - (limit - load[r]), offsets[h], offsets[h + 1])
-        hi = bisect_right(sorted_costs, c + (limit - load[h]), lo, min(offsets[h + 1], lo + scan))
+        # h's own units (its slice of the global order) whose cost keeps h (which gets u back and
+        # loses v) and r (which trades u for v) within the limit; those still at home are candidates
+        lo = bisect_left(sorted_costs, c - (limit - load[h]), offsets[h], offsets[h + 1])
+        hi = bisect_right(sorted_costs, c + (limit - load[r]), lo, min(offsets[h + 1], lo + scan))
         if hi - lo < 2:  # u alone (it lies in its own window)
             continue
         lighter = [v for v in p.sorted_units[lo:hi] if where[v] == h and weight[v] < weight[u]]
         for v in sorted(lighter, key=lambda v: (weight[v], v)) if len(lighter) > 1 else lighter:
-            if p.transfer_aware:
-                fits = _score(a, ((u, h), (v, r)))[0] <= limit
-            else:  # inlined: only h and r change, by the cost difference
-                fits = load[h] + c - cost[v] <= limit and load[r] - c + cost[v] <= limit
-            if fits:
+            # Without transfers only h and r change, by the cost difference: the window is the test.
+            if not p.transfer_aware or _score(a, ((u, h), (v, r)))[0] <= limit:
                 a.move(u, h)
                 a.move(v, r)
                 break
