@@ -1,16 +1,19 @@
 """Batch decode benchmark: batches of 64 random rows, with the page cache hot and with it cold.
 
 Hot section -- caches of 128 MiB (32 in --quick) read once before timing, so the page cache holds
-them. Every provider allocates its output each batch (like for like); GB/s counts useful bytes (the
+them. Every provider allocates its output each batch (like for like), except ``latentfast out=`` and
+memcpy, which write into reused buffers (compared with each other); GB/s counts useful bytes (the
 rows' real columns, float16). Providers:
   per-row reader   the specification's path: per-row memmap slice copy + torch.from_numpy, pad each
                    row with the white column, stack (the baseline)
   numpy fancy      vectorised numpy: ``mm[idx, :, :, :W]`` of the memmap + white fill with np.where (the
                    strongest baseline a user would write)
   tensordict       tensordict.MemoryMappedTensor indexing + white fill with torch.where ([bench] extra)
-  latentfast       read_batch on the padded and on the ragged layout
+  latentfast       read_batch on the padded and on the ragged layout; ``out=``: padded, into an output
+                   reused for batches of the same width (as a training loop reusing buffers)
   memcpy           one contiguous copy of as many bytes (64 MiB, and batch-sized) out of the same memmap
-                   into a reused buffer: the ceilings; "% of memcpy" uses the faster (stricter) one
+                   into a reused buffer: the ceilings; "% of memcpy" (of latentfast out=) uses the
+                   faster (stricter) one
 
 Cold section -- caches >= 1 GiB on disk (256 MiB in --quick), both layouts, padded rows of 8 KiB and
 64 KiB. Before every timed batch every map of the data file is closed, the file is evicted
@@ -26,7 +29,7 @@ for its batch.
 
 Run:  python bench/bench_decode.py [--quick] [--hot-only | --cold-only]
       pytest bench/bench_decode.py --benchmark-enable (pytest-benchmark, hot, one test per provider)
-The lead's ``latentfast bench`` calls ``run_report(quick)``.
+``latentfast bench`` calls ``run_report(quick)``.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ MIN_WIDTH_SHARE = 5  # real widths uniform in [w_max / 5, w_max]: 20-100% of the
 STEP_S = 0.020  # the simulated training step of the lookahead loop
 HOT_NAMES = {"seed": "per-row reader", "numpy": "numpy fancy", "tensordict": "tensordict",
              "latentfast": "latentfast padded", "latentfast-ragged": "latentfast ragged",
-             "memcpy-64MiB": "memcpy 64 MiB", "memcpy-batch": "memcpy batch-sized"}
+             "latentfast-reuse": "latentfast padded out=", "memcpy-64MiB": "memcpy 64 MiB", "memcpy-batch": "memcpy batch-sized"}
 
 
 def geometry_tag(geometry) -> str:
@@ -157,7 +160,24 @@ def hot_providers(folders: dict) -> dict:
         found["tensordict"] = td
     found["latentfast"] = lambda idx: read_batch(caches["padded"], idx)[0]
     found["latentfast-ragged"] = lambda idx: read_batch(caches["ragged"], idx)[0]
+    found["latentfast-reuse"] = reused_output_reader(caches["padded"])
     return found
+
+
+def reused_output_reader(cache: LatentCache):
+    """read_batch into an output kept per batch width (``out=``), as a training loop that reuses its
+    buffers does: compared with memcpy into a reused buffer, both sides skip the page faults of a
+    fresh allocation."""
+    outs: dict = {}
+
+    def read(idx):
+        width = int(cache.widths[idx].max())
+        out = outs.get(width)
+        if out is None:
+            out = outs[width] = torch.empty(len(idx), cache.channels, cache.latent_h, width, dtype=torch.float16)
+        return read_batch(cache, idx, out=out)[0]
+
+    return read
 
 
 def time_per_batch(fn, batches, repeats: int) -> float:
@@ -410,8 +430,9 @@ def measure_cold(geometry, cache_bytes: int, n_batches: int, steps: int, root: s
 HOT_LEGEND = (
     "per-row reader: the specification's path (per-row memmap slice copy, torch.from_numpy, pad with the "
     "white column, stack); numpy fancy: mm[idx, :, :, :W] + np.where, the strongest plain baseline; "
-    "tensordict: MemoryMappedTensor indexing + torch.where; memcpy: one contiguous copy of as many bytes "
-    "into a reused buffer (the ceiling; latentfast's share uses the faster of the two)"
+    "tensordict: MemoryMappedTensor indexing + torch.where; latentfast out=: read_batch into an output "
+    "reused across batches of the same width; memcpy: one contiguous copy of as many bytes into a reused "
+    "buffer (the ceiling; latentfast out='s share uses the faster of the two)"
 )
 
 
@@ -433,7 +454,7 @@ def print_hot(r: dict, thread_counts) -> dict:
     print("\n" + format_table(
         f"hot: B={BATCH} random rows of {geometry_tag((g['channels'], g['latent_h'], g['w_max']))}, widths 20-100%, "
         f"{r['rows']} rows ({r['cache_mib']:.0f} MiB padded, page cache hot), {useful / 2**20:.2f} MiB useful/batch; "
-        "every provider allocates its output", header, rows))
+        "every provider allocates its output, except latentfast out= and memcpy (reused buffers)", header, rows))
     print("legend: " + HOT_LEGEND)
     ratios = {}
     for t in thread_counts:
@@ -441,12 +462,12 @@ def print_hot(r: dict, thread_counts) -> dict:
         lf = sec["latentfast"]
         ceiling = min(sec["memcpy-64MiB"], sec["memcpy-batch"])
         ratios[t] = {f"x_{name}": sec[name] / lf for name in ("seed", "numpy", "tensordict") if name in sec}
-        ratios[t]["share_of_memcpy"] = ceiling / lf
-        print(f"@{t} thread(s), hot: latentfast = {ratios[t]['x_seed']:.1f}x the per-row reader, "
-              f"{ratios[t]['x_numpy']:.1f}x numpy fancy"
+        ratios[t]["share_of_memcpy"] = ceiling / sec["latentfast-reuse"]
+        print(f"@{t} thread(s), hot, both sides allocate: latentfast = {ratios[t]['x_seed']:.1f}x the per-row "
+              f"reader, {ratios[t]['x_numpy']:.1f}x numpy fancy"
               + (f", {ratios[t]['x_tensordict']:.1f}x tensordict" if "x_tensordict" in ratios[t] else "")
-              + f"; {ceiling / lf:.0%} of memcpy (the faster memcpy; ragged layout "
-              f"{sec['latentfast'] / sec['latentfast-ragged']:.2f}x padded)")
+              + f" (ragged layout {sec['latentfast'] / sec['latentfast-ragged']:.2f}x padded); both into reused "
+              f"buffers: latentfast out= = {ratios[t]['share_of_memcpy']:.0%} of memcpy (the faster memcpy)")
     for name, figures in (r["cuda"] or {}).items():
         print(f"{name:<22} {figures['ms']:.3f} ms/batch {figures['useful_gb_per_s']:.2f} GB/s "
               f"= {figures['share_of_pinned_h2d']:.0%} of pinned host-to-device")
@@ -641,7 +662,7 @@ if pytest is not None:
             found["memcpy-batch"] = memcpy_fn(padded.gather_source()[0], int(mean_useful), rng)
             yield found, batches, mean_useful
 
-    @pytest.mark.parametrize("provider", ["seed", "numpy", "tensordict", "latentfast", "latentfast-ragged",
+    @pytest.mark.parametrize("provider", ["seed", "numpy", "tensordict", "latentfast", "latentfast-ragged", "latentfast-reuse",
                                           "memcpy-batch"])
     def test_decode(benchmark, bench_setup, provider):
         found, batches, mean_useful = bench_setup

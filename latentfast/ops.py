@@ -301,6 +301,18 @@ def expand_rows(
 
 
 # ---- file reads: byte spans of an open file by parallel pread workers ---------------------------------
+def _int64_vector(name: str, values) -> torch.Tensor:
+    """``values`` (ints, numpy array or integer tensor) as a contiguous 1-D int64 CPU tensor (traceable
+    for a tensor: no numpy round trip under ``torch.compile``)."""
+    if isinstance(values, torch.Tensor) and not (values.is_floating_point() or values.is_complex()
+                                                 or values.dtype == torch.bool) and values.dim() == 1:
+        return values.to("cpu", torch.int64).contiguous()
+    array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ArgumentTypeError(f"{name} must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+
+
 def read_spans(fd: int, offsets, lengths, *, threads: int = 16, out: torch.Tensor | None = None,
                backend: str = "auto") -> torch.Tensor:
     """Bytes ``[offsets[k], offsets[k] + lengths[k])`` of the open file ``fd``, every k, back to back in a
@@ -309,13 +321,7 @@ def read_spans(fd: int, offsets, lengths, *, threads: int = 16, out: torch.Tenso
     the filled prefix is returned. A span past the end of the file raises."""
     fd = as_int("fd", fd, minimum=0)
     threads = as_int("threads", threads, minimum=1)
-    spans = []
-    for name, values in (("offsets", offsets), ("lengths", lengths)):
-        array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
-        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-            raise ArgumentTypeError(f"{name} must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
-        spans.append(torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)))
-    offsets, lengths = spans
+    offsets, lengths = _int64_vector("offsets", offsets), _int64_vector("lengths", lengths)
     total = int(lengths.clamp(min=0).sum())
     if out is None:
         out = torch.empty(total, dtype=torch.uint8)

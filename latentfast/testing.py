@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -141,6 +142,7 @@ def _spawned_rank(rank: int, world_size: int, folder: str, timeout_s: float, fn,
     except BaseException as exc:  # returned to the caller, not raised in the child
         result = exc
     finally:
+        gc.collect()  # a cycle still holding the group, freed after destroy_process_group, aborts the process
         dist.destroy_process_group()
     with open(os.path.join(folder, f"result{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)

@@ -87,3 +87,43 @@ def test_gather_rows_packed_fullgraph(backend):
         got = _compile(f)(index)
     expected = torch.cat([torch.from_numpy(rows[i]).reshape(-1) for i in index.tolist()]) * 2
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", runnable_backends("read_spans_into", "cpu"))
+def test_read_spans_fullgraph(backend, tmp_path):
+    import os
+
+    payload = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8)
+    path = tmp_path / "data.bin"
+    payload.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offsets, lengths = torch.tensor([4093, 0, 1000]), torch.tensor([7, 100, 3000])
+
+        def f(o, n):
+            return ops.read_spans(fd, o, n, threads=2, backend=backend).to(torch.int32) + 1
+
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):  # the total length is a value
+            got = _compile(f)(offsets, lengths)
+    finally:
+        os.close(fd)
+    expected = np.concatenate([payload[4093:4100], payload[0:100], payload[1000:4000]]).astype(np.int32) + 1
+    torch.testing.assert_close(got, torch.from_numpy(expected), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", runnable_backends("scatter_cotangents_into", "cpu"))
+def test_scatter_cotangents_fullgraph(backend):
+    from latentfast.replay import scatter_cotangents
+
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(5, 3, 2, generator=g), torch.randn(5, 7, 4, generator=g)[:, ::2]]  # one strided branch
+
+    def f(g0, g1):
+        result = scatter_cotangents([g0, g1], [2, 3], scale=3.0, backend=backend)
+        return [block for m in range(2) for block in (*result.local[m], *result.scaled[m])]
+
+    got = _compile(f)(*grads)
+    rows = [slice(0, 2), slice(2, 5)]
+    expected = [block for r in rows for block in (*(x[r] for x in grads), *(x[r] * 3.0 for x in grads))]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

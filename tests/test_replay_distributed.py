@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import datetime
+import gc
 import os
 
 import pytest
@@ -34,8 +36,18 @@ def _spawn(worker, tmp_path) -> None:
 
 
 def _init(rank: int, init_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=90))
     torch.set_num_threads(1)
+
+
+def _teardown() -> None:
+    """Both ranks done with every collective, and nothing left holding the group, before it goes:
+    tearing gloo down while the peer still talks to it, or freeing a cycle that holds the group
+    after destroy_process_group, aborts the process."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _outcome(fn) -> str:
@@ -100,7 +112,7 @@ def _replay_worker(rank: int, init_file: str, out_dir: str) -> None:
                 torch.save({"grads": grads, "loss": result.loss, "meta": meta, "ratios": ratio}, f"{out_dir}/s{i}.pt")
         torch.save(_failures(rank), f"{out_dir}/failures{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        _teardown()
 
 
 @pytest.mark.slow
@@ -202,7 +214,7 @@ def _sync_worker(rank: int, init_file: str, out_dir: str) -> None:
         results = {"ddp": _ddp(rank), "fsdp2": _fsdp2(rank)}
         torch.save(results, f"{out_dir}/sync{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        _teardown()
 
 
 @pytest.mark.slow

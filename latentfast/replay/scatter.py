@@ -118,23 +118,20 @@ class CotangentBlocks(Sequence):
         if isinstance(self.source, tuple):
             sizes = [blocks[0][1][0] for blocks in layout]
             return tuple(zip(*(grad.split(sizes) for grad in self.source)))
-        arena, base = self.source, self.source.storage_offset()
+        arena = self.source  # views are made from slices of it: no storage_offset(), so they also trace
         size = layout[0][0][1][0]
         if len(layout) > 1 and all(blocks[0][1][0] == size for blocks in layout):
             # equal microbatches: branch k's blocks sit every `period` elements
             period = layout[1][0][0] - layout[0][0][0]
             per_branch = [
-                arena.as_strided(
-                    (len(layout), *shape), (period, shape[1] * shape[2], shape[2], 1), base + offset + self._copy * count
+                arena[offset + self._copy * count :].as_strided(
+                    (len(layout), *shape), (period, shape[1] * shape[2], shape[2], 1)
                 ).unbind(0)
                 for offset, shape, count in layout[0]
             ]
             return tuple(zip(*per_branch))
         return tuple(
-            tuple(
-                arena.as_strided(shape, (shape[1] * shape[2], shape[2], 1), base + offset + self._copy * count)
-                for offset, shape, count in blocks
-            )
+            tuple(arena.narrow(0, offset + self._copy * count, count).view(shape) for offset, shape, count in blocks)
             for blocks in layout
         )
 
