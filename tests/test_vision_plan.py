@@ -196,6 +196,16 @@ def test_local_search_moves_prefer_fewer_bytes():
     assert plan.makespan == 5.0 and plan.moved_bytes <= 90  # 5.0: optimal (18 s of whole seconds on 4 ranks)
 
 
+def test_a_moved_unit_trades_places_with_a_lighter_one_at_home():
+    # The anchor sends the 5 s unit (46 bytes; as near half the gap as the 4 s one, and first) to
+    # rank 1: loads 10 and 11. The 4 s unit (22 bytes) can take its place, rank 0 getting the
+    # second back (11) and rank 1 giving it up (10): the same makespan, fewer bytes moved.
+    costs, sizes = [[5.0, 6.0, 4.0], [6.0]], [[46, 36, 22], [45]]
+    plan = plan_assignment(costs, sizes)
+    check_consistent(plan, costs, sizes)
+    assert plan.makespan == 11.0 and plan.assignment == ((0, 0, 1), (1,)) and plan.moved_bytes == 22
+
+
 def test_units_go_home_when_it_costs_nothing():
     # Rank 0 must shed work; rank 1's own unit never needs to leave.
     plan = plan_assignment([[4.0, 3.0, 1.0], [2.0]], [[1, 1, 1], [1]])

@@ -26,19 +26,20 @@ latents back). The planner then minimizes the predicted step time, every rank's 
 its transfer time, and reports it in :class:`Plan`; the local search also starts from home (the
 anchor ignores transfers) and the better plan wins.
 
-Memory is linear in the units: nothing is sized units x units or ranks x ranks. Time: one sort
-per rank the plan touches, the anchor's moves (at most 10,000) and the local search's steps (at
-most ``4 * (units + ranks) + 16``) each cost O(log) heap and list operations plus a scan of a few
-candidate units, or of the most loaded rank's units for a swap.
+Memory is linear in the units: nothing is sized units x units or ranks x ranks. Time: one sort of
+all units (by rank, then cost), the anchor's moves (at most 10,000) and the local search's steps
+(at most ``4 * (units + ranks) + 16``) each cost O(log) heap and list operations plus a scan of a
+few candidate units, or of the most loaded rank's units for a swap. The hot loops are written for
+CPython: flat lists, bare names, keys built only for candidates that can still win.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import heapq
 import itertools
 import math
+from bisect import bisect_left, bisect_right  # bare names: the hot loops call them thousands of times
 from collections.abc import Sequence
+from heapq import heapify, heappop, heappush, heapreplace, nsmallest
 
 import numpy as np
 
@@ -117,12 +118,13 @@ def quantize_costs(costs_per_rank: Sequence[Sequence[float]]) -> list[list[int]]
     Raises :class:`InvalidArgumentError` for a cost that is not finite and >= 0, or for a step whose
     total does not fit ``MAX_TOTAL_NS``."""
     flat, counts = _flat(costs_per_rank, "costs_per_rank")
-    ns = _quantized(flat, counts)
+    ns = _quantized(flat, counts).tolist()
     offsets = np.cumsum([0, *counts]).tolist()
     return [ns[offsets[r] : offsets[r + 1]] for r in range(len(counts))]
 
 
-def _quantized(flat: np.ndarray, counts: list[int]) -> list[int]:
+def _quantized(flat: np.ndarray, counts: list[int]) -> np.ndarray:
+    """The costs as int64 nanoseconds; their total fits ``MAX_TOTAL_NS``, so no int64 sum of them overflows."""
     bad = ~(np.isfinite(flat) & (flat >= 0))
     if bad.any():
         rank = _bad_rank(bad, counts)
@@ -135,7 +137,7 @@ def _quantized(flat: np.ndarray, counts: list[int]) -> list[int]:
             f"costs_per_rank: the step's total predicted time must be at most {MAX_TOTAL_NS / NS_PER_SECOND:.3g} s "
             f"so every load is exact in integer nanoseconds, got {float(flat.sum()):.3g} s"
         )
-    return ns.astype(np.int64).tolist()
+    return ns.astype(np.int64)
 
 
 def as_bandwidth(bandwidth, name: str = "bandwidth") -> float | None:
@@ -149,8 +151,8 @@ def as_bandwidth(bandwidth, name: str = "bandwidth") -> float | None:
     return float(bandwidth)
 
 
-def _byte_counts(bytes_per_rank, counts: list[int], name: str) -> list[int]:
-    """Flattened whole, non-negative byte counts with the same nesting as the costs."""
+def _byte_counts(bytes_per_rank, counts: list[int], name: str) -> np.ndarray:
+    """Flattened whole, non-negative byte counts (int64) with the same nesting as the costs."""
     flat, got = _flat(bytes_per_rank, name)
     if got != counts:
         raise InvalidArgumentError(f"{name} must match costs_per_rank's nesting {counts}, got {got}")
@@ -161,7 +163,7 @@ def _byte_counts(bytes_per_rank, counts: list[int], name: str) -> list[int]:
         raise InvalidArgumentError(f"{name}[{rank}] must be whole numbers of bytes >= 0, got {flat[start : start + counts[rank]].tolist()}")
     if float(flat.sum()) >= 2**63:
         raise InvalidArgumentError(f"{name}: the step's bytes must total less than 2**63, got {float(flat.sum()):.3g}")
-    return flat.astype(np.int64).tolist()
+    return flat.astype(np.int64)
 
 
 @dataclasses.dataclass
@@ -175,34 +177,47 @@ class _Problem:
     xfer: list[int]  # ns on each end's link when the unit moves (0 without bandwidth)
     home: list[int]
     home_load: list[int]  # encode ns per rank when nothing moves
+    total: int  # encode ns of the whole step
+    largest: int  # encode ns of the dearest unit
     transfer_aware: bool
     bytes_vary: bool  # units differ in size: worth trading a moved unit for a lighter one
-    _by_cost: dict = dataclasses.field(default_factory=dict)
+    sorted_costs: list[int]  # cost of sorted_units[i]
+    sorted_units: list[int]  # every unit by (home rank, cost, unit): each rank's slice cheapest first
 
     def by_cost(self, r: int) -> tuple[list[int], list[int]]:
-        """``(costs, units)`` of rank ``r``'s own units, cheapest first (ties: lowest unit first);
-        sorted once per rank, on first use. Shared: callers copy before editing."""
-        if r not in self._by_cost:
-            units = sorted(range(self.offsets[r], self.offsets[r + 1]), key=self.cost.__getitem__)
-            self._by_cost[r] = (list(map(self.cost.__getitem__, units)), units)
-        return self._by_cost[r]
+        """``(costs, units)`` of rank ``r``'s own units, cheapest first (ties: lowest unit first),
+        as fresh lists."""
+        lo, hi = self.offsets[r], self.offsets[r + 1]
+        return self.sorted_costs[lo:hi], self.sorted_units[lo:hi]
+
+
+def _rank_order(ns: np.ndarray, ranks: np.ndarray, largest: int) -> np.ndarray:
+    """Every unit by (home rank, cost, unit), in one stable sort: one packed int64 key where rank
+    and cost fit in it (ranks come in runs, so this is several times faster than lexsort)."""
+    shift = largest.bit_length()
+    if shift + int(ranks[-1] if len(ranks) else 0).bit_length() <= 62:
+        return np.argsort((ranks << shift) | ns, kind="stable")
+    return np.lexsort((ns, ranks))
 
 
 def _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank) -> _Problem:
     flat, counts = _flat(costs_per_rank, "costs_per_rank")
     if not counts:
         raise InvalidArgumentError("costs_per_rank must list at least one rank, got an empty sequence")
-    cost = _quantized(flat, counts)
-    home = list(itertools.chain.from_iterable(itertools.repeat(r, n) for r, n in enumerate(counts)))
-    weight = [1] * len(cost) if bytes_per_rank is None else _byte_counts(bytes_per_rank, counts, "bytes_per_rank")
-    xfer = [0] * len(cost)
+    ns = _quantized(flat, counts)
+    cost, n = ns.tolist(), len(ns)
+    weight, bytes_vary = [1] * n, False
+    if bytes_per_rank is not None:
+        weights = _byte_counts(bytes_per_rank, counts, "bytes_per_rank")
+        weight, bytes_vary = weights.tolist(), bool(n) and bool((weights != weights[0]).any())
+    xfer = [0] * n
     if bandwidth is not None:
         if bytes_per_rank is None:
             raise InvalidArgumentError("bandwidth needs bytes_per_rank (the bytes each unit sends when it moves)")
         bandwidth = as_bandwidth(bandwidth)
-        latent = [0] * len(cost)
+        latent = [0] * n
         if latent_bytes_per_rank is not None:
-            latent = _byte_counts(latent_bytes_per_rank, counts, "latent_bytes_per_rank")
+            latent = _byte_counts(latent_bytes_per_rank, counts, "latent_bytes_per_rank").tolist()
         xfer = [math.ceil((w + b) * NS_PER_SECOND / bandwidth) for w, b in zip(weight, latent)]
         if sum(cost) + 2 * sum(xfer) > MAX_TOTAL_NS:
             raise InvalidArgumentError(
@@ -210,11 +225,18 @@ def _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank) -
             )
     elif latent_bytes_per_rank is not None:
         raise InvalidArgumentError("latent_bytes_per_rank is only used with bandwidth=")
-    offsets = np.cumsum([0, *counts]).tolist()
-    home_load = [sum(cost[offsets[r] : offsets[r + 1]]) for r in range(len(counts))]
-    transfer_aware = bandwidth is not None and any(xfer)
-    bytes_vary = bytes_per_rank is not None and len(set(weight)) > 1
-    return _Problem(len(counts), offsets, cost, weight, xfer, home, home_load, transfer_aware, bytes_vary)
+    m = len(counts)
+    offsets = [0, *itertools.accumulate(counts)]
+    ranks = np.repeat(np.arange(m, dtype=np.int64), counts)
+    ends = np.concatenate(([0], np.cumsum(ns)))[offsets]  # exact: the total fits int64 (checked above)
+    largest = int(ns.max()) if n else 0
+    order = _rank_order(ns, ranks, largest).tolist()
+    # Both lists share their int objects with ``cost`` and with each rank (linear memory, lightly).
+    home = list(itertools.chain.from_iterable(itertools.repeat(r, k) for r, k in enumerate(counts)))
+    return _Problem(
+        m, offsets, cost, weight, xfer, home, np.diff(ends).tolist(), int(ends[-1]), largest,
+        bandwidth is not None and any(xfer), bytes_vary, list(map(cost.__getitem__, order)), order,
+    )  # fmt: skip
 
 
 # ---- assignments --------------------------------------------------------------------------------
@@ -236,21 +258,37 @@ class _Assignment:
         self.away: set[int] = set()  # units encoded away from home
         self.visitors: dict[int, set[int]] = {}  # rank -> units of other ranks encoded there
         self.gone = [0] * problem.num_ranks  # rank -> how many of its own units are encoded elsewhere
-        self._sorted: dict[int, tuple[list[int], list[int]]] = {}  # rank -> (costs, units), built on use
+        self._sorted: list = [None] * problem.num_ranks  # rank -> units_on(rank), built on use
+
+    def leave_home(self, moves: list[tuple[int, int]]) -> None:
+        """Apply ``(unit, helper)`` moves of units still at home, before any :meth:`units_on`
+        (the anchor's moves): :meth:`move` without its general cases."""
+        p, load, where, visitors, gone = self.p, self.load, self.where, self.visitors, self.gone
+        for u, dest in moves:
+            c, t, h = p.cost[u], p.xfer[u], where[u]
+            load[h] -= c - t
+            load[dest] += c + t
+            where[u] = dest
+            gone[h] += 1
+            visitors.setdefault(dest, set()).add(u)
+        self.away.update(u for u, _ in moves)
 
     def units_on(self, r: int) -> tuple[list[int], list[int]]:
-        """``(costs, units)`` of every unit encoded on ``r``, cheapest first (kept up to date once built)."""
-        if r not in self._sorted:
+        """``(costs, units)`` of every unit encoded on ``r``, cheapest first; built on first use
+        after a move to or from ``r`` (a rank's units are used for a step or two, then it moves on)."""
+        on = self._sorted[r]
+        if on is None:  # r's own units still here (already in order), then its few visitors put in place
             p, where = self.p, self.where
-            costs, units = p.by_cost(r)
-            if self.gone[r]:  # already in (cost, unit) order: filtering keeps it
-                units = [u for u in units if where[u] == r]
-                costs = list(map(p.cost.__getitem__, units))
-            costs, units = list(costs), list(units)
+            on = p.by_cost(r)
+            if self.gone[r]:
+                units = [u for u in on[1] if where[u] == r]
+                on = (list(map(p.cost.__getitem__, units)), units)
             for v in self.visitors.get(r, ()):
-                _insert(costs, units, p.cost[v], v)
-            self._sorted[r] = (costs, units)
-        return self._sorted[r]
+                i = _position(on, p.cost[v], v)
+                on[0].insert(i, p.cost[v])
+                on[1].insert(i, v)
+            self._sorted[r] = on
+        return on
 
     def move(self, u: int, dest: int) -> None:
         p, load, src = self.p, self.load, self.where[u]
@@ -272,22 +310,19 @@ class _Assignment:
             self.away.add(u)
             self.visitors.setdefault(dest, set()).add(u)
         self.where[u] = dest
-        if src in self._sorted:
-            costs, units = self._sorted[src]
-            i = _position(costs, units, c, u)
-            del costs[i], units[i]
-        if dest in self._sorted:
-            _insert(*self._sorted[dest], c, u)
+        self._sorted[src] = self._sorted[dest] = None
 
     def makespan(self) -> int:
         return max(self.load, default=0)
 
     def moved(self) -> tuple[int, int]:
         """``(bytes moved, units moved)``: what ties between equal step times are decided by."""
-        return sum(self.p.weight[u] for u in self.away), len(self.away)
+        return sum(map(self.p.weight.__getitem__, self.away)), len(self.away)
 
     def encode_loads(self) -> list[int]:
         """Per-rank encode ns (the load without transfers)."""
+        if not self.p.transfer_aware:
+            return list(self.load)
         loads = list(self.p.home_load)
         for u in self.away:
             loads[self.p.home[u]] -= self.p.cost[u]
@@ -295,17 +330,12 @@ class _Assignment:
         return loads
 
 
-def _position(costs: list[int], units: list[int], c: int, u: int) -> int:
-    """Where unit ``u`` of cost ``c`` sits (or would) in (cost, unit) order; bisection even
-    through long runs of equal costs."""
-    lo = bisect.bisect_left(costs, c)
-    return bisect.bisect_left(units, u, lo, bisect.bisect_right(costs, c, lo))
-
-
-def _insert(costs: list[int], units: list[int], c: int, u: int) -> None:
-    i = _position(costs, units, c, u)
-    costs.insert(i, c)
-    units.insert(i, u)
+def _position(on: tuple[list[int], list[int]], c: int, u: int) -> int:
+    """Where unit ``u`` of cost ``c`` is (or belongs) in ``(costs, units)`` sorted by (cost, unit):
+    found by bisection even in long runs of equal costs."""
+    costs = on[0]
+    lo = bisect_left(costs, c)
+    return bisect_left(on[1], u, lo, bisect_right(costs, c, lo))
 
 
 def _score(a: _Assignment, steps) -> tuple[int, int]:
@@ -335,14 +365,17 @@ def _nearest_half(costs: list[int], units: list[int], spread: int) -> int | None
     """Position (in the cost-sorted lists) of the unit ``plan_rebalance`` picks: cost nearest
     ``spread / 2``, the lowest local index among ties; ``None`` when even that one would not
     shrink the gap."""
-    i = bisect.bisect_right(costs, spread // 2)  # positions [0, i) have 2 * cost <= spread
-    best = None  # (gap left, unit, position)
-    if i > 0:
-        j = bisect.bisect_left(costs, costs[i - 1])  # the lowest local index of that cost
-        best = (spread - 2 * costs[j], units[j], j)
-    if i < len(costs) and (best is None or (2 * costs[i] - spread, units[i]) < best[:2]):
-        best = (2 * costs[i] - spread, units[i], i)
-    return best[2] if best[0] < spread else None
+    i = bisect_right(costs, spread // 2)  # positions [0, i) have 2 * cost <= spread
+    if i:  # just below half: the first unit of the largest such cost
+        position = bisect_left(costs, costs[i - 1])
+        gap = spread - 2 * costs[position]
+        if i < len(costs) and (2 * costs[i] - spread, units[i]) < (gap, units[position]):
+            position, gap = i, 2 * costs[i] - spread
+    elif costs:  # every unit is above half: the first, the cheapest
+        position, gap = 0, 2 * costs[0] - spread
+    else:
+        return None
+    return position if gap < spread else None
 
 
 def _move_once(p: _Problem, max_iterations: int = ANCHOR_MAX_ITERATIONS) -> list[tuple[int, int]]:
@@ -357,30 +390,38 @@ def _move_once(p: _Problem, max_iterations: int = ANCHOR_MAX_ITERATIONS) -> list
     totals = list(p.home_load)
     high = [(-x, r) for r, x in enumerate(totals)]
     low = [(x, r) for r, x in enumerate(totals)]
-    heapq.heapify(high)
-    heapq.heapify(low)
-    available: dict[int, tuple[list[int], list[int]]] = {}  # owner -> its unmoved units' costs, ids (sorted)
+    heapify(high)
+    heapify(low)
+    available: list = [None] * p.num_ranks  # owner -> its unmoved units' (costs, ids), cheapest first
     moves = []
     for _ in range(max_iterations if p.num_ranks > 1 else 0):
-        while -high[0][0] != totals[high[0][1]]:  # heap entries are dropped once stale
-            heapq.heappop(high)
-        while low[0][0] != totals[low[0][1]]:
-            heapq.heappop(low)
-        over, under = high[0][1], low[0][1]
-        spread = totals[over] - totals[under]
-        if over not in available:
-            available[over] = tuple(map(list, p.by_cost(over)))
+        x, over = high[0]
+        while -x != totals[over]:  # heap entries are dropped once stale
+            heappop(high)
+            x, over = high[0]
+        y, under = low[0]
+        while y != totals[under]:
+            heappop(low)
+            y, under = low[0]
+        spread = -x - y
+        if spread <= 0:
+            break
+        if available[over] is None:
+            available[over] = p.by_cost(over)
         costs, units = available[over]
-        position = _nearest_half(costs, units, spread) if spread > 0 and costs else None
+        position = _nearest_half(costs, units, spread)
         if position is None:
             break
         cost, unit = costs.pop(position), units.pop(position)
         moves.append((unit, under))
-        totals[over] -= cost
-        totals[under] += cost
-        for r in (over, under):
-            heapq.heappush(high, (-totals[r], r))
-            heapq.heappush(low, (totals[r], r))
+        x = totals[over] = -x - cost
+        y = totals[under] = y + cost
+        # The heaps' tops are over's and under's current entries: replaced in place, the other
+        # two entries go stale and are dropped when they surface.
+        heapreplace(high, (-x, over))
+        heapreplace(low, (y, under))
+        heappush(high, (-y, under))
+        heappush(low, (x, over))
     return moves
 
 
@@ -396,7 +437,7 @@ def move_once_moves(costs_per_rank: Sequence[Sequence[float]]) -> list[tuple[int
 
 def _around(costs: list[int], value: float, width: int) -> range:
     """Positions of a sorted cost list around ``value`` (where the best step must be)."""
-    i = bisect.bisect_left(costs, value)
+    i = bisect_left(costs, value)
     return range(max(i - width, 0), min(i + width, len(costs)))
 
 
@@ -414,7 +455,7 @@ def _best_move(a: _Assignment, top: int, bottom: int, goal: int):
                 score, added = _score(a, ((u, dest),))
                 keys.append((max(score, goal), added, score, ((u, dest),)))
         return min(keys, default=None)
-    if bottom == top:
+    if bottom == top or not costs or costs[0] >= lt - lb:  # no unit fits in the gap: none lowers top
         return None
     best = None
     for i in near:  # inlined: the common case, and the planner's hot loop
@@ -430,41 +471,89 @@ def _best_swap(a: _Assignment, top: int, bottom: int, goal: int):
     """The best swap of a unit on ``top`` with a smaller one on the least loaded rank, the
     partner's unit chosen near the cost that would balance the two; when that does not reach
     ``goal``, the next ``SWAP_PARTNERS - 1`` least loaded ranks are tried too. Same key as
-    :func:`_best_move`."""
+    :func:`_best_move`; ``None`` when no swap lowers ``top``."""
     best = _swap_with(a, top, bottom, goal, None)
     if best is None or best[2] > goal:
-        for r in heapq.nsmallest(SWAP_PARTNERS + 1, range(a.p.num_ranks), key=a.load.__getitem__):
+        for r in nsmallest(SWAP_PARTNERS + 1, range(a.p.num_ranks), key=a.load.__getitem__):
             if r not in (top, bottom):
                 best = _swap_with(a, top, r, goal, best)
     return best
 
 
 def _swap_with(a: _Assignment, top: int, r: int, goal: int, best):
-    p, lt, lr = a.p, a.load[top], a.load[r]
+    """``best`` or a better swap between ``top`` and ``r`` that lowers ``top``. Each unit on
+    ``top`` is tried with the (at most two) cheaper units of ``r`` nearest the cost that would
+    balance the two ranks."""
     theirs, their_units = a.units_on(r)
-    half_gap, last = (lt - lr) / 2, len(theirs) - 1
-    if last < 0:
+    if not theirs:
         return best
-    flat = None  # the best here as (max(score, goal), bytes added, score, u, v): cheap to compare
-    for cu, u in zip(*a.units_on(top)):
-        j = bisect.bisect_left(theirs, cu - half_gap)
-        for j in (j - 1, j) if 0 < j <= last else (j,) if j <= last else (last,):
-            cv, v = theirs[j], their_units[j]
-            if cv >= cu:
-                continue
-            if p.transfer_aware:
-                score, added = _score(a, ((u, r), (v, top)))
-            else:  # inlined: the planner's hot loop
-                hu, hv, delta = p.home[u], p.home[v], cu - cv
-                score = lt - delta if lt - delta > lr + delta else lr + delta
-                added = p.weight[u] * ((r != hu) - (top != hu)) + p.weight[v] * ((top != hv) - (r != hv))
-            key = (score if score > goal else goal, added, score, u, v)
-            if flat is None or key < flat:
-                flat = key
+    # Keys above this lose to ``best`` or leave ``top`` no lower: never built.
+    cut = a.load[top] - 1 if best is None else min(best[0], a.load[top] - 1)
+    if a.p.transfer_aware:
+        flat = _swap_scored(a, top, r, goal, cut, theirs, their_units)
+    else:
+        flat = _swap_unscored(a, top, r, goal, cut, theirs, their_units)
     if flat is None:
         return best
     here = (*flat[:3], ((flat[3], r), (flat[4], top)))
     return here if best is None or here < best else best
+
+
+def _swap_candidates(a: _Assignment, top: int, r: int, theirs: list[int]):
+    """``(cost, unit, position on r)`` of each pair :func:`_swap_with` tries, ``r``'s unit cheaper."""
+    half_gap, last = (a.load[top] - a.load[r]) / 2, len(theirs) - 1
+    for cu, u in zip(*a.units_on(top)):
+        j = bisect_left(theirs, cu - half_gap)
+        for j in range(j - 1 if j else 0, j + 1 if j <= last else j):
+            if theirs[j] >= cu:
+                break  # ascending: the next one is no cheaper
+            yield cu, u, j
+
+
+def _swap_scored(a: _Assignment, top: int, r: int, goal: int, cut: int, theirs: list[int], their_units: list[int]):
+    """The best ``(max(score, goal), bytes added, score, u, v)`` at most ``cut``, transfers counted."""
+    flat = None
+    for _, u, j in _swap_candidates(a, top, r, theirs):
+        v = their_units[j]
+        score, added = _score(a, ((u, r), (v, top)))
+        key = (score if score > goal else goal, added, score, u, v)
+        if key[0] <= cut and (flat is None or key < flat):
+            flat = key
+    return flat
+
+
+def _swap_unscored(a: _Assignment, top: int, r: int, goal: int, cut: int, theirs: list[int], their_units: list[int]):
+    """:func:`_swap_scored` without transfers, where only ``top`` and ``r`` change, by the cost
+    difference: the planner's hot loop. Candidates are judged on their step time, then on bytes
+    added, and a key is built only for those that can still win (``cut`` falls with every new best)."""
+    p, lt, lr = a.p, a.load[top], a.load[r]
+    home, weight, half_gap = p.home, p.weight, (lt - lr) / 2
+    mine, my_units = a.units_on(top)
+    # Only a cost difference d with lt - d <= cut and lr + d <= cut can win, which bounds the
+    # units of top worth trying by r's cheapest and dearest units.
+    first = bisect_left(mine, theirs[0] + max(lt - cut, 1))
+    end = bisect_right(mine, theirs[-1] + cut - lr, first)
+    theirs = theirs + [math.inf]  # a sentinel at both ends (index -1 too): never cheaper than a unit
+    flat, fewest = None, math.inf  # the best key so far and its bytes added
+    for cu, u in zip(mine[first:end], my_units[first:end]):
+        j = bisect_left(theirs, cu - half_gap)
+        for j in (j - 1, j):  # the two units either side of the balancing cost (inlined _swap_candidates)
+            delta = cu - theirs[j]
+            if delta <= 0:
+                continue
+            score = lt - delta if lt - delta > lr + delta else lr + delta
+            clipped = score if score > goal else goal
+            if clipped > cut:
+                continue
+            v, hu = their_units[j], home[u]
+            hv = home[v]
+            added = weight[u] * ((r != hu) - (top != hu)) + weight[v] * ((top != hv) - (r != hv))
+            if clipped == cut and added > fewest:
+                continue
+            key = (clipped, added, score, u, v)
+            if flat is None or key < flat:
+                flat, cut, fewest = key, clipped, added
+    return flat
 
 
 def _local_search(a: _Assignment, goal: int, max_steps: int) -> _Assignment:
@@ -472,62 +561,76 @@ def _local_search(a: _Assignment, goal: int, max_steps: int) -> _Assignment:
     it is above ``goal``: the lowest resulting load (down to ``goal``), then the fewest bytes.
     Every step lowers the top rank and leaves every rank it touches below the old top, so the
     sorted load vector strictly decreases and the search terminates."""
-    load = a.load
+    load, home = a.load, a.p.home
     high = [(-x, r) for r, x in enumerate(load)]
     low = [(x, r) for r, x in enumerate(load)]
-    heapq.heapify(high)
-    heapq.heapify(low)
+    heapify(high)
+    heapify(low)
     for _ in range(max_steps):
         while -high[0][0] != load[high[0][1]]:
-            heapq.heappop(high)
+            heappop(high)
         while low[0][0] != load[low[0][1]]:
-            heapq.heappop(low)
-        top = high[0][1]
+            heappop(low)
+        top, bottom = high[0][1], low[0][1]
         if load[top] <= goal:
             break
-        step = _best_move(a, top, low[0][1], goal)
+        step = _best_move(a, top, bottom, goal)
         if step is None or step[2] >= load[top]:
-            step = _best_swap(a, top, low[0][1], goal)
-        if step is None or step[2] >= load[top]:
-            break
+            step = _best_swap(a, top, bottom, goal)
+            if step is None or step[2] >= load[top]:
+                break
         touched = {top}
         for u, dest in step[3]:
-            touched.update((dest, a.p.home[u]))
+            touched.add(dest)
+            touched.add(home[u])
             a.move(u, dest)
         for r in touched:
-            heapq.heappush(high, (-load[r], r))
-            heapq.heappush(low, (load[r], r))
+            heappush(high, (-load[r], r))
+            heappush(low, (load[r], r))
     return a
 
 
 def _send_home_where_free(a: _Assignment) -> _Assignment:
     """Moved units go back home (heaviest first) wherever that keeps the step time."""
-    p, limit = a.p, a.makespan()
-    for u in sorted(sorted(a.away), key=p.weight.__getitem__, reverse=True):  # ties: lowest unit first
+    p, limit, load, home, cost = a.p, a.makespan(), a.load, a.p.home, a.p.cost
+    for u in _heaviest_first(a):
         if p.transfer_aware:
-            fits = _score(a, ((u, p.home[u]),))[0] <= limit
+            fits = _score(a, ((u, home[u]),))[0] <= limit
         else:  # inlined: only the home rank's load rises
-            fits = a.load[p.home[u]] + p.cost[u] <= limit
+            fits = load[home[u]] + cost[u] <= limit
         if fits:
-            a.move(u, p.home[u])
+            a.move(u, home[u])
     return a
+
+
+def _heaviest_first(a: _Assignment) -> list[int]:
+    """The moved units, heaviest first (ties: lowest unit first)."""
+    units = sorted(a.away)
+    if a.p.bytes_vary:  # stable, also reversed: equal weights keep their order
+        units.sort(key=a.p.weight.__getitem__, reverse=True)
+    return units
 
 
 def _lighter_substitutes(a: _Assignment, scan: int = 8) -> _Assignment:
     """Each moved unit (heaviest first) trades places with a lighter unit still at its home when
     that keeps the step time: the same work moves, fewer bytes travel. Candidates are the home
     units whose cost keeps both ranks within the step time (at most ``scan`` of them)."""
-    p, limit, where, weight = a.p, a.makespan(), a.where, a.p.weight
-    for u in sorted(sorted(a.away), key=weight.__getitem__, reverse=True):  # ties: lowest unit first
-        h, r, c = p.home[u], where[u], p.cost[u]
+    p, limit, where, weight, load = a.p, a.makespan(), a.where, a.p.weight, a.load
+    sorted_costs, offsets, home, cost = p.sorted_costs, p.offsets, p.home, p.cost
+    for u in _heaviest_first(a):
+        h, r, c = home[u], where[u], cost[u]
         if r == h:
             continue
-        costs, units = p.by_cost(h)  # h's own units; those still at home are candidates
-        lo = bisect.bisect_left(costs, c - (limit - a.load[r]))
-        hi = min(bisect.bisect_right(costs, c + (limit - a.load[h])), lo + scan)
-        lighter = [v for v in units[lo:hi] if where[v] == h and weight[v] < weight[u]]
+        # h's own units (its slice of the global order) whose cost keeps h (which gets u back and
+        # loses v) and r (which trades u for v) within the limit; those still at home are candidates
+        lo = bisect_left(sorted_costs, c - (limit - load[h]), offsets[h], offsets[h + 1])
+        hi = bisect_right(sorted_costs, c + (limit - load[r]), lo, min(offsets[h + 1], lo + scan))
+        if hi - lo < 2:  # u alone (it lies in its own window)
+            continue
+        lighter = [v for v in p.sorted_units[lo:hi] if where[v] == h and weight[v] < weight[u]]
         for v in sorted(lighter, key=lambda v: (weight[v], v)) if len(lighter) > 1 else lighter:
-            if _score(a, ((u, h), (v, r)))[0] <= limit:
+            # Without transfers only h and r change, by the cost difference: the window is the test.
+            if not p.transfer_aware or _score(a, ((u, h), (v, r)))[0] <= limit:
                 a.move(u, h)
                 a.move(v, r)
                 break
@@ -548,14 +651,13 @@ def _balanced(p: _Problem, lower: int, max_steps: int) -> _Assignment:
     from home alone, and the better of the two plans wins."""
     goal = lower + int(lower * PLAN_TOLERANCE)
     starts = [_Assignment(p)]
-    for unit, helper in _move_once(p):
-        starts[0].move(unit, helper)
+    starts[0].leave_home(_move_once(p))
     if p.transfer_aware:
         starts.append(_Assignment(p))
     plans = [_send_home_where_free(_local_search(a, goal, max_steps)) for a in starts]
     if p.bytes_vary:
         plans = [_lighter_substitutes(a) for a in plans]
-    return min(plans, key=_key)
+    return min(plans, key=_key) if len(plans) > 1 else plans[0]
 
 
 def plan_assignment(
@@ -585,14 +687,15 @@ def plan_assignment(
     """
     p = _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank)
     steps = 4 * (len(p.cost) + p.num_ranks) + 16 if max_steps is None else _count(max_steps, "max_steps")
-    home = _Assignment(p)
-    lower = max(-(-sum(p.cost) // p.num_ranks), max(p.cost, default=0))
-    best = home
-    if p.num_ranks > 1 and home.makespan() > lower:
+    lower = max(-(-p.total // p.num_ranks), p.largest)
+    home_makespan = max(p.home_load)
+    best = None
+    if p.num_ranks > 1 and home_makespan > lower:
         best = _balanced(p, lower, steps)
-        if best.makespan() >= home.makespan():
-            best = home
-    return _plan_of(p, best, home, lower, bytes_given=bytes_per_rank is not None, bandwidth=bandwidth)
+        if best.makespan() >= home_makespan:
+            best = None
+    best = _Assignment(p) if best is None else best  # not balancing
+    return _plan_of(p, best, home_makespan, lower, bytes_given=bytes_per_rank is not None, bandwidth=bandwidth)
 
 
 def _count(value, name: str) -> int:
@@ -603,18 +706,19 @@ def _count(value, name: str) -> int:
     return int(value)
 
 
-def _plan_of(p: _Problem, a: _Assignment, home: _Assignment, lower: int, *, bytes_given: bool, bandwidth) -> Plan:
-    encode = a.encode_loads()
+def _plan_of(p: _Problem, a: _Assignment, home_makespan: int, lower: int, *, bytes_given: bool, bandwidth) -> Plan:
+    encode, where = a.encode_loads(), a.where
     moved_bytes, moved_units = a.moved()
+    transfers = [(s - e) / NS_PER_SECOND for s, e in zip(a.load, encode)] if p.transfer_aware else [0.0] * p.num_ranks
     return Plan(
-        assignment=tuple(tuple(a.where[p.offsets[r] : p.offsets[r + 1]]) for r in range(p.num_ranks)),
-        loads=tuple(x / NS_PER_SECOND for x in encode),
+        assignment=tuple([tuple(where[lo:hi]) for lo, hi in zip(p.offsets, p.offsets[1:])]),
+        loads=tuple([x / NS_PER_SECOND for x in encode]),
         makespan=max(encode, default=0) / NS_PER_SECOND,
         lower_bound=lower / NS_PER_SECOND,
-        home_makespan=home.makespan() / NS_PER_SECOND,
+        home_makespan=home_makespan / NS_PER_SECOND,
         moved_units=moved_units,
         moved_bytes=moved_bytes if bytes_given else None,
-        transfer_seconds=tuple((s - e) / NS_PER_SECOND for s, e in zip(a.load, encode)),
+        transfer_seconds=tuple(transfers),
         step_seconds=a.makespan() / NS_PER_SECOND,
         bandwidth=None if bandwidth is None else float(bandwidth),
     )
@@ -626,9 +730,9 @@ def lpt_bins(costs: np.ndarray, num_bins: int) -> np.ndarray:
     bins = np.empty(len(costs), dtype=np.int64)
     heap = [(0, b) for b in range(num_bins)]
     for unit in np.argsort(-np.asarray(costs), kind="stable").tolist():
-        load, b = heapq.heappop(heap)
+        load, b = heappop(heap)
         bins[unit] = b
-        heapq.heappush(heap, (load + int(costs[unit]), b))
+        heappush(heap, (load + int(costs[unit]), b))
     return bins
 
 
