@@ -44,6 +44,7 @@ from latentfast import backends
 from latentfast.bench.common import best_seconds, format_table, line_plot, median_seconds, sync
 from latentfast.replay import scatter_cotangents
 from latentfast.replay.demo import build_toy_problem, generator_gradients, max_relative_error, plain_step, replay_step
+from latentfast.testing import teardown_process_group
 
 STEP_B, STEP_MICRO = 32, 4
 SWEEP_b = (4, 8, 16, 32)
@@ -269,40 +270,47 @@ def scatter_report(device: str, quick: bool) -> list[dict]:
 # ---- 3. DDP: reductions per step ------------------------------------------------------------
 def _ddp_worker(rank: int, init_file: str, out_path: str, steps: int) -> None:
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
-        problem = build_toy_problem(
-            local_samples=DDP_B, gradient_local_samples=DDP_b, microbatch=DDP_MICRO, num_shards=2,
-            dtype=torch.float32, dropout=0.1, generator_kwargs=DDP_GENERATOR,
-        )  # fmt: skip
-        problem.model = ddp = DistributedDataParallel(problem.generator)
-        calls: list = []
-
-        def counting_hook(state, bucket):
-            state.append(1)
-            return allreduce_hook(None, bucket)
-
-        ddp.register_comm_hook(calls, counting_hook)
-        results = {"every": [], "deferred": []}
-        for step in range(steps + 1):  # step 0 warms up (DDP rebuilds its buckets after it)
-            for mode in ("every", "deferred"):  # alternated, so both see the same machine load
-                calls.clear()
-                dist.barrier()
-                start = time.perf_counter()
-                replay_step(problem, problem.shards[rank], sync_every_replay=mode == "every")
-                elapsed = time.perf_counter() - start
-                problem.generator.zero_grad(set_to_none=True)
-                if step:
-                    results[mode].append((elapsed, len(calls)))
+        results = _ddp_steps(rank, steps)  # the DDP module is gone when it returns, before the teardown
         if rank == 0:
             with open(out_path, "w") as fh:
                 json.dump(results, fh)
     finally:
-        dist.destroy_process_group()
+        teardown_process_group()
+
+
+def _ddp_steps(rank: int, steps: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    problem = build_toy_problem(
+        local_samples=DDP_B, gradient_local_samples=DDP_b, microbatch=DDP_MICRO, num_shards=2,
+        dtype=torch.float32, dropout=0.1, generator_kwargs=DDP_GENERATOR,
+    )  # fmt: skip
+    problem.model = ddp = DistributedDataParallel(problem.generator)
+    calls: list = []
+
+    def counting_hook(state, bucket):
+        state.append(1)
+        return allreduce_hook(None, bucket)
+
+    ddp.register_comm_hook(calls, counting_hook)
+    results = {"every": [], "deferred": []}
+    for step in range(steps + 1):  # step 0 warms up (DDP rebuilds its buckets after it)
+        for mode in ("every", "deferred"):  # alternated, so both see the same machine load
+            calls.clear()
+            dist.barrier()
+            start = time.perf_counter()
+            replay_step(problem, problem.shards[rank], sync_every_replay=mode == "every")
+            elapsed = time.perf_counter() - start
+            problem.generator.zero_grad(set_to_none=True)
+            if step:
+                results[mode].append((elapsed, len(calls)))
+    return results
 
 
 def ddp_report(quick: bool) -> dict:

@@ -123,6 +123,19 @@ def write_random_cache(directory: str, n: int, channels: int, latent_h: int, w_m
     return folders
 
 
+def teardown_process_group() -> None:
+    """End a spawned rank's process group safely: free what still holds it (a DDP/FSDP module, a
+    reference cycle), wait for every rank, then destroy it. Tearing gloo down while a peer still
+    talks to it, or freeing a module that holds the group after ``destroy_process_group``, aborts
+    the process ("terminate called without an active exception"). Call it once the objects that
+    used the group are out of scope (return them from a function, don't keep them in locals)."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawned_rank(rank: int, world_size: int, folder: str, timeout_s: float, fn, args: tuple) -> None:
     import datetime
     import pickle

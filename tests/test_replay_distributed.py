@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 
 import pytest
@@ -22,6 +21,7 @@ import torch.multiprocessing as mp
 from latentfast.errors import NonFiniteReplayError
 from latentfast.replay import FeatureGradientReplay
 from latentfast.replay.demo import build_toy_problem, generator_gradients, max_relative_error, plain_step, replay_step
+from latentfast.testing import teardown_process_group
 
 WORLD = 2
 SCENARIOS = [dict(mode="exact", attraction=False), dict(mode="nystrom", attraction=True)]
@@ -40,15 +40,6 @@ def _init(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=90))
     torch.set_num_threads(1)
-
-
-def _teardown() -> None:
-    """Both ranks done with every collective, and nothing left holding the group, before it goes:
-    tearing gloo down while the peer still talks to it, or freeing a cycle that holds the group
-    after destroy_process_group, aborts the process."""
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _outcome(fn) -> str:
@@ -113,7 +104,7 @@ def _replay_worker(rank: int, init_file: str, out_dir: str) -> None:
                 torch.save({"grads": grads, "loss": result.loss, "meta": meta, "ratios": ratio}, f"{out_dir}/s{i}.pt")
         torch.save(_failures(rank), f"{out_dir}/failures{rank}.pt")
     finally:
-        _teardown()
+        teardown_process_group()
 
 
 @pytest.mark.slow
@@ -244,7 +235,7 @@ def _sync_worker(rank: int, init_file: str, out_dir: str) -> None:
         results = {"ddp": _ddp(rank), "fsdp2": _fsdp2(rank), "fsdp1": _fsdp1(rank)}
         torch.save(results, f"{out_dir}/sync{rank}.pt")
     finally:
-        _teardown()
+        teardown_process_group()
 
 
 @pytest.mark.slow
