@@ -389,7 +389,10 @@ def test_inspect_reports_resident_bytes(cache_dir):
     with open(path, "rb") as fh:
         fh.read()
     hot = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=120)
-    assert json.loads(hot.stdout)["resident_bytes"] == os.path.getsize(path), hot.stdout[-300:]
+    resident, size = json.loads(hot.stdout)["resident_bytes"], os.path.getsize(path)
+    # All of it, but for a page or two the host may reclaim between the read and the subprocess
+    # (a CI run once found 599 of 600 pages); never more than the file.
+    assert size - 4 * 4096 <= resident <= size, (resident, size)
 
 
 def test_cold_batch_is_asked_for_after_a_short_probe_and_a_warm_one_row_by_row(cache_dir, monkeypatch):
