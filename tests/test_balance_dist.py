@@ -361,7 +361,7 @@ def test_collective_device_must_be_the_current_cuda_device_under_nccl():
 
 
 def test_packed_message_round_trips_mixed_dtypes_and_odd_sizes():
-    from latentfast.vision.balance import _pack, _unpack
+    from latentfast.devices import pack as _pack, unpack as _unpack
 
     g = torch.Generator().manual_seed(0)
     tensors = [

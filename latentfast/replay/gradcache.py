@@ -409,6 +409,16 @@ class FeatureGradientReplay:
             return data
         return collective_device(data, dist.get_backend())
 
+    def _all_rows(self, status: torch.Tensor) -> list[list[int]]:
+        """Every rank's ``status`` row, in rank order: one collective and one host sync."""
+        world = self._world_size()
+        if world == 1:
+            return [status.tolist()]
+        status = status.to(self._collective_device())
+        gathered = [torch.empty_like(status) for _ in range(world)]
+        dist.all_gather(gathered, status)
+        return torch.stack(gathered).tolist()
+
     def _validate_ready(self) -> None:
         """Every rank learns every rank's counts and deferred finiteness (one collective), so all
         raise together."""
@@ -420,11 +430,7 @@ class FeatureGradientReplay:
             flags = torch.stack(self._finite_flags).flatten().to(device)
             status[2], status[3] = flags.all().long(), flags.long().argmin()
         world = self._world_size()
-        gathered = [status]
-        if world > 1:
-            gathered = [torch.empty_like(status) for _ in range(world)]
-            dist.all_gather(gathered, status)
-        observed = torch.stack(gathered).tolist()  # the one host sync
+        observed = self._all_rows(status)
         counts = [tuple(row[:2]) for row in observed]
         if world == 1 and counts[0] != expected:
             raise ReplayError(f"incomplete dual GradCache: (stored, selected) = {counts[0]}, expected {expected}")
@@ -532,14 +538,8 @@ class FeatureGradientReplay:
             low, high = torch.aminmax(grad)  # NaN propagates
             peak = torch.maximum(high, -low)
             flags.append(torch.isfinite((peak * scale).to(out_dtype)))  # as the scatter rounds it
-        status = torch.stack(flags).long()
         world = self._world_size()
-        if world > 1:
-            status = status.to(self._collective_device())
-            gathered = [torch.empty_like(status) for _ in range(world)]
-            dist.all_gather(gathered, status)
-            status = torch.stack(gathered)
-        rows = status.reshape(world, -1).tolist()
+        rows = self._all_rows(torch.stack(flags).long())
         for rank, row in enumerate(rows):
             if all(row):
                 continue

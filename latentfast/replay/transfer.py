@@ -13,11 +13,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..devices import as_device
+from ..devices import as_device, pack, unpack
 from ..errors import InvalidArgumentError
 
 SMALL_BYTES = 1 << 16  # tensors up to this size share one packed transfer
-_ALIGN = 16  # byte alignment of each packed tensor, so every dtype can be viewed back in place
 
 
 def copy_tensors(tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
@@ -47,22 +46,10 @@ def copy_tensors(tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
 
 
 def _packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """One transfer for all of ``tensors`` (one source device): their bytes back to back, each
-    aligned, then typed views of the received buffer."""
-    pieces, offsets, offset = [], [], 0
-    for tensor in tensors:
-        raw = tensor.detach().reshape(-1).view(torch.uint8)
-        pad = -raw.numel() % _ALIGN
-        pieces.append(raw)
-        if pad:
-            pieces.append(raw.new_zeros(pad))
-        offsets.append(offset)
-        offset += raw.numel() + pad
-    received = torch.cat(pieces).to(device)
-    return [
-        received[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        for start, t in zip(offsets, tensors)
-    ]
+    """One transfer for all of ``tensors`` (one source device): packed where they are, the buffer
+    moved, then typed views of the received buffer."""
+    specs = [(t.dtype, tuple(t.shape)) for t in tensors]
+    return unpack(pack(tensors, tensors[0].device).to(device), specs)
 
 
 def _device_types(backend: str) -> set[str] | None:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..devices import as_device
+from ..devices import as_device, pack, packed_size, unpack
 from ..ops import as_int
 from ..errors import ArgumentTypeError, InvalidArgumentError, OffloadEncodeError
 from .plan import Plan, as_bandwidth, plan_assignment
@@ -49,7 +49,6 @@ WIRE_DTYPES = (
 UNIT_ROW = 4 + MAX_NDIM  # seconds, latent bytes, dtype code, ndim, shape
 LATENT_ROW = 2 + MAX_NDIM  # dtype code, ndim, shape
 OK, FAILED = 0.0, 1.0
-PACK_ALIGN = 16  # bytes; segment alignment inside a packed message, so views of any dtype are legal
 
 Spec = tuple[torch.dtype, tuple[int, ...]]
 
@@ -83,39 +82,6 @@ def _status(errors: list[BaseException]) -> list[float]:
 
 def _decode_text(codes: list[float]) -> str:
     return "".join(chr(int(c)) for c in codes if c > 0)
-
-
-def _segment_bytes(spec: Spec) -> int:
-    """Bytes a tensor takes in a packed message, rounded up so every segment starts aligned."""
-    dtype, shape = spec
-    size = math.prod(shape) * dtype.itemsize
-    return -(-size // PACK_ALIGN) * PACK_ALIGN
-
-
-def _packed_size(specs) -> int:
-    return sum(_segment_bytes(spec) for spec in specs)
-
-
-def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Several tensors as one uint8 message (one transfer per peer instead of one per tensor)."""
-    specs = [(t.dtype, tuple(t.shape)) for t in tensors]
-    buffer = torch.empty(_packed_size(specs), dtype=torch.uint8, device=device)
-    offset = 0
-    for tensor, spec in zip(tensors, specs):
-        size = tensor.numel() * tensor.dtype.itemsize
-        buffer[offset : offset + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-        offset += _segment_bytes(spec)
-    return buffer
-
-
-def _unpack(buffer: torch.Tensor, specs) -> list[torch.Tensor]:
-    """The tensors of a packed message, as views into it."""
-    out, offset = [], 0
-    for dtype, shape in specs:
-        size = math.prod(shape) * dtype.itemsize
-        out.append(buffer[offset : offset + size].view(dtype).reshape(shape))
-        offset += _segment_bytes((dtype, shape))
-    return out
 
 
 # ---- the group ----------------------------------------------------------------------------------
@@ -296,10 +262,10 @@ def _units_out_and_encode(g: _Group, m: _Moves, tensors: list, encode_fn, errors
             continue
         outgoing = [tensors[i] for i in m.between.get((g.rank, peer), [])]
         if outgoing:
-            ops.append(dist.P2POp(dist.isend, _pack(outgoing, g.device), group=g.group, group_peer=peer))
+            ops.append(dist.P2POp(dist.isend, pack(outgoing, g.device), group=g.group, group_peer=peer))
         incoming = [(peer, i) for i in m.between.get((peer, g.rank), [])]
         if incoming:
-            buffer = torch.empty(_packed_size([m.specs[r][i] for r, i in incoming]), dtype=torch.uint8, device=g.device)
+            buffer = torch.empty(packed_size([m.specs[r][i] for r, i in incoming]), dtype=torch.uint8, device=g.device)
             ops.append(dist.P2POp(dist.irecv, buffer, group=g.group, group_peer=peer))
             arriving.append((incoming, buffer))
     works = dist.batch_isend_irecv(ops) if ops else []
@@ -314,7 +280,7 @@ def _units_out_and_encode(g: _Group, m: _Moves, tensors: list, encode_fn, errors
         g.wait(work, "the unit transfers")
     received = {}
     for incoming, buffer in arriving:
-        received.update(zip(incoming, _unpack(buffer, [m.specs[r][i] for r, i in incoming])))
+        received.update(zip(incoming, unpack(buffer, [m.specs[r][i] for r, i in incoming])))
     made: dict[tuple[int, int], torch.Tensor] = {}
     if not errors:
         try:
@@ -327,7 +293,7 @@ def _units_out_and_encode(g: _Group, m: _Moves, tensors: list, encode_fn, errors
 
 def _gather_status(g: _Group, m: _Moves, made: dict, errors: list) -> dict[tuple[int, int], Spec]:
     """Step 5: every rank's status and the specs of the latents it made for others; raises on
-    every rank if any encode failed. Returns the spec of every moved unit's latent."""
+    every rank if any encode failed. Returns the spec of the latent of every unit of this rank that moved."""
     most_incoming = max(map(len, m.incoming.values()), default=0)
     body = [] if errors else [x for key in m.incoming.get(g.rank, []) for x in _describe(made[key], "latent")]
     body += [0.0] * (most_incoming * LATENT_ROW - len(body))
@@ -336,8 +302,9 @@ def _gather_status(g: _Group, m: _Moves, made: dict, errors: list) -> dict[tuple
     specs = {}
     for helper, keys in m.incoming.items():  # a helper's latent rows follow the order of its incoming moves
         for k, key in enumerate(keys):
-            start = 1 + MESSAGE_CHARS + k * LATENT_ROW
-            specs[key] = _undescribe(statuses[helper][start : start + LATENT_ROW])
+            if key[0] == g.rank:  # only this rank's own units come back to it
+                start = 1 + MESSAGE_CHARS + k * LATENT_ROW
+                specs[key] = _undescribe(statuses[helper][start : start + LATENT_ROW])
     return specs
 
 
@@ -349,15 +316,15 @@ def _latents_back(g: _Group, m: _Moves, made: dict, latent_specs: dict, latents:
             continue
         done = [made[(peer, i)] for i in m.between.get((peer, g.rank), [])]
         if done:
-            ops.append(dist.P2POp(dist.isend, _pack(done, g.device), group=g.group, group_peer=peer))
+            ops.append(dist.P2POp(dist.isend, pack(done, g.device), group=g.group, group_peer=peer))
         mine = m.between.get((g.rank, peer), [])
         if mine:
-            buffer = torch.empty(_packed_size([latent_specs[(g.rank, i)] for i in mine]), dtype=torch.uint8, device=g.device)
+            buffer = torch.empty(packed_size([latent_specs[(g.rank, i)] for i in mine]), dtype=torch.uint8, device=g.device)
             ops.append(dist.P2POp(dist.irecv, buffer, group=g.group, group_peer=peer))
             arriving.append((mine, buffer))
     g.exchange(ops, "the latent transfers")
     for mine, buffer in arriving:
-        for i, latent in zip(mine, _unpack(buffer, [latent_specs[(g.rank, i)] for i in mine])):
+        for i, latent in zip(mine, unpack(buffer, [latent_specs[(g.rank, i)] for i in mine])):
             latents[i] = latent
 
 

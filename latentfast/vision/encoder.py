@@ -17,7 +17,7 @@ from ..devices import as_device
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .balance import offload_encode
 from .plan import Plan, as_bandwidth
-from .units import VisionEncodeUnit, build_units, check_item_layout, check_item_lists, item_views, normalize_uint8_item, regroup_latents
+from .units import VisionEncodeUnit, build_units, check_fp32_kwargs, check_item_layout, check_item_lists, item_views, normalize_uint8_item, regroup_latents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +58,7 @@ def _resolve_aliases(cost_model, tokenizer, device, dtype, fp32_kwargs) -> tuple
             raise InvalidArgumentError("pass cost_model= or its alias tokenizer=, not both")
         cost_model = tokenizer
     if fp32_kwargs is not None:
-        if not isinstance(fp32_kwargs, dict) or set(fp32_kwargs) - {"device", "dtype"}:
-            raise InvalidArgumentError(f"fp32_kwargs must be a dict with 'device' and optionally 'dtype', got {fp32_kwargs!r}")
+        check_fp32_kwargs(fp32_kwargs)
         if device is not None or dtype is not None:
             raise InvalidArgumentError("pass device=/dtype= or their alias fp32_kwargs=, not both")
         device, dtype = fp32_kwargs.get("device"), fp32_kwargs.get("dtype")
@@ -162,14 +161,18 @@ class VisionEncoder:
 
     def _unit_costs(self, units: list[VisionEncodeUnit]) -> tuple[list[float], list[int] | None]:
         """Predicted seconds of every unit and, for transfer-aware plans, its latent's bytes."""
-        seconds, latent = [], []
+        # latent sizes only matter to a transfer-aware plan (and cost a model lookup per unit)
+        latent_bytes = getattr(self.cost_model, "predicted_latent_bytes", lambda *_: None)
+        seconds: list[float] = []
+        latent: list[int] | None = [] if self.link_bandwidth is not None else None
         for unit in units:
             t = unit.tensor
             clips = t.shape[0] if t.ndim == 5 else 1
             seconds.append(self.cost_model.predicted_encode_seconds(*t.shape[-3:]) * clips)
-            size = getattr(self.cost_model, "predicted_latent_bytes", lambda *_: None)(*t.shape[-3:])
-            latent.append(0 if size is None else size * clips)
-        return seconds, (latent if self.link_bandwidth is not None else None)
+            if latent is not None:
+                size = latent_bytes(*t.shape[-3:])
+                latent.append(0 if size is None else size * clips)
+        return seconds, latent
 
     def encode_balanced(
         self, items: Sequence[torch.Tensor], num_views_per_item: Sequence[int], frames_per_item: Sequence[int | None]

@@ -44,6 +44,7 @@ from heapq import heapify, heappop, heappush, heapreplace, nsmallest
 import numpy as np
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..ops import as_int
 
 NS_PER_SECOND = 1_000_000_000
 # Loads are exact integer nanoseconds; a step longer than this (about 146 years) is refused rather
@@ -686,7 +687,7 @@ def plan_assignment(
     step time than not balancing, or than cosmos-framework's ``plan_rebalance`` on the same costs.
     """
     p = _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank)
-    steps = 4 * (len(p.cost) + p.num_ranks) + 16 if max_steps is None else _count(max_steps, "max_steps")
+    steps = 4 * (len(p.cost) + p.num_ranks) + 16 if max_steps is None else as_int("max_steps", max_steps, minimum=0)
     lower = max(-(-p.total // p.num_ranks), p.largest)
     home_makespan = max(p.home_load)
     best = None
@@ -696,14 +697,6 @@ def plan_assignment(
             best = None
     best = _Assignment(p) if best is None else best  # not balancing
     return _plan_of(p, best, home_makespan, lower, bytes_given=bytes_per_rank is not None, bandwidth=bandwidth)
-
-
-def _count(value, name: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ArgumentTypeError(f"{name} must be an int, got {value!r}")
-    if int(value) < 0:
-        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
-    return int(value)
 
 
 def _plan_of(p: _Problem, a: _Assignment, home_makespan: int, lower: int, *, bytes_given: bool, bandwidth) -> Plan:

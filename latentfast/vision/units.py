@@ -48,14 +48,19 @@ def vae_pixel_shapes(items: Sequence[torch.Tensor | None] | None) -> list[tuple[
     return shapes
 
 
+def check_fp32_kwargs(fp32_kwargs) -> None:
+    """The specification's ``fp32_kwargs``: a dict of ``device`` and/or ``dtype``."""
+    if not isinstance(fp32_kwargs, dict) or set(fp32_kwargs) - {"device", "dtype"}:
+        raise InvalidArgumentError(f"fp32_kwargs must be a dict with 'device' and/or 'dtype', got {fp32_kwargs!r}")
+
+
 def normalize_uint8_item(x: torch.Tensor, fp32_kwargs: dict | None = None, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 pixels -> ``x / 127.5 - 1`` in ``dtype`` (the fused op; non-uint8 input is an error).
 
     ``fp32_kwargs`` is the specification's form, ``{"device": ..., "dtype": ...}``: the item is
     moved to that device first (at 1 byte per element) and normalized to that dtype."""
     if fp32_kwargs is not None:
-        if not isinstance(fp32_kwargs, dict) or set(fp32_kwargs) - {"device", "dtype"}:
-            raise InvalidArgumentError(f"fp32_kwargs must be a dict with 'device' and/or 'dtype', got {fp32_kwargs!r}")
+        check_fp32_kwargs(fp32_kwargs)
         if "device" in fp32_kwargs:
             x = x.to(as_device(fp32_kwargs["device"]))
         dtype = fp32_kwargs.get("dtype", dtype)
