@@ -316,7 +316,6 @@ def plot(report: dict, out_dir: str) -> list[str]:
     quality_ax.set_title("plan quality (lower is better)")
     moved_ax.set_title("units moved (lower is better)")
     outside_legend(moved_ax)
-    fig.tight_layout()
     return [save(fig, out_dir, "balance_makespan.png")]
 
 

@@ -203,13 +203,14 @@ def shaped_read_report(quick: bool = False) -> dict:
             lambda batch: read_batch(cache, batch)[0])}
         readers.update(per_item_readers(tmp, sources["keys"], sources["formats"]))
         results = {"items": n, "batch": SHAPED_BATCH, "batches": len(batches), "ms_per_batch": {}, "disk": {}, "skipped": {}}
+        expected = read_batch(cache, batches[-1])[0]
         for name, reader in readers.items():
             if isinstance(reader, str):
                 results["skipped"][name] = reader
                 continue
             for batch in batches:  # hot page cache, and the same values from every reader
                 got = reader(batch)
-            assert torch.equal(got, read_batch(cache, batches[-1])[0]), name
+            assert torch.equal(got, expected), name
             results["ms_per_batch"][name] = 1e3 * median_seconds(lambda: [reader(b) for b in batches], repeat=5, warmup=0) / len(batches)
             results["disk"][name] = disk_usage(os.path.join(tmp, "shaped" if name.startswith("latentfast") else name))
     ms = results["ms_per_batch"]

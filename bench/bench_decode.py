@@ -587,6 +587,8 @@ def run_report(quick: bool = False, sections=("hot", "cold")) -> dict:
                 report["results"].append(r)
                 for t, q in r["ratios"].items():
                     report["summary"].update({f"hot_{tag}@{t}thr_{k}": round(v, 3) for k, v in q.items()})
+                for name, figures in (r["cuda"] or {}).items():  # batch to device vs pinned H2D (gpu_check's figure)
+                    report["summary"][f"cuda_{tag}_{name}_share_of_pinned_h2d"] = round(figures["share_of_pinned_h2d"], 3)
             if "cold" in sections and pf.SUPPORTED:
                 before = conditions(root)
                 c = measure_cold(geometry, (128 if quick else 1024) * 2**20, 3 if quick else 12, 15 if quick else 40, root)

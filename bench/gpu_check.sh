@@ -49,7 +49,7 @@ PY
   exit 2
 }
 echo "$gpu" | tee "$OUT/gpu_check.txt"
-n_gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+n_gpus=${gpu%% x *}  # from the line above: "N x NAME; torch V, CUDA X.Y"
 
 step "python environment"
 managed=$("$PY" -c 'import os, sys, sysconfig; print(int(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED"))))')
@@ -61,7 +61,7 @@ timeout_flag=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 120)  # else the step's own cap
 
 step "build"
-torch_cuda=$("$PY" -c "import torch; print(torch.version.cuda)")
+torch_cuda=${gpu##*CUDA }
 nvcc_bin=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
 nvcc_cuda=$("$nvcc_bin" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')
 build() {  # $1: 1 = with the CUDA kernels, 0 = CPU only; $2: seconds
@@ -108,7 +108,7 @@ for suite in normalize decode replay; do
   cp "/tmp/latentfast-bench-$suite/bench.json" "$OUT/bench_$suite.json" 2>/dev/null
   if [ $rc = 0 ]; then RESULT[$suite]="ran"; else RESULT[$suite]="FAILED (exit $rc; see bench.log)" status=1; fi
 done
-grep -v "^\s*$" "$OUT/bench.log" | grep -A14 "^normalize_uint8\|^batch decode\|^scatter\|^replay" | head -120
+grep -v "^\s*$" "$OUT/bench.log" | grep -A14 "^normalize_uint8\|^hot: B=\|^pinned-h2d\|^latentfast-cuda\|^scatter\|^replay" | head -120
 
 step "results"
 "$PY" bench/gpu_check_summary.py bench "$OUT"

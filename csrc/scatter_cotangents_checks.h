@@ -6,11 +6,11 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/ArrayRef.h>
-#include <c10/util/safe_numerics.h>
 
 #include <string>
 #include <vector>
 
+#include "checked_math.h"
 #include "overlap_check.h"
 
 namespace latentfast {
@@ -21,13 +21,13 @@ inline bool is_scatter_dtype(at::ScalarType t) {
 
 inline int64_t scatter_checked_mul(int64_t a, int64_t b, const char* what) {
   int64_t out = 0;
-  TORCH_CHECK_VALUE(!c10::mul_overflows(a, b, &out), "scatter_cotangents: ", what, " overflows int64 (", a, " * ", b, ")");
+  TORCH_CHECK_VALUE(mul_fits(a, b, &out), "scatter_cotangents: ", what, " overflows int64 (", a, " * ", b, ")");
   return out;
 }
 
 inline int64_t scatter_checked_add(int64_t a, int64_t b, const char* what) {
   int64_t out = 0;
-  TORCH_CHECK_VALUE(!c10::add_overflows(a, b, &out), "scatter_cotangents: ", what, " overflows int64 (", a, " + ", b, ")");
+  TORCH_CHECK_VALUE(add_fits(a, b, &out), "scatter_cotangents: ", what, " overflows int64 (", a, " + ", b, ")");
   return out;
 }
 

@@ -44,6 +44,27 @@ def _as_size(name: str, value) -> int:
     return as_int(name, value, minimum=0, maximum=INT64_MAX)
 
 
+def _int_array(name: str, values) -> np.ndarray:
+    """``values`` (ints, numpy array or tensor) as a 1-D numpy array of an integer dtype, kept as given."""
+    array = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ArgumentTypeError(f"{name} must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
+    return array
+
+
+def _prefix_out(out, dtype: torch.dtype, needed: int, unit: str) -> torch.Tensor:
+    """A new 1-D CPU output of ``needed`` elements, or ``out`` checked to hold at least that many
+    (the caller returns its filled prefix)."""
+    if out is None:
+        return torch.empty(needed, dtype=dtype)
+    if not (isinstance(out, torch.Tensor) and out.dtype == dtype and out.dim() == 1 and out.is_contiguous()
+            and out.device.type == "cpu" and out.numel() >= needed):
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        kind = str(dtype).removeprefix("torch.")
+        raise InvalidArgumentError(f"out must be a contiguous 1-D {kind} CPU tensor of >= {needed} {unit}, got {got}")
+    return out
+
+
 def _check_elements(name: str, count: int) -> None:
     """Refuse an output of more elements than int64 counts (the product of sizes, exact in Python).
     A symbolic count (under ``torch.compile``, a value of the data) is left to the allocation."""
@@ -144,11 +165,7 @@ def as_row_indices(indices, n_rows: int) -> torch.Tensor:
             raise InvalidArgumentError("indices is a meta tensor: the rows to read are its values, which it has none of")
         if torch.compiler.is_compiling():
             return indices.to("cpu", torch.int64).contiguous()
-        array = indices.detach().cpu().numpy()
-    else:
-        array = np.asarray(indices)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise ArgumentTypeError(f"indices must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
+    array = _int_array("indices", indices)
     # range-check in the array's own dtype: a uint64 index above 2**63 must be reported as itself,
     # not as the negative int64 it would wrap to
     if array.size and (array.min() < 0 or array.max() >= n_rows):
@@ -250,12 +267,7 @@ def gather_rows_packed(
     index = as_row_indices(indices, row_offsets.numel())
     needed = channels * latent_h * int(widths[index].sum())
     _check_elements("the packed rows", needed)
-    if out is None:
-        out = torch.empty(needed, dtype=torch.float16)
-    elif not (isinstance(out, torch.Tensor) and out.dtype == torch.float16 and out.dim() == 1
-              and out.is_contiguous() and out.device.type == "cpu" and out.numel() >= needed):
-        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise InvalidArgumentError(f"out must be a contiguous 1-D float16 CPU tensor of >= {needed} elements, got {got}")
+    out = _prefix_out(out, torch.float16, needed, "elements")
     torch.ops.latentfast.gather_rows_packed_into(data, row_offsets, widths, pitch, index, channels, latent_h, out, backend)
     return out[:needed]
 
@@ -307,10 +319,7 @@ def _int64_vector(name: str, values) -> torch.Tensor:
     if isinstance(values, torch.Tensor) and not (values.is_floating_point() or values.is_complex()
                                                  or values.dtype == torch.bool) and values.dim() == 1:
         return values.to("cpu", torch.int64).contiguous()
-    array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise ArgumentTypeError(f"{name} must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    return torch.from_numpy(np.ascontiguousarray(_int_array(name, values), dtype=np.int64))
 
 
 def read_spans(fd: int, offsets, lengths, *, threads: int = 16, out: torch.Tensor | None = None,
@@ -323,11 +332,6 @@ def read_spans(fd: int, offsets, lengths, *, threads: int = 16, out: torch.Tenso
     threads = as_int("threads", threads, minimum=1)
     offsets, lengths = _int64_vector("offsets", offsets), _int64_vector("lengths", lengths)
     total = int(lengths.clamp(min=0).sum())
-    if out is None:
-        out = torch.empty(total, dtype=torch.uint8)
-    elif not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.dim() == 1 and out.is_contiguous()
-              and out.device.type == "cpu" and out.numel() >= total):
-        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise InvalidArgumentError(f"out must be a contiguous 1-D uint8 CPU tensor of >= {total} bytes, got {got}")
+    out = _prefix_out(out, torch.uint8, total, "bytes")
     torch.ops.latentfast.read_spans_into(fd, offsets, lengths, threads, out, backend)
     return out[:total]

@@ -96,20 +96,15 @@ def test_huge_sizes_are_refused_not_crashed(case, backend):
 @pytest.mark.skipif("cpp" not in runnable_backends("gather_rows_packed_into"), reason="latentfast._C not built")
 def test_compiled_kernel_checks_the_product_itself():
     # called without the op's Python checks, the C++ kernel must refuse the overflowing product too
-    proc = _run(
-        "torch.ops.latentfast_compiled.gather_rows_packed_into(data, offsets, widths, 0, torch.tensor([0, 1]), "
-        "2**32 + 1, 2**32 - 1, out)",
-        "cpp",
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
-    assert "channels * latent_h = 4294967297 * 4294967295 does not fit in int64" in proc.stdout, proc.stdout
-    proc = _run(
-        "torch.ops.latentfast_compiled.gather_rows_into(data, offsets, widths, 2**63 - 10, torch.tensor([1]), "
-        "None, torch.empty(1, 1, 3, 2, dtype=torch.float16))",
-        "cpp",
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
-    assert "more than int64 holds: outside the data's 64 elements" in proc.stdout, proc.stdout
+    for call, message in (
+        ("torch.ops.latentfast_compiled.gather_rows_packed_into(data, offsets, widths, 0, torch.tensor([0, 1]), "
+         "2**32 + 1, 2**32 - 1, out)", "channels * latent_h = 4294967297 * 4294967295 does not fit in int64"),
+        ("torch.ops.latentfast_compiled.gather_rows_into(data, offsets, widths, 2**63 - 10, torch.tensor([1]), "
+         "None, torch.empty(1, 1, 3, 2, dtype=torch.float16))", "more than int64 holds: outside the data's 64 elements"),
+    ):
+        proc = _run(call, "cpp")
+        assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+        assert message in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("backend", runnable_backends("gather_rows_packed_into"))

@@ -76,9 +76,10 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         raise InvalidArgumentError(f"dtype must be one of {ops.GATHER_DTYPES}, got {dtype}")
     if not (cold == "auto" if cold.__class__ is str else cold is True or cold is False):
         raise InvalidArgumentError(f"cold must be 'auto', True or False, got {cold!r}")
-    if device.__class__ is str and device == "cpu" or as_device(device).type == "cpu":  # the default first, cheaply
+    if not (device.__class__ is str and device == "cpu"):  # the default passes as is, cheaply
+        device = as_device(device)
+    if device.__class__ is str or device.type == "cpu":
         return _read_batch_cpu(cache, source, indices, dtype, width, out, backend, cold)
-    device = as_device(device)
     if device.type != "cuda":
         raise InvalidArgumentError(f"device must be a CPU or CUDA device, got {device}")
     if not torch.cuda.is_available():
@@ -110,7 +111,7 @@ def _read_batch_cpu(cache, source, indices, dtype, width, out, backend, cold):
         out = torch.empty(index.numel(), channels, latent_h, W, dtype=dtype)
     if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
         white = white.to(torch.float16).contiguous()
-    state = _before_copy(cache, cold, source[0], index_np) if cold is not False else None
+    state = _before_copy(cache, cold, source[0], index_np)
     start = time.perf_counter() if state is not None else 0.0
     torch.ops.latentfast.gather_rows_into.default(source[0], source[1], source[2], int(source[3]), index, white, out,
                                                   backend)
@@ -149,9 +150,7 @@ def _before_copy(cache, cold, data, index_np):
     state = prefetch.cold_reads(cache)
     if state is None or (state.hot and cold is not True):
         return state
-    if state.advised_map != data.data_ptr():
-        prefetch.advise_random(data)
-        state.advised_map = data.data_ptr()
+    state.advise_map(data)
     state.before_copy(cache.row_starts, index_np, always=cold is True)
     return state
 

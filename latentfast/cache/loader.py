@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .. import ops
 from ..devices import as_device, map_tensors
-from ..errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
+from ..errors import DeviceUnavailableError, InvalidArgumentError
 from .decode import read_batch
 from .prefetch import DEFAULT_LOOKAHEAD, LookaheadSampler, _check_lookahead
 from .sampler import WidthBucketBatchSampler  # noqa: F401  (its historical home)

@@ -281,11 +281,15 @@ class ColdReads:
         self.streak = 0  # consecutive batches found fully resident
         self.advised_map = None  # address of the memory map last marked MADV_RANDOM
 
+    def advise_map(self, data: torch.Tensor) -> None:
+        """Mark the cache's memory map MADV_RANDOM, once per map (small rows get nothing from readahead)."""
+        if self.advised_map != data.data_ptr():
+            advise_random(data)
+            self.advised_map = data.data_ptr()
+
     def before_copy(self, row_starts: np.ndarray, index: np.ndarray, always: bool) -> None:
         """Advise the pages of rows ``index`` (element offsets ``row_starts``) that are not resident
         (all of them when ``always``). Indices out of range are left to the copy, which reports them."""
-        if self.hot and not always:
-            return
         if index.size == 0 or int(index.min()) < 0 or int(index.max()) >= len(row_starts) - 1:
             return
         offsets, lengths = row_spans(np.asarray(row_starts, dtype=np.int64), index)

@@ -282,15 +282,16 @@ class LatentCacheWriter:
                 start, end = int(offsets[i]) * 2, int(offsets[i + 1]) * 2
                 fh.seek(start)
                 if zlib.crc32(fh.read(end - start)) != int(sums[i]):
-                    self._truncate_log(i)
+                    self._truncate_log(i, start)
                     raise CacheCorruptError(
                         f"latent cache {self._partial}: item {i} (key {record['k']!r}) on disk differs from what "
                         f"was written; it and the {len(self._records) - i - 1} items after it were dropped from the "
                         f"progress log: run the same build again to rewrite them"
                     )
 
-    def _truncate_log(self, keep: int) -> None:
-        """Forget every item from ``keep`` on, durably (log first, then data), so that appending resumes there."""
+    def _truncate_log(self, keep: int, end: int) -> None:
+        """Forget every item from ``keep`` on (its data starts at byte ``end``), durably (log first,
+        then data), so that appending resumes there."""
         self._log.close()
         lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in self._records[:keep])
         fmt.write_bytes_durably(self._paths["progress"], self._header() + lines)
@@ -299,7 +300,7 @@ class LatentCacheWriter:
             del self._index[record["k"]]
         del self._records[keep:]
         self._logged = keep
-        self._end = sum(2 * int(np.prod(r["s"])) for r in self._records)
+        self._end = end
         os.ftruncate(self._fd, self._end)
 
     def _meta(self, shapes: np.ndarray) -> dict:
