@@ -37,6 +37,7 @@ import torch
 from latentfast.cache import LatentCache, build_latent_cache, verify_cache
 from latentfast.cache import format as fmt
 from latentfast.synthetic import render_text_lines
+from latentfast.testing import torch_threads
 from latentfast.toy import ToyVAE
 
 from latentfast.bench.common import format_table, median_seconds
@@ -128,12 +129,8 @@ def write_shaped_sources(folder: str, n: int) -> dict:
 
 def _one_thread(fn):
     def run(batch):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_threads(1):
             return fn(batch)
-        finally:
-            torch.set_num_threads(threads)
     return run
 
 

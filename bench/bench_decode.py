@@ -49,7 +49,7 @@ from latentfast.cache import LatentCache, WidthBucketBatchSampler, cache_path
 from latentfast.cache import prefetch as pf
 from latentfast.cache.decode import read_batch
 from latentfast.cache.loader import DevicePrefetcher
-from latentfast.testing import write_random_cache
+from latentfast.testing import torch_threads, write_random_cache
 
 BATCH = 64
 GEOMETRIES = [(16, 8, 256), (4, 8, 128)]  # (C, h, w_max): 64 KiB and 8 KiB padded rows
@@ -272,19 +272,16 @@ def measure_hot(geometry, cache_bytes: int, n_batches: int, repeats: int, thread
         assert torch.equal(fn(batches[0]), expected), f"provider {name} disagrees with the per-row reader"
     found["memcpy-64MiB"] = memcpy_fn(data, 64 * 2**20, rng)
     found["memcpy-batch"] = memcpy_fn(data, int(mean_useful), rng)
-    default_threads = torch.get_num_threads()
     seconds = {}
     for threads in thread_counts:
-        torch.set_num_threads(threads)
         seconds[threads] = {}
-        for name, fn in found.items():
-            per = 64 * 2**20 if name == "memcpy-64MiB" else mean_useful
-            seconds[threads][name] = time_per_batch(fn, batches, repeats) * mean_useful / per
-    torch.set_num_threads(default_threads)
+        with torch_threads(threads):
+            for name, fn in found.items():
+                per = 64 * 2**20 if name == "memcpy-64MiB" else mean_useful
+                seconds[threads][name] = time_per_batch(fn, batches, repeats) * mean_useful / per
     cuda = measure_cuda(padded, batches, mean_useful, repeats) if torch.cuda.is_available() else None
-    torch.set_num_threads(1)  # one decode thread, so a free core is left for the Python loop
-    gil = {HOT_NAMES[name]: python_progress_while(found[name], batches) for name in ("seed", "latentfast")}
-    torch.set_num_threads(default_threads)
+    with torch_threads(1):  # one decode thread, so a free core is left for the Python loop
+        gil = {HOT_NAMES[name]: python_progress_while(found[name], batches) for name in ("seed", "latentfast")}
     return {"python_progress_while_decoding": gil, "cuda": cuda,
             "geometry": {"channels": channels, "latent_h": latent_h, "w_max": w_max}, "rows": n_rows,
             "cache_mib": n_rows * channels * latent_h * w_max * 2 / 2**20, "useful_bytes_per_batch": mean_useful,

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -121,6 +122,17 @@ def write_random_cache(directory: str, n: int, channels: int, latent_h: int, w_m
             np.save(os.path.join(folder, f"{split}.latents.offsets.npy"), np.concatenate([[0], np.cumsum(sizes)]))
         _write_index(folder, split, widths, channels, latent_h, w_max, layout, white)
     return folders
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run the block with ``torch.set_num_threads(n)``, restoring the previous count after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def teardown_process_group() -> None:

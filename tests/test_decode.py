@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from latentfast.testing import random_rows, write_cache
-from latentfast.testing import poisoned_like, runnable_backends
+from latentfast.testing import poisoned_like, runnable_backends, torch_threads
 
 from latentfast import ops, reference
 from latentfast.cache import decode
@@ -383,9 +383,7 @@ def test_gather_rows_vector_edges_stay_inside_out(layout, dtype, threads):
     white = rng.standard_normal((2, 3, 1)).astype(np.float16)
     data, offsets, widths_t, pitch = flat_source(rows, widths, 48, layout)
     indices = rng.permutation(700)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for W in (48, 49, 64):
             for batch in (indices, indices[:3], np.flatnonzero(widths < 16)[:5]):
                 shape = (len(batch), 2, 3, W)
@@ -402,8 +400,6 @@ def test_gather_rows_vector_edges_stay_inside_out(layout, dtype, threads):
             expected = np.concatenate([rows[i].reshape(-1) for i in batch])
             torch.testing.assert_close(packed, torch.from_numpy(expected), rtol=0, atol=0)
             assert bool((staging[needed:] == 7.0).all()), "a store ran past the packed rows"
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_read_batch_accepts_every_index_form(small_cache):

@@ -10,7 +10,7 @@ import torch
 from latentfast import ops, reference
 from latentfast.backends import BackendUnavailableError
 from latentfast.errors import InvalidArgumentError
-from latentfast.testing import poisoned_like, runnable_backends
+from latentfast.testing import poisoned_like, runnable_backends, torch_threads
 
 OP = "normalize_uint8_into"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,9 +120,7 @@ def test_large_outputs_misaligned_and_split_between_threads(backend, dtype, thre
     g = torch.Generator().manual_seed(7)
     contiguous = torch.randint(0, 256, (2, 3, 4, 361, 1203), dtype=torch.uint8, generator=g)
     strided = torch.randint(0, 256, (3, 4, 1203, 361), dtype=torch.uint8, generator=g).transpose(-1, -2)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for x, num_views in ((contiguous, 2), (strided, 4)):
             expected = _reference(x, num_views, dtype)
             numel = expected[0].numel()
@@ -132,8 +130,6 @@ def test_large_outputs_misaligned_and_split_between_threads(backend, dtype, thre
             for got, want, buffer in zip(out, expected, buffers):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
                 assert buffer[0].item() == 7.0 and bool((buffer[1 + numel :] == 7.0).all()), "a store left out"
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("backend", runnable_backends(OP, "cpu"))
