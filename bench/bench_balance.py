@@ -79,16 +79,18 @@ def cosmos_plan_rebalance(local_predicted_seconds: dict[int, list], max_iteratio
     return moves
 
 
+def random_instance(rng, ranks: int, low: int, high: int, sigma: float = 1.0, skewed: bool = False) -> list[list[float]]:
+    """Lognormal(0, sigma) costs, ``low`` to ``high`` units per rank; ``skewed``: rank 0 holds four times the units."""
+    costs = [rng.lognormal(0.0, sigma, size=int(rng.integers(low, high + 1))).tolist() for _ in range(ranks)]
+    if skewed:
+        costs[0] = rng.lognormal(0.0, sigma, size=4 * len(costs[0])).tolist()
+    return costs
+
+
 def instances(setting: tuple, count: int, seed: int = 0) -> list[list[list[float]]]:
     _, ranks, low, high, skewed = setting
     rng = np.random.default_rng([seed, ranks, low, high, skewed])
-    out = []
-    for _ in range(count):
-        costs = [rng.lognormal(0.0, 1.0, size=int(rng.integers(low, high + 1))).tolist() for _ in range(ranks)]
-        if skewed:
-            costs[0] = rng.lognormal(0.0, 1.0, size=4 * len(costs[0])).tolist()
-        out.append(costs)
-    return out
+    return [random_instance(rng, ranks, low, high, skewed=skewed) for _ in range(count)]
 
 
 def unit_bytes(costs: list[list[float]]) -> list[list[int]]:

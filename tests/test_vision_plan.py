@@ -11,7 +11,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from latentfast.bench.bench_balance import cosmos_plan_rebalance  # the anchor, re-implemented independently of the library
+from latentfast.bench.bench_balance import (  # the anchor, re-implemented independently of the library
+    anchor_assignment, cosmos_plan_rebalance, evaluate, random_instance,
+)
 from latentfast.errors import ArgumentTypeError, InvalidArgumentError
 from latentfast.vision import Plan, lpt_makespan, plan_assignment
 from latentfast.vision.plan import NS_PER_SECOND, move_once_moves, quantize_costs
@@ -21,12 +23,8 @@ def anchor_result(costs_per_rank) -> tuple[float, int]:
     """``(makespan seconds, units moved)`` of the anchor run on the same integer-nanosecond costs
     every planner here gets."""
     ns = quantize_costs(costs_per_rank)
-    moves = cosmos_plan_rebalance(dict(enumerate(ns)))
-    loads = [sum(c) for c in ns]
-    for index, src, dest in moves:
-        loads[src] -= ns[src][index]
-        loads[dest] += ns[src][index]
-    return max(loads) / NS_PER_SECOND, len(moves)
+    makespan, moved, _ = evaluate(anchor_assignment(ns), ns, ns)
+    return makespan / NS_PER_SECOND, moved
 
 
 def brute_force_makespan(costs_per_rank) -> float:
@@ -40,13 +38,6 @@ def brute_force_makespan(costs_per_rank) -> float:
             loads[rank] += cost
         best = max(loads) if best is None else min(best, max(loads))
     return best / NS_PER_SECOND
-
-
-def random_instance(rng, ranks, low, high, sigma=1.0, skewed=False):
-    costs = [rng.lognormal(0.0, sigma, size=int(rng.integers(low, high + 1))).tolist() for _ in range(ranks)]
-    if skewed:  # one rank holds four times the units
-        costs[0] = rng.lognormal(0.0, sigma, size=4 * len(costs[0])).tolist()
-    return costs
 
 
 def step_loads(plan: Plan, costs_per_rank, bytes_per_rank=None, bandwidth=None, latent=None) -> list[int]:
