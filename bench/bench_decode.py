@@ -46,9 +46,9 @@ import torch
 
 from latentfast import ops
 from latentfast.cache import LatentCache, WidthBucketBatchSampler, cache_path
-from latentfast.cache import prefetch as pf
-from latentfast.cache.decode import read_batch
-from latentfast.cache.loader import DevicePrefetcher
+from latentfast.cache.feed import coldread as pf
+from latentfast.cache.feed.gather import read_batch
+from latentfast.cache.feed.loader import DevicePrefetcher
 from latentfast.testing import torch_threads, write_random_cache
 
 BATCH = 64

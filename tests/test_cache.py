@@ -20,9 +20,9 @@ from latentfast.cache import (
     build_latent_cache,
     cache_meta_for,
     cache_path,
-    format as fmt,
     verify_cache,
 )
+from latentfast.cache.store import format as fmt
 from latentfast.toy import ToyVAE
 
 LINE_HEIGHT = 16

@@ -12,8 +12,8 @@ from latentfast.testing import random_rows, write_cache
 from latentfast.testing import poisoned_like, runnable_backends, torch_threads
 
 from latentfast import ops, reference
-from latentfast.cache import decode
-from latentfast.cache.decode import read_batch
+from latentfast.cache.feed import gather as decode
+from latentfast.cache.feed.gather import read_batch
 from latentfast.errors import IndexOutOfRangeError, InvalidArgumentError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

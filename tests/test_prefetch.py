@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from latentfast.cache import LatentCache, WidthBucketBatchSampler, batch_loader, cache_path, read_batch
-from latentfast.cache import prefetch as pf
+from latentfast.cache.feed import coldread as pf
 from latentfast.testing import random_rows, write_cache
 
 pytestmark = pytest.mark.skipif(not pf.SUPPORTED, reason="the cold-read path needs Linux (posix_fadvise)")
@@ -420,7 +420,7 @@ def test_cold_batch_is_asked_for_after_a_short_probe_and_a_warm_one_row_by_row(c
 def test_shaped_caches_take_the_same_cold_path(tmp_path, monkeypatch):
     """Image-bucket / video caches: spans come from row_starts, so a one-shape batch is asked for page by
     page like a line batch, prefetch reads exactly its items, and the bytes equal a hot read."""
-    from latentfast.cache.writer import LatentCacheWriter
+    from latentfast.cache.store.writer import LatentCacheWriter
 
     rng = np.random.default_rng(4)
     shapes = [(4, 2, 24, 32), (4, 3, 16, 16)]  # [C, T, h, w] clips of two sizes, 12 and 6 KiB

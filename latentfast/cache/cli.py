@@ -155,7 +155,7 @@ def run_build(args) -> int:
                   autocast_dtype=getattr(torch, autocast) if autocast else None)
     source = args.manifest or args.images
     if args.buckets:
-        from .images import build_image_cache, build_video_cache
+        from .build.images import build_image_cache, build_video_cache
 
         buckets = parse_buckets(args.buckets, video=args.video)
         if args.video:
@@ -165,7 +165,7 @@ def run_build(args) -> int:
             path = build_image_cache(encoder, source, args.out, args.split, buckets=buckets,
                                      skip_bad_images=args.skip_bad_images, lock_timeout=args.lock_timeout, **common)
     else:
-        from .builder import build_latent_cache
+        from .build.lines import build_latent_cache
 
         path = build_latent_cache(encoder, source, args.out, args.split, line_height=args.line_height,
                                   max_line_width=args.max_line_width, layout=args.layout, lock_timeout=args.lock_timeout,
@@ -176,7 +176,7 @@ def run_build(args) -> int:
 
 
 def run_import(args) -> int:
-    from .importers import import_latents
+    from .build.importers import import_latents
 
     stats: dict = {}
     path = import_latents(args.source_dir, args.out, args.split, format=args.format, key=args.key, quiet=args.quiet,
@@ -188,7 +188,7 @@ def run_import(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from .reader import inspect_cache
+    from .store.reader import inspect_cache
 
     info = inspect_cache(args.cache_dir, args.split)
     if args.json:
@@ -222,7 +222,7 @@ def run_inspect(args) -> int:
 
 
 def run_verify(args) -> int:
-    from .reader import verify_cache
+    from .store.reader import verify_cache
 
     try:
         result = verify_cache(args.cache_dir, args.split)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import ops
-from ..devices import as_device
-from ..errors import InvalidArgumentError
+from ... import ops
+from ...devices import as_device
+from ...errors import InvalidArgumentError
 
 
 def intercepts(cache) -> bool:
@@ -27,7 +27,7 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     int64 on the CPU)``; items of different shapes raise ``InvalidArgumentError`` (a ``ValueError``)
     naming them. A line cache opened with ``verify_rows`` has its rows' checksum blocks checked, then
     is read as usual. ``gather_kwargs`` (``backend``, ...) go to the line gather unchanged."""
-    from .decode import read_batch as gather
+    from .gather import read_batch as gather
 
     index = ops.as_row_indices(indices, len(cache))
     if getattr(cache, "verify_rows", False):

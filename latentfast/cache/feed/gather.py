@@ -16,7 +16,7 @@ after the copy that read it has finished (a CUDA event per slot) and never by tw
 whose current device is ``cuda:0`` uses ``cuda:1``'s streams). If pinned memory cannot be had, the
 ring falls back to pageable memory with a one-time warning.
 
-Both targets take the cold-read path of :mod:`latentfast.cache.prefetch` before copying: rows of a
+Both targets take the cold-read path of :mod:`latentfast.cache.feed.coldread` before copying: rows of a
 cache that is not in the page cache are read in with parallel I/O, not faulted in one page at a time.
 
 ``cache`` is anything with ``len()``, ``channels``, ``latent_h``, ``w_max``, ``widths``,
@@ -34,10 +34,10 @@ import warnings
 import numpy as np
 import torch
 
-from .. import ops
-from ..devices import as_device
-from ..errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
-from . import prefetch, shaped
+from ... import ops
+from ...devices import as_device
+from ...errors import ArgumentTypeError, DeviceUnavailableError, InvalidArgumentError
+from . import coldread as prefetch, shaped
 
 DEFAULT_RING_ROWS = 64  # rows per slot of a fresh ring (grows if a larger batch arrives)
 RING_SLOTS = 3  # batches that may be in flight (gathering / copying / being expanded)
@@ -60,7 +60,7 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         out: optional preallocated contiguous ``[B, C, h, W]`` output on ``device``.
         cold: ``"auto"`` (default) reads a batch whose pages are not in the page cache with parallel
             I/O before copying it, and stops checking once batches keep being found in memory
-            (see :mod:`latentfast.cache.prefetch`); ``True`` always asks for the pages first (a
+            (see :mod:`latentfast.cache.feed.coldread`); ``True`` always asks for the pages first (a
             cache known to be far larger than RAM); ``False`` never (pages fault in as touched).
 
     Returns:

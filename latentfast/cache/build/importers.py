@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CacheError, InvalidArgumentError
-from . import format as fmt
-from .durable import BuildLock, content_hash
-from .writer import encoder_identity, open_for_sources
+from ...errors import CacheError, InvalidArgumentError
+from ..store import format as fmt
+from ..store.durable import BuildLock, content_hash
+from ..store.writer import encoder_identity, open_for_sources
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
 INFO_MAX_ELEMENTS = 8  # small arrays beside the latents (sizes, crops) are kept as item info
@@ -142,7 +142,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
 
 def _unchanged(out_dir, split, identity, meta, files, digests) -> bool:
     """A complete cache of exactly these files (same order, same bytes), imported the same way, intact."""
-    from .reader import LatentCache, bad_blocks
+    from ..store.reader import LatentCache, bad_blocks
 
     try:
         cache = LatentCache(out_dir, split)

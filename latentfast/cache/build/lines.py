@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..devices import as_device
-from ..errors import ArgumentTypeError, CacheCorruptError, CacheError, ImageError, InvalidArgumentError
-from . import format as fmt
-from .durable import BuildLock, content_hash, pwrite_all
+from ...devices import as_device
+from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, ImageError, InvalidArgumentError
+from ..store import format as fmt
+from ..store.durable import BuildLock, content_hash, pwrite_all
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -477,7 +477,7 @@ def _open_progress(paths, plan: _Plan) -> _Progress | None:
 
 def _finished_cache(paths, plan: _Plan):
     """The complete cache in the folder if it was built with this fingerprint, else None."""
-    from .reader import LatentCache
+    from ..store.reader import LatentCache
 
     try:
         meta = fmt.read_meta(paths["meta"])
@@ -490,7 +490,7 @@ def _finished_cache(paths, plan: _Plan):
 
 def _batches_to_redo(cache, plan: _Plan) -> set[int]:
     """Batches holding an image whose content hash changed, or a row of a block that fails verify."""
-    from .reader import bad_blocks
+    from ..store.reader import bad_blocks
 
     owner = plan.batch_of_rows()
     hashes = cache.content_hashes()

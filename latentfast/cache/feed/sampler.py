@@ -8,8 +8,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
-from .. import ops
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ... import ops
+from ...errors import ArgumentTypeError, InvalidArgumentError
 
 
 class ShardedBatchSampler(Sampler[list[int]]):

@@ -1,4 +1,4 @@
-"""Open, read, inspect and verify a latent cache (see :mod:`latentfast.cache.format`)."""
+"""Open, read, inspect and verify a latent cache (see :mod:`latentfast.cache.store.format`)."""
 from __future__ import annotations
 
 import json
@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CacheCorruptError, IncompleteCacheError, IndexOutOfRangeError, InvalidArgumentError
+from ...errors import CacheCorruptError, IncompleteCacheError, IndexOutOfRangeError, InvalidArgumentError
 from . import format as fmt
 
 
 class LatentCache:
-    """Read-only, worker-safe view of a built latent cache (any layout, see :mod:`~latentfast.cache.format`).
+    """Read-only, worker-safe view of a built latent cache (any layout, see :mod:`~latentfast.cache.store.format`).
 
     ``cache[i]`` is a float16 copy of item i, of shape ``shapes[i]``: ``[C, h, w_i]`` in a line
     cache, any shape in a ``shaped`` one. ``shapes`` (int64 ``[N, ndim]``) and ``keys`` (each
@@ -335,13 +335,13 @@ class LatentCache:
 
     def read_batch(self, indices, **kwargs):
         """See :func:`latentfast.cache.read_batch`."""
-        from .decode import read_batch
+        from ..feed.gather import read_batch
 
         return read_batch(self, indices, **kwargs)
 
     def prefetch(self, indices) -> None:
         """Start reading rows ``indices`` into the page cache and return at once (see :mod:`.prefetch`)."""
-        from .prefetch import prefetch
+        from ..feed.coldread import prefetch
 
         prefetch(self, indices)
 
@@ -465,7 +465,7 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
         if os.path.exists(path):
             files[os.path.basename(path)] = os.path.getsize(path)
     data_bytes = int(cache.row_starts[-1]) * 2
-    from .prefetch import resident_bytes
+    from ..feed.coldread import resident_bytes
 
     info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files,
             "bytes_on_disk": sum(files.values()), "data_bytes": data_bytes,

@@ -21,11 +21,11 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .. import ops
-from ..devices import as_device, map_tensors
-from ..errors import DeviceUnavailableError, InvalidArgumentError
-from .decode import read_batch
-from .prefetch import DEFAULT_LOOKAHEAD, LookaheadSampler, _check_lookahead
+from ... import ops
+from ...devices import as_device, map_tensors
+from ...errors import DeviceUnavailableError, InvalidArgumentError
+from .gather import read_batch
+from .coldread import DEFAULT_LOOKAHEAD, LookaheadSampler, _check_lookahead
 from .sampler import WidthBucketBatchSampler  # noqa: F401  (its historical home)
 
 

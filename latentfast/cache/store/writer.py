@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
+from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
 from .durable import HASH_BYTES, BuildLock, pwrite_all
 

@@ -25,12 +25,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..devices import as_device
-from ..errors import CacheError, ImageError, InvalidArgumentError
-from . import format as fmt
+from ...devices import as_device
+from ...errors import CacheError, ImageError, InvalidArgumentError
+from ..store import format as fmt
 from . import media
-from .durable import BuildLock
-from .writer import encoder_identity, open_for_sources
+from ..store.durable import BuildLock
+from ..store.writer import encoder_identity, open_for_sources
 
 
 @dataclass
@@ -162,7 +162,7 @@ def _batches(items: list[media.Item], batch_size: int) -> list[list[media.Item]]
 
 def _previous_cache(out_dir, split, identity, meta):
     """The complete shaped cache already in the folder, if built with this encoder and settings."""
-    from .reader import LatentCache
+    from ..store.reader import LatentCache
 
     try:
         cache = LatentCache(out_dir, split)
@@ -176,7 +176,7 @@ def _previous_cache(out_dir, split, identity, meta):
 
 def _unchanged(cache, items: list[media.Item]) -> bool:
     """Same keys, content hashes and shapes in the plan's order, and every checksum intact."""
-    from .reader import bad_blocks
+    from ..store.reader import bad_blocks
 
     hashes = cache.content_hashes()
     order = [item for batch in _batches(items, len(items)) for item in batch]
@@ -294,7 +294,7 @@ def _old_rows(cache) -> dict[str, tuple[int, bytes]]:
 
 
 def _stored_checksums(cache):
-    from .reader import _checksums
+    from ..store.reader import _checksums
 
     return _checksums(cache.cache_dir, cache.split, len(cache), 1)
 

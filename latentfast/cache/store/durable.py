@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 
-from ..errors import CacheLockedError
+from ...errors import CacheLockedError
 
 HASH_BYTES = 16
 

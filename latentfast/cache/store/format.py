@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import ArgumentTypeError, CacheCorruptError, InvalidArgumentError
+from ...errors import ArgumentTypeError, CacheCorruptError, InvalidArgumentError
 
 FORMAT_VERSION = 2  # 2: the shaped layout, keys and content hashes (version-1 caches open unchanged)
 LAYOUTS = ("padded", "ragged", "shaped")

@@ -50,8 +50,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from . import format as fmt
+from ...errors import InvalidArgumentError
+from ..store import format as fmt
 
 ELEMENT_BYTES = 2  # float16
 PAGE = mmap.PAGESIZE
@@ -392,7 +392,7 @@ def prefetch(cache, indices) -> None:
     ``indices`` are checked like read_batch checks them (IndexError naming the first bad one) before
     anything is queued. The pages serve every process that maps the file, so a prefetch from the
     main process helps DataLoader workers. A no-op where the OS cannot do it (see the module)."""
-    from .. import ops
+    from ... import ops
 
     index = ops.as_row_indices(indices, len(cache)).numpy()
     state = cold_reads(cache)
@@ -411,7 +411,7 @@ def wait_for_prefetches() -> None:
 
 # ---- lookahead -----------------------------------------------------------------------------------
 def _check_lookahead(lookahead) -> int:
-    from .. import ops
+    from ... import ops
 
     return ops.as_int("lookahead", lookahead, minimum=0)
 
