@@ -11,7 +11,7 @@ from latentfast.testing import random_rows, write_cache
 from torch.utils.data import DataLoader
 
 from latentfast.cache.feed.gather import read_batch
-from latentfast.cache.feed.loader import (
+from latentfast.cache import (
     CacheBatchDataset,
     DevicePrefetcher,
     WidthBucketBatchSampler,

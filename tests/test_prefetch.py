@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from latentfast.cache import LatentCache, WidthBucketBatchSampler, batch_loader, cache_path, read_batch
+from latentfast.cache import LatentCache, LookaheadSampler, WidthBucketBatchSampler, batch_loader, cache_path, read_batch
 from latentfast.cache.feed import coldread as pf
 from latentfast.testing import random_rows, write_cache
 
@@ -330,7 +330,7 @@ def test_lookahead_peeks_the_sampler_without_consuming(cache_dir, monkeypatch):
     plain = WidthBucketBatchSampler(cache.widths, 16, seed=4, bucket_batches=2)
     expected = list(plain)
     sampler = WidthBucketBatchSampler(cache.widths, 16, seed=4, bucket_batches=2)
-    wrapped = pf.LookaheadSampler(sampler, cache, lookahead=3)
+    wrapped = LookaheadSampler(sampler, cache, lookahead=3)
     iterator = iter(wrapped)
     for step in range(5):
         assert next(iterator) == expected[step]
@@ -352,14 +352,14 @@ def test_lookahead_over_a_plain_iterable(monkeypatch):
             pulled.append(batch)
             yield batch
 
-    iterator = iter(pf.LookaheadSampler(source(), cache=None, lookahead=2))
+    iterator = iter(LookaheadSampler(source(), cache=None, lookahead=2))
     assert next(iterator) == batches[0] and pulled == batches[:3] and spy.batches == batches[:3]
     assert list(iterator) == batches[1:] and spy.batches == batches
-    assert list(pf.LookaheadSampler(batches, cache=None, lookahead=0)) == batches
+    assert list(LookaheadSampler(batches, cache=None, lookahead=0)) == batches
     with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
-        pf.LookaheadSampler(batches, None, lookahead=-1)
+        LookaheadSampler(batches, None, lookahead=-1)
     with pytest.raises(TypeError, match="lookahead must be an int"):
-        pf.LookaheadSampler(batches, None, lookahead=1.5)
+        LookaheadSampler(batches, None, lookahead=1.5)
 
 
 def test_batch_loader_reads_ahead_by_default(cache_dir, monkeypatch):

@@ -13,12 +13,12 @@ from .store.format import (
     stamp_differences,
 )
 from .feed.gather import read_batch
-from .feed.loader import CacheBatchDataset, DevicePrefetcher, WidthBucketBatchSampler, batch_loader, collate
-from .feed.coldread import LookaheadSampler
+from .feed.device import DevicePrefetcher
+from .feed.loader import CacheBatchDataset, batch_loader, collate
 from .store.reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
 from .build.images import build_image_cache, build_video_cache
 from .build.importers import import_latents
-from .feed.sampler import ShapeBucketBatchSampler
+from .feed.sampler import LookaheadSampler, ShapeBucketBatchSampler, WidthBucketBatchSampler
 from .store.writer import LatentCacheWriter
 from ..errors import CacheLockedError
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices import as_device, pack, packed_size, unpack
-from ..ops import as_int
+from ..checks import as_int
 from ..errors import ArgumentTypeError, InvalidArgumentError, OffloadEncodeError
 from .plan import Plan, as_bandwidth, plan_assignment
 

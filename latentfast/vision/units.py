@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import ops
-from ..ops import as_int
+from ..checks import as_int
 from ..devices import as_device
 from ..errors import ArgumentTypeError, InvalidArgumentError
 

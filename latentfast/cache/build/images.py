@@ -294,9 +294,7 @@ def _old_rows(cache) -> dict[str, tuple[int, bytes]]:
 
 
 def _stored_checksums(cache):
-    from ..store.reader import _checksums
-
-    return _checksums(cache.cache_dir, cache.split, len(cache), 1)
+    return fmt.load_checksums(cache.cache_dir, cache.split, len(cache), 1)
 
 
 def _item_seed(key: str) -> int:

@@ -1,4 +1,4 @@
-"""Out-of-core reads: bring a batch's rows into the page cache with parallel I/O before copying them.
+"""Cold reads: bring a batch's rows into the page cache with parallel I/O before copying them (page-cache advice, residency, eviction).
 
 A latent cache larger than RAM is read from disk. Copying rows straight out of the memory map
 faults their pages in one at a time, each fault a synchronous disk read (plus up to the device's
@@ -31,13 +31,14 @@ Pieces:
   page-fault speed turns the checks back on (off again at once if the next batch is resident).
 - :func:`prefetch` -- start reading rows in the background and return at once (a daemon thread
   per process issues the advice; pages read for one process serve every process).
-- :class:`LookaheadSampler` -- wraps a batch sampler and prefetches the next ``k`` batches.
+
+:class:`~latentfast.cache.feed.sampler.LookaheadSampler` wraps a batch sampler and calls
+:func:`prefetch` on the next ``k`` batches.
 
 Linux only (``posix_fadvise``); elsewhere every function here is a no-op and reads fault pages in.
 """
 from __future__ import annotations
 
-import collections
 import ctypes
 import mmap
 import os
@@ -46,14 +47,14 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from ...checks import as_row_indices
 from ...errors import InvalidArgumentError
 from ..store import format as fmt
+from ..store.layout import ELEMENT_BYTES, byte_spans
 
-ELEMENT_BYTES = 2  # float16
 PAGE = mmap.PAGESIZE
 # The kernel honours one WILLNEED request only up to max(read_ahead_kb, max_sectors_kb) of the
 # device (128 KiB by default), so longer spans are advised in pieces of this size.
@@ -75,8 +76,8 @@ def row_spans(row_starts: np.ndarray, index: np.ndarray, element_bytes: int = EL
     """``(offsets, lengths)`` int64: the bytes of rows ``index`` (element offsets ``row_starts[i]`` to
     ``row_starts[i + 1]``), widened to whole pages, sorted, overlapping or touching spans merged, and
     cut into pieces of at most :data:`CHUNK_BYTES`. ``index`` must already be in range."""
-    index = np.asarray(index, dtype=np.int64)
-    first_byte, end_byte = row_starts[index] * element_bytes, row_starts[index + 1] * element_bytes
+    first_byte, end_byte = byte_spans(np.asarray(row_starts, dtype=np.int64), np.asarray(index, dtype=np.int64),
+                                      element_bytes)
     nonempty = end_byte > first_byte
     if not nonempty.any():
         empty = np.zeros(0, dtype=np.int64)
@@ -287,12 +288,13 @@ class ColdReads:
             advise_random(data)
             self.advised_map = data.data_ptr()
 
-    def before_copy(self, row_starts: np.ndarray, index: np.ndarray, always: bool) -> None:
-        """Advise the pages of rows ``index`` (element offsets ``row_starts``) that are not resident
-        (all of them when ``always``). Indices out of range are left to the copy, which reports them."""
+    def before_copy(self, table, always: bool) -> None:
+        """Advise the pages of the span table's items that are not resident (all of them when
+        ``always``). Indices out of range are left to the copy, which reports them."""
+        index, row_starts = table.index_np, table.row_starts
         if index.size == 0 or int(index.min()) < 0 or int(index.max()) >= len(row_starts) - 1:
             return
-        offsets, lengths = row_spans(np.asarray(row_starts, dtype=np.int64), index)
+        offsets, lengths = row_spans(row_starts, index)
         head = self.file.missing(offsets[:PROBE_SPANS], lengths[:PROBE_SPANS]) if not always else None
         if always or (head.all() and len(offsets) > PROBE_SPANS):  # a cold batch: ask for all, unchecked
             self.streak = 0 if not always else self.streak
@@ -392,9 +394,7 @@ def prefetch(cache, indices) -> None:
     ``indices`` are checked like read_batch checks them (IndexError naming the first bad one) before
     anything is queued. The pages serve every process that maps the file, so a prefetch from the
     main process helps DataLoader workers. A no-op where the OS cannot do it (see the module)."""
-    from ... import ops
-
-    index = ops.as_row_indices(indices, len(cache)).numpy()
+    index = as_row_indices(indices, len(cache)).numpy()
     state = cold_reads(cache)
     if state is None or index.size == 0:
         return
@@ -407,63 +407,3 @@ def wait_for_prefetches() -> None:
     (not necessarily read: the reads themselves run in the kernel)."""
     if _prefetcher is not None:
         _prefetcher.jobs.join()
-
-
-# ---- lookahead -----------------------------------------------------------------------------------
-def _check_lookahead(lookahead) -> int:
-    from ... import ops
-
-    return ops.as_int("lookahead", lookahead, minimum=0)
-
-
-class LookaheadSampler:
-    """``batch_sampler``'s batches, unchanged, while the rows of the next ``lookahead`` batches are
-    read into the page cache in the background (:func:`prefetch`), so disk time hides behind the
-    training step.
-
-    A sampler with ``upcoming(k)`` (as :class:`~latentfast.cache.loader.WidthBucketBatchSampler`)
-    is peeked, not advanced, so its ``state_dict()`` still counts the batches handed out. Any other
-    iterable of batches is read ``lookahead`` batches ahead of the loop. Other attributes
-    (``set_epoch``, ``state_dict``, ...) are the wrapped sampler's."""
-
-    def __init__(self, batch_sampler: Iterable, cache, lookahead: int = DEFAULT_LOOKAHEAD):
-        self.batch_sampler, self.cache = batch_sampler, cache
-        self.lookahead = _check_lookahead(lookahead)
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("batch_sampler", "cache", "lookahead"):
-            raise AttributeError(name)
-        return getattr(self.batch_sampler, name)
-
-    def __iter__(self) -> Iterator:
-        if self.lookahead == 0:
-            return iter(self.batch_sampler)
-        if hasattr(self.batch_sampler, "upcoming"):
-            return self._peeking()
-        return self._reading_ahead()
-
-    def _peeking(self) -> Iterator:
-        ahead = 0  # batches after the current one already prefetched
-        for batch in self.batch_sampler:
-            if ahead == 0:
-                prefetch(self.cache, batch)
-            else:
-                ahead -= 1
-            upcoming = list(self.batch_sampler.upcoming(self.lookahead))
-            for later in upcoming[ahead:]:
-                prefetch(self.cache, later)
-            ahead = len(upcoming)
-            yield batch
-
-    def _reading_ahead(self) -> Iterator:
-        window: collections.deque = collections.deque()
-        source = iter(self.batch_sampler)
-        for batch in source:
-            prefetch(self.cache, batch)
-            window.append(batch)
-            if len(window) > self.lookahead:
-                yield window.popleft()
-        yield from window

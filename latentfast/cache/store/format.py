@@ -267,3 +267,21 @@ def rebuild_command(cache_dir: str, split: str, meta: Mapping[str, Any], expecte
         f"--line-height {want.get('line_height')} --max-line-width {want.get('max_line_width')} "
         f"--layout {meta.get('layout', 'padded')} --encoder <the expected encoder>"
     )
+
+
+def load_npy(path: str, what: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"latent cache {what} file {path} does not exist") from None
+    except (ValueError, EOFError, OSError, MemoryError) as exc:
+        raise CacheCorruptError(f"latent cache {what} file {path} is not a valid .npy array: {exc}") from None
+
+
+def load_checksums(cache_dir: str, split: str, n: int, block_rows: int) -> np.ndarray:
+    spath = cache_path(cache_dir, split, "checksums")
+    sums = load_npy(spath, "checksums")
+    blocks = -(-n // block_rows)
+    if sums.shape != (blocks,):
+        raise CacheCorruptError(f"latent cache checksums {spath} must hold {blocks} entries, got shape {list(sums.shape)}")
+    return sums

@@ -1,0 +1,225 @@
+"""Where every item's bytes live: row starts of each layout, and the span table of one batch that the read path consumes.
+
+A cache's data file is float16 elements back to back; ``row_starts[i]`` (element offsets, one
+entry per item plus the end) says where item ``i`` begins. The layouts differ only in how an item
+is cut into "lines" for the compiled gather (``lines`` lines of ``widths[i]`` real elements,
+``pitch`` elements apart) and in what a batch must share:
+
+- ``padded`` (the specification's seed-compatible layout): every row ``[C, h, w_max]``, lines
+  ``w_max`` apart, the real ``widths[i]`` columns first;
+- ``ragged``: row ``i`` is ``[C, h, widths[i]]``, no padding stored (``pitch`` 0: a line is as long
+  as its row is wide);
+- ``shaped`` (image buckets, video): item ``i`` has its own shape, stored C-contiguous; for the
+  gather it is one line of ``prod(shape)`` elements, and a batch must hold items of one shape.
+
+:func:`resolve` turns "these items" into a :class:`SpanTable` once per batch (indices converted
+once); every later step (checksum checks, cold-read advice, the CPU gather, pinned staging) reads
+that table and none goes back to the cache object for geometry.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+from ...checks import as_row_indices, batch_width
+from ...errors import ArgumentTypeError, CacheCorruptError, InvalidArgumentError
+from . import format as fmt
+
+ELEMENT_BYTES = 2  # float16
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+# ---- row starts: the one place item offsets are computed -------------------------------------------
+def row_starts(layout: str, n: int, *, channels: int = 0, latent_h: int = 0, w_max: int = 0, widths=None,
+               shapes=None) -> np.ndarray:
+    """int64 ``[n + 1]`` element offsets of every item of a cache of this layout (the last: the end)."""
+    if layout == "shaped":
+        return fmt.shaped_offsets(shapes)
+    if layout == "ragged":
+        return fmt.ragged_offsets(widths, channels, latent_h)
+    return np.arange(n + 1, dtype=np.int64) * (int(channels) * int(latent_h) * int(w_max))
+
+
+def byte_spans(starts: np.ndarray, index: np.ndarray, element_bytes: int = ELEMENT_BYTES) -> tuple[np.ndarray, np.ndarray]:
+    """``(first_byte, end_byte)`` int64 of items ``index`` (in range) in the data file."""
+    return starts[index] * element_bytes, starts[index + 1] * element_bytes
+
+
+# ---- the span table ---------------------------------------------------------------------------------
+class SpanTable:
+    """One batch's items as the read path sees them: which elements of which file to copy.
+
+    ``index`` (int64 CPU tensor) and ``index_np`` (its numpy view) name the items; ``widths`` (int32
+    ``[B]``) each item's real elements per line; ``lines`` the lines per item; ``pitch`` the elements
+    between lines (0: an item's own width); ``width`` the batch's W (a shaped batch: elements per
+    item); ``w_max`` the widest line any item of the cache may have (what a staging buffer is sized
+    for); ``white`` the float16 ``[C, h, 1]`` padding column or None; ``shape``/``shapes`` a shaped
+    batch's item shape and ``[B, ndim]`` shapes (None for line caches); ``checked`` whether the
+    indices were range-checked here (if not, the kernel checks each before copying). ``source`` is
+    the cache's ``(data, row_offsets, widths, pitch)`` and ``row_starts`` its item offsets."""
+
+    __slots__ = ("cache", "source", "row_starts", "index", "index_np", "widths", "lines", "channels", "latent_h",
+                 "pitch", "width", "w_max", "white", "shape", "shapes", "checked")
+
+    @property
+    def path(self) -> str:
+        """The data file the spans are in."""
+        return fmt.cache_path(self.cache.cache_dir, self.cache.split, "data")
+
+    def byte_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(offsets, lengths)`` int64: each item's bytes in :attr:`path` (indices must be in range)."""
+        first, end = byte_spans(self.row_starts, self.index_np)
+        return first, end - first
+
+    def nbytes(self) -> int:
+        """Useful bytes of the batch (the items' real elements)."""
+        return int(self.widths.sum(dtype=np.int64)) * self.lines * ELEMENT_BYTES
+
+    def verify(self) -> None:
+        """Check the checksum blocks of the batch's items (a cache opened with ``verify_rows``)."""
+        self.cache.block_checks.check(self.source[0].numpy(), self.row_starts, self.index_np)
+
+
+def resolve(cache, indices, *, width=None, clip: bool = False) -> SpanTable:
+    """The :class:`SpanTable` of rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`).
+
+    ``clip``: a plain int64 vector of a line cache is not range-checked here (its widths are read
+    clipped into range; the kernel checks every index before copying, and :func:`recheck` names a
+    bad one if sizing fails first) -- a batch of small rows costs tens of microseconds, so the hot
+    CPU path is kept to one conversion. Any other input, a shaped cache and ``clip=False`` get the
+    full check (:func:`latentfast.checks.as_row_indices`: IndexError naming the first bad index)."""
+    table = SpanTable()
+    table.cache, table.source = cache, cache.gather_source()
+    table.row_starts, table.white = cache.row_starts, cache.white_column
+    index, index_np = _as_int64_vector(indices) if clip and not cache.shaped else (None, None)
+    table.checked = index is None
+    if index is None:
+        index = as_row_indices(indices, len(cache))
+        index_np = index.numpy()
+    table.index, table.index_np = index, index_np
+    table.pitch = int(table.source[3])
+    if cache.shaped:
+        _resolve_shaped(table, cache, width)
+    else:
+        _resolve_lines(table, cache, width)
+    return table
+
+
+def recheck(table: SpanTable) -> None:
+    """Raise IndexError naming the first bad index of an unchecked table (else return)."""
+    if not table.checked:
+        as_row_indices(table.index, len(table.cache))
+
+
+def _resolve_lines(table: SpanTable, cache, width) -> None:
+    table.channels, table.latent_h = int(cache.channels), int(cache.latent_h)
+    table.lines, table.w_max = table.channels * table.latent_h, int(cache.w_max)
+    table.shape = table.shapes = None
+    try:
+        table.widths = selected_widths(cache.widths, table.index_np, clip=not table.checked)
+        widest = int(table.widths.max()) if table.widths.size else 0
+        table.width = widest if width is None and table.white is not None else checked_width(table.white, table.widths, width)
+    except (TypeError, ValueError, IndexError):  # from clipped indices: a bad index, if any, is the error to report
+        recheck(table)
+        raise
+
+
+def _resolve_shaped(table: SpanTable, cache, width) -> None:
+    if width is not None:
+        raise InvalidArgumentError(f"width applies to line caches only; a shaped cache's batch has its items' shape, got width={width!r}")
+    table.shape, table.shapes = batch_shape(cache.shapes, table.index_np)
+    table.channels = table.latent_h = table.lines = 1  # each item one line of all its elements
+    table.width = table.w_max = int(np.prod(table.shape)) if table.shape else 0
+    table.widths = table.source[2].numpy()[table.index_np]
+    table.white = None
+
+
+def _as_int64_vector(indices):
+    """``(tensor, array)``: ``indices`` as a contiguous 1-D int64 CPU tensor and a numpy view of it,
+    when that is cheap (a list of ints, an int64 numpy array or CPU tensor), else ``(None, None)``
+    (anything else takes the full conversion)."""
+    if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
+            index = indices.detach().contiguous()
+            return index, index.numpy()
+        return None, None
+    array = np.asarray(indices)
+    if array.dtype == np.int64 and array.ndim == 1:
+        array = np.ascontiguousarray(array)
+        return torch.from_numpy(array), array
+    return None, None
+
+
+def selected_widths(widths, index_np: np.ndarray, clip: bool) -> np.ndarray:
+    """int32 widths of rows ``index_np`` (indices clipped into range when ``clip``: the kernel reports
+    bad ones). Widths that do not fit int32 are refused, never truncated."""
+    if widths.__class__ is not np.ndarray:
+        widths = np.asarray(widths)
+    if widths.size == 0 and index_np.size:
+        raise IndexError("indices given for a cache of 0 rows")
+    selected = widths.take(index_np, mode="clip") if clip else widths[index_np]
+    if selected.dtype != np.int32:
+        if selected.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"cache.widths must hold integers, got {widths.dtype}")
+        if selected.size and (int(selected.min()) < 0 or int(selected.max()) > _INT32_MAX):
+            bad = int(np.flatnonzero((selected < 0) | (selected > _INT32_MAX))[0])
+            raise InvalidArgumentError(
+                f"cache.widths[{int(index_np[bad])}] = {int(selected[bad])} is outside [0, 2**31 - 1]: not a latent width"
+            )
+        selected = selected.astype(np.int32)
+    return selected
+
+
+def checked_width(white, selected_np, width) -> int:
+    """W of the batch: ``width`` (an int >= the widest selected row) or that widest row; the white
+    column must exist if any row is narrower than W."""
+    W = batch_width(selected_np, width)
+    if white is None and bool((selected_np < W).any()):
+        raise InvalidArgumentError(
+            "this batch needs padding but the cache has no white column; pass white_column= when opening the cache"
+        )
+    return W
+
+
+def batch_shape(all_shapes: np.ndarray, index: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
+    """``(shape, shapes [B, ndim])`` of the items ``index``; raises naming the shapes if they differ."""
+    shapes = np.ascontiguousarray(all_shapes[index])
+    if len(shapes) == 0:
+        return (), shapes
+    differs = np.any(shapes != shapes[0], axis=1)
+    if differs.any():
+        kinds, first = np.unique(shapes, axis=0, return_index=True)
+        listed = ", ".join(f"{kinds[k].tolist()} (e.g. indices[{int(first[k])}] = {int(index[first[k]])})"
+                           for k in np.argsort(first)[:6])
+        raise InvalidArgumentError(
+            f"a batch of a shaped cache must hold items of one shape; indices name {len(kinds)} shapes: {listed}. "
+            f"Batch with ShapeBucketBatchSampler(cache.shapes, ...)"
+        )
+    return tuple(int(x) for x in shapes[0]), shapes
+
+
+# ---- checksum blocks --------------------------------------------------------------------------------
+class BlockChecks:
+    """One opened cache's checksum blocks (``block_rows`` items each, CRC-32) and which of them this
+    process has verified; what ``verify_rows`` consults before a read."""
+
+    def __init__(self, cache_dir: str, split: str, meta: dict, n: int):
+        self.data_path = fmt.cache_path(cache_dir, split, "data")
+        self.block_rows = fmt.checksum_block_rows(meta, fmt.cache_path(cache_dir, split, "meta"))
+        if self.block_rows is None:
+            raise InvalidArgumentError(f"verify_rows: latent cache {cache_dir} (split {split!r}) stores no checksums")
+        self.sums = fmt.load_checksums(cache_dir, split, n, self.block_rows)
+        self.n = n
+        self.verified: set[int] = set()
+
+    def check(self, data: np.ndarray, starts: np.ndarray, index_np: np.ndarray) -> None:
+        """Check every block holding items ``index_np`` (in range) of the flat ``data`` once;
+        :class:`CacheCorruptError` names the first failing block."""
+        blocks = np.unique(np.asarray(index_np, dtype=np.int64) // self.block_rows).tolist()
+        for block in (b for b in blocks if b not in self.verified):
+            r0, r1 = block * self.block_rows, min(self.n, (block + 1) * self.block_rows)
+            if zlib.crc32(data[int(starts[r0]) : int(starts[r1])]) != int(self.sums[block]):
+                raise CacheCorruptError(f"latent cache {self.data_path}: block {block} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
+            self.verified.add(block)
