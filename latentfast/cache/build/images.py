@@ -29,6 +29,7 @@ from ...devices import as_device
 from ...errors import CacheError, ImageError, InvalidArgumentError
 from ..store import format as fmt
 from . import media
+from .encode import encode
 from ..store.durable import BuildLock
 from ..store.writer import encoder_identity, open_for_sources
 
@@ -276,10 +277,7 @@ class _Runner:
         t0 = time.perf_counter()
         batch = torch.stack(pixels).to(self.device)
         kwargs = {"seeds": [_item_seed(item.key) for item in items]} if self.seeded else {}
-        with torch.no_grad(), (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
-                               else contextlib.nullcontext()):
-            z = self.job.encode(batch, **kwargs)
-        z = z.float().cpu()
+        z = encode(self.job.encode, batch, self.device, self.autocast_dtype, **kwargs)
         if z.shape[0] != len(items):
             raise InvalidArgumentError(f"the encoder returned {z.shape[0]} latents for a batch of {len(items)}")
         self.counts["encode_s"] += time.perf_counter() - t0

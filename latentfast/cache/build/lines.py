@@ -44,7 +44,9 @@ import torch
 from ...devices import as_device
 from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, ImageError, InvalidArgumentError
 from ..store import format as fmt
-from ..store.durable import BuildLock, content_hash, pwrite_all
+from ..store.durable import BuildLock, content_hash, file_size, pwrite_all
+from . import manifest
+from .encode import encode
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -68,18 +70,8 @@ def list_source(source: str | os.PathLike) -> list[tuple[int, str]]:
     if not os.path.isfile(source):
         raise FileNotFoundError(f"source must be a JSONL manifest or a folder of images, and {source} is neither")
     root = os.path.dirname(source)
-    entries = []
-    with open(source, encoding="utf-8") as fh:
-        for number, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-                image = record["image"]
-            except (json.JSONDecodeError, TypeError, KeyError):
-                raise InvalidArgumentError(f"manifest {source} line {number}: expected a JSON object with an 'image' path, got {text.strip()[:200]!r}") from None
-            entries.append((number, os.path.normpath(image if os.path.isabs(image) else os.path.join(root, image))))
-    return entries
+    return [(number, os.path.normpath(manifest.resolve(image, root)))
+            for number, image, _ in manifest.read_manifest(source, ("image",))]
 
 
 def _key(path: str, root: str) -> str:
@@ -147,11 +139,7 @@ def _check_geometry(line_height: int, max_line_width: int, factor: int) -> None:
 
 
 def _encode(encoder: Any, images: torch.Tensor, device: torch.device, autocast_dtype: torch.dtype | None) -> np.ndarray:
-    with torch.no_grad():
-        ctx = torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with ctx:
-            z = encoder.encode(images.to(device))
-    return z.float().cpu().numpy().astype(np.float16)
+    return encode(encoder.encode, images, device, autocast_dtype).numpy().astype(np.float16)
 
 
 def _white_column(encoder, line_height, factor, device, autocast_dtype) -> np.ndarray:
@@ -420,13 +408,6 @@ def _plan(encoder, source, pool, stamp, layout, batch_size, device, autocast_dty
     return _Plan(lines, batches, widths, row_starts, white, meta)
 
 
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return -1
-
-
 def _plan_lines(pool, entries, root, line_height, max_line_width, skip_bad_images, chunk=4096):
     """Probe every image on the pool, a chunk at a time (bounded memory for huge manifests)."""
     lines, skipped = [], []
@@ -458,7 +439,7 @@ def _open_progress(paths, plan: _Plan) -> _Progress | None:
             keep = [{"b": b, "crc": None, "src": plan.batch_digest(b)} for b in range(len(plan.batches)) if b not in redo]
             header = (json.dumps({"fingerprint": plan.fingerprint}) + "\n").encode()
             fmt.write_bytes_durably(paths["progress"], header + b"".join(json.dumps(r).encode() + b"\n" for r in keep))
-    if os.path.exists(paths["progress"]) and not os.path.exists(partial) and _size(paths["data"]) == data_bytes:
+    if os.path.exists(paths["progress"]) and not os.path.exists(partial) and file_size(paths["data"]) == data_bytes:
         # finished data not yet stamped (a crash inside _finalize) or a finished cache being repaired
         with contextlib.suppress(FileNotFoundError):
             os.remove(paths["meta"])
@@ -468,7 +449,7 @@ def _open_progress(paths, plan: _Plan) -> _Progress | None:
     stale = [b for b, r in progress.records.items() if b >= len(plan.batches) or r.get("src") != plan.batch_digest(b)]
     if stale:
         progress.forget(stale)  # their images changed since they were encoded
-    if not progress.resumed or _size(partial) != data_bytes:
+    if not progress.resumed or file_size(partial) != data_bytes:
         progress.restart()  # nothing to resume: the log forgets first, then the data starts over
         with open(partial, "wb") as fh:
             fh.truncate(data_bytes)

@@ -22,7 +22,7 @@ import torch
 from ... import ops
 from ...checks import as_int
 from ...devices import as_device, map_tensors
-from ...errors import DeviceUnavailableError, InvalidArgumentError
+from ...errors import DeviceUnavailableError
 from .coldread import DEFAULT_LOOKAHEAD
 
 DEFAULT_RING_ROWS = 64  # rows per slot of a fresh ring (grows if a larger batch arrives)

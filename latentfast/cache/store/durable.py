@@ -36,6 +36,14 @@ def pwrite_all(fd: int, payload, offset: int) -> None:
         done += written
 
 
+def file_size(path: str) -> int:
+    """Bytes of the file at ``path``, or -1 when there is none (a partial file not yet created)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
 def content_hash(paths, chunk: int = 1 << 20) -> bytes:
     """BLAKE2b-128 of the bytes of one file, or of several files in order (names included)."""
     if isinstance(paths, (str, os.PathLike)):

@@ -35,7 +35,7 @@ import torch
 
 from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
-from .durable import HASH_BYTES, BuildLock, pwrite_all
+from .durable import HASH_BYTES, BuildLock, file_size, pwrite_all
 
 _LOG_VERSION = 1
 
@@ -140,7 +140,7 @@ class LatentCacheWriter:
             with contextlib.suppress(FileNotFoundError):
                 os.replace(self._paths["data"], self._partial)
         needed = sum(2 * int(np.prod(r["s"])) for r in records or [])
-        if records is None or _size(self._partial) < needed:
+        if records is None or file_size(self._partial) < needed:
             self._start_over()
             return False
         self._fd = os.open(self._partial, os.O_RDWR)
@@ -393,13 +393,6 @@ def open_for_sources(out_dir, split: str, *, encoder: Any, meta: dict, lock: Bui
         writer.close()
         raise
     return writer
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return -1
 
 
 def _json_bytes(value) -> bytes:
