@@ -27,7 +27,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteReplayError, ReplayError
 from .scatter import ScatteredCotangents, arena_size, scatter_cotangents
-from .transfer import collective_device, copy_tensors
+from ..distributed import all_gather_rows, collective_device
+from .transfer import copy_tensors
 
 FINITE_CHECKS = ("auto", "add", "finalize")
 
@@ -414,10 +415,7 @@ class FeatureGradientReplay:
         world = self._world_size()
         if world == 1:
             return [status.tolist()]
-        status = status.to(self._collective_device())
-        gathered = [torch.empty_like(status) for _ in range(world)]
-        dist.all_gather(gathered, status)
-        return torch.stack(gathered).tolist()
+        return all_gather_rows(status.to(self._collective_device()))
 
     def _validate_ready(self) -> None:
         """Every rank learns every rank's counts and deferred finiteness (one collective), so all
