@@ -444,3 +444,45 @@ def test_shaped_caches_take_the_same_cold_path(tmp_path, monkeypatch):
         assert handle.missing(*pf.row_spans(cache.row_starts, np.arange(42, 60, 4))).all()
     finally:
         handle.close()
+
+
+# ---- how cold spans are brought in, and on what filesystem ------------------------------------------
+def test_filesystem_type_reads_the_longest_mount_point_above_a_path(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/sda1 / ext4 rw 0 0\n"
+        "server:/export /mnt/data nfs4 rw 0 0\n"
+        "src /mnt/data/fused fuse.bindfs rw 0 0\n"
+        "src2 /mnt/data/fused fuse rw 0 0\n"  # mounted over the previous one: the last listed wins
+        "tmpfs /mnt/my\\040space tmpfs rw 0 0\n"
+        "short line\n"
+    )
+    assert pf.filesystem_type("/mnt/data/fused/cache/x.dat", str(mounts)) == "fuse"
+    assert pf.filesystem_type("/mnt/data/other", str(mounts)) == "nfs4"
+    assert pf.filesystem_type("/mnt/datax/file", str(mounts)) == "ext4", "a longer name is not a mount point above"
+    assert pf.filesystem_type("/mnt/my space/f", str(mounts)) == "tmpfs"
+    assert pf.filesystem_type("/etc", str(tmp_path / "absent")) is None
+    assert pf.filesystem_type("/proc/self") == "proc"  # the real table
+
+
+def test_slow_advice_tries_the_pread_pool_and_keeps_the_faster_way(cache_dir, monkeypatch):
+    """Where advice reads inside the call (FUSE), the next cold batch is read by the pool; the way with
+    the better rate then stays. Advice that returns at once chooses nothing."""
+    cache = LatentCache(str(cache_dir / "padded"))
+    state = pf.cold_reads(cache)
+    pooled = []
+    real_read_spans = pf.ops.read_spans
+    monkeypatch.setattr(pf.ops, "read_spans", lambda fd, o, n, **kw: pooled.append(len(o)) or real_read_spans(fd, o, n, **kw))
+    offsets, lengths = pf.row_spans(cache.row_starts, np.arange(0, 40, 4))
+    state.bring_in(offsets, lengths)
+    assert state.way == "advise" and state.rates == {} and pooled == [], "fast advice must choose nothing"
+    monkeypatch.setattr(pf.DataFile, "advise", lambda self, o, n: __import__("time").sleep(0.05))
+    state.bring_in(offsets, lengths)
+    assert state.way == "pool" and set(state.rates) == {"advise"}
+    state.bring_in(offsets, lengths)  # read by the pool: far faster than 50 ms of advice
+    assert pooled == [len(offsets)] and set(state.rates) == {"advise", "pool"} and state.way == "pool"
+    state.rates["pool"] = state.rates["advise"] / 2  # had the pool been slower, advice is back
+    state.way = "pool"
+    state.bring_in(offsets, lengths)
+    assert len(pooled) == 2
+    assert state.way == max(state.rates, key=state.rates.get)

@@ -25,7 +25,9 @@ Pieces:
   (so every cache kind is served: padded, ragged and shaped).
 - :class:`DataFile` -- one process's handle on a data file: WILLNEED advice, residency
   (``cachestat(2)`` where the kernel has it, else ``mincore(2)`` over a private map), eviction.
-- :class:`ColdReads` -- the per-cache switch read_batch consults: while batches are found cold it
+- :class:`ColdReads` -- the per-cache switch read_batch consults (it also picks how spans are
+  brought in: advice, or a pool of ``pread`` workers where advice reads synchronously, see
+  :meth:`ColdReads.bring_in` and ``bench/bench_cold_fs.py``): while batches are found cold it
   checks each batch's residency and advises what is missing; after :data:`HOT_AFTER` fully resident
   batches it stops checking (a hot batch then pays two clock reads), and one batch that copies at
   page-fault speed turns the checks back on (off again at once if the next batch is resident).
@@ -45,11 +47,13 @@ import os
 import queue
 import sys
 import threading
+import time
 import warnings
 import weakref
 
 import numpy as np
 
+from ... import ops
 from ...checks import as_row_indices
 from ...errors import InvalidArgumentError
 from ..store import format as fmt
@@ -66,6 +70,7 @@ PROBE_SPANS = 4  # spans checked first: all missing means a cold batch, advised 
 # a copy that faults pages in from any disk at well under this.
 SLOW_FLOOR_S = 1e-3
 SLOW_BYTES_PER_S = 0.5e9
+POOL_THREADS = 16  # pread workers of the pool, where advice reads synchronously
 DEFAULT_LOOKAHEAD = 2  # batches read ahead by batch_loader, DevicePrefetcher and LookaheadSampler
 
 SUPPORTED = hasattr(os, "posix_fadvise") and sys.platform.startswith("linux")
@@ -241,6 +246,27 @@ def evict(path: str) -> int | None:
         handle.close()
 
 
+# ---- filesystem type --------------------------------------------------------------------------------
+def filesystem_type(path: str, mounts: str = "/proc/self/mounts") -> str | None:
+    """The type of the filesystem holding ``path`` ("ext4", "fuse.bindfs", "nfs4", ...): the last
+    listed mount of the longest mount point above it in ``mounts``; None where that cannot be read."""
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    real, best, kind = os.path.realpath(path), None, None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].encode().decode("unicode_escape")  # "\040" stands for a space
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best)):
+            best, kind = point, fields[2]
+    return kind
+
+
 # ---- per-process state ---------------------------------------------------------------------------
 # Everything below belongs to one process: a forked child (a DataLoader worker) starts afresh, and
 # never touches a lock or a thread of its parent.
@@ -281,6 +307,8 @@ class ColdReads:
         self.hot = False  # start by checking: the first batches say whether the file is in RAM
         self.streak = 0  # consecutive batches found fully resident
         self.advised_map = None  # address of the memory map last marked MADV_RANDOM
+        self.way = "advise"  # how missing spans are brought in: WILLNEED advice, or the "pool" of preads
+        self.rates: dict[str, float] = {}  # way -> bytes per second of the last slow batch brought in that way
 
     def advise_map(self, data: torch.Tensor) -> None:
         """Mark the cache's memory map MADV_RANDOM, once per map (small rows get nothing from readahead)."""
@@ -298,15 +326,33 @@ class ColdReads:
         head = self.file.missing(offsets[:PROBE_SPANS], lengths[:PROBE_SPANS]) if not always else None
         if always or (head.all() and len(offsets) > PROBE_SPANS):  # a cold batch: ask for all, unchecked
             self.streak = 0 if not always else self.streak
-            self.file.advise(offsets, lengths)
+            self.bring_in(offsets, lengths)
             return
         missing = np.concatenate([head, self.file.missing(offsets[PROBE_SPANS:], lengths[PROBE_SPANS:])])
         if missing.any():
             self.streak = 0
-            self.file.advise(offsets[missing], lengths[missing])
+            self.bring_in(offsets[missing], lengths[missing])
         else:
             self.streak += 1
             self.hot = self.streak >= HOT_AFTER
+
+    def bring_in(self, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Bring these spans into the page cache the way that has been fastest for this file.
+
+        Advice that returns at once has queued the reads (a local disk): nothing to choose. Advice
+        that takes long reads inside the call, one span after another (measured on a FUSE
+        passthrough: the calls took the whole read time), so the pool of preads is tried on the
+        next such batch, and from then on the way with the better rate is kept."""
+        start = time.perf_counter()
+        if self.way == "pool":
+            ops.read_spans(self.file.fd, offsets, lengths, threads=POOL_THREADS)
+        else:
+            self.file.advise(offsets, lengths)
+        seconds = time.perf_counter() - start
+        if self.way == "advise" and seconds <= SLOW_FLOOR_S:
+            return
+        self.rates[self.way] = int(lengths.sum()) / max(seconds, 1e-9)
+        self.way = "pool" if "pool" not in self.rates else max(self.rates, key=self.rates.get)
 
     def after_copy(self, seconds: float, nbytes) -> None:
         """A copy that ran at page-fault speed while the checks were off turns them back on, on
