@@ -697,8 +697,3 @@ def _nonfinite_terms(metadata, branch_names) -> str:
         return "no per-branch term of the loss metadata names a branch"
     first = bad[0].split("=")[0].rsplit("/", 1)[-1]
     return f"branch {first!r} ({', '.join(bad)}); features of very large magnitude overflow the kernel"
-
-
-# Names the original training code used; kept so old imports and pickled references still resolve.
-MultiRepresentationFreshVideoGradCache = FeatureGradientReplay
-MultiRepresentationFreshVideoGradCacheResult = FeatureGradientReplayResult
