@@ -25,11 +25,10 @@ from typing import Any, Callable
 
 import torch
 
-from ...devices import as_device
 from ...errors import CacheError, ImageError, InvalidArgumentError
 from ..store import format as fmt
 from . import media
-from .encode import encode
+from .encode import encode, prepare
 from ..store.durable import BuildLock
 from ..store.writer import encoder_identity, open_for_sources
 
@@ -97,12 +96,8 @@ def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
 def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, device, autocast_dtype,
            num_workers, skip_bad, quiet, lock_timeout, stats) -> str:
     """The shared steps: plan, then (under the build lock) skip, copy or encode each batch, finish."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
+    encoder, device = prepare(encoder, device, batch_size)
     wall = time.perf_counter()
-    device = as_device(device)
-    if hasattr(encoder, "to"):
-        encoder = encoder.to(device)
     out_dir = os.fspath(out_dir)
     counts = {"decode_s": 0.0, "encode_s": 0.0, "write_s": 0.0, "encoded": 0, "copied": 0, "resumed": 0}
     with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:

@@ -33,7 +33,8 @@ _CPU = torch.device("cpu")
 
 def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, backend: str = "auto",
                cold="auto"):
-    """Rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`) as one batch.
+    """Rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`, read through its
+    :class:`~latentfast.cache.store.layout.Items`) as one batch.
 
     Args:
         indices: ints (sequence, numpy array or tensor); duplicates and any order allowed; each must
@@ -65,10 +66,10 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     if not on_cpu:
         device = as_device(device)
         on_cpu = device.type == "cpu"
-    verify = cache.verify_rows
-    table = layout.resolve(cache, indices, width=width, clip=on_cpu and not verify)
-    if verify:
-        table.verify()
+    # the cache as plain attributes, so nothing below calls back into the reader; an object that only
+    # presents a cache's attributes (a wrapper) is read through Items made from it for this call
+    items = getattr(cache, "__dict__", {}).get("items") or layout.Items(cache, source=cache.gather_source)
+    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows)
     if table.shape is not None:
         return _shaped_batch(table, device, dtype, out, backend, cold)
     if dtype not in FLOAT_DTYPES:

@@ -18,6 +18,8 @@ that table and none goes back to the cache object for geometry.
 """
 from __future__ import annotations
 
+import os
+import warnings
 import zlib
 
 import numpy as np
@@ -47,6 +49,98 @@ def byte_spans(starts: np.ndarray, index: np.ndarray, element_bytes: int = ELEME
     return starts[index] * element_bytes, starts[index + 1] * element_bytes
 
 
+# ---- one opened cache's items, as the read path sees them ----------------------------------------
+class Items:
+    """What the read path needs of an opened cache, as plain attributes (so reading a batch never
+    goes back into the reader): geometry, widths and shapes, row starts, the white column, whether
+    rows are verified, and the data file, opened and mapped on first use in each process.
+
+    Built by :class:`~latentfast.cache.LatentCache` when it opens a cache (and again in each process
+    that unpickles it); the cache's own reads (``cache[i]``, verify) share its map and descriptor."""
+
+    def __init__(self, cache, source=None):
+        self._source = source  # a wrapper's own gather_source(), else None: this object maps the file
+        self.cache_dir, self.split, self.meta = cache.cache_dir, cache.split, cache.meta
+        self.path = fmt.cache_path(cache.cache_dir, cache.split, "data")
+        self.n, self.shaped, self.verify_rows = len(cache), cache.shaped, cache.verify_rows
+        self.channels, self.latent_h, self.w_max = cache.channels, cache.latent_h, cache.w_max
+        self.widths, self.row_starts, self.white = cache.widths, cache.row_starts, cache.white_column
+        self.shapes = cache.shapes if cache.shaped else None
+        self.pitch = self.w_max if cache.layout == "padded" else 0
+        self._fd: int | None = None
+        self._mm: np.ndarray | None = None
+        self._data: torch.Tensor | None = None
+        self._block_checks: BlockChecks | None = None
+
+    def fd(self) -> int:
+        """This process's descriptor of the data file (what reads and the size check use)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
+    def memmap(self) -> np.ndarray:
+        """The whole data file as a flat read-only float16 array, opened once per process."""
+        if self._mm is None:
+            self.fd()
+            end = int(self.row_starts[-1])
+            if end == 0:
+                self._mm = np.zeros(0, dtype=np.float16)
+            else:  # plain-array slicing is cheaper; the view keeps the map open
+                self._mm = np.memmap(self.path, dtype=np.float16, mode="r", shape=(end,)).view(np.ndarray)
+        return self._mm
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`CacheCorruptError` if the mapped data file no longer has its size (one fstat):
+        reading a page past a truncated file's end would kill the process with SIGBUS."""
+        if self._fd is None:
+            return
+        size, expected = os.fstat(self._fd).st_size, int(self.row_starts[-1]) * 2
+        if size != expected:
+            raise CacheCorruptError(
+                f"latent cache data file {self.path} changed size under this reader ({expected} bytes when opened, "
+                f"{size} now): it was truncated or rewritten in place; rebuild the cache or reopen it"
+            )
+
+    def source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(data, row_offsets, widths, pitch)`` for the compiled gathers (see
+        :meth:`latentfast.cache.LatentCache.gather_source`); checks the file size first."""
+        if self._source is not None:
+            return self._source()
+        if self._data is None:
+            with warnings.catch_warnings():  # torch warns that the memmap is not writable
+                warnings.simplefilter("ignore", UserWarning)
+                self._data = torch.from_numpy(self.memmap())
+            self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
+            if self.shaped:
+                numel = np.diff(self.row_starts)
+                if numel.size and numel.max() > _INT32_MAX:
+                    raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max())} elements is too large for the batch gather (int32 widths)")
+                self._widths_t = torch.from_numpy(numel.astype(np.int32))
+            else:
+                self._widths_t = torch.from_numpy(np.ascontiguousarray(self.widths))
+        self.check_unchanged()
+        return self._data, self._row_offsets, self._widths_t, self.pitch
+
+    @property
+    def block_checks(self) -> BlockChecks:
+        """This process's record of the checksum blocks (``InvalidArgumentError`` if the cache stores none)."""
+        if self._block_checks is None:
+            self._block_checks = BlockChecks(self.cache_dir, self.split, self.meta, self.n)
+        return self._block_checks
+
+    def __getstate__(self) -> dict:  # a process maps the file for itself
+        state = self.__dict__.copy()
+        state.update(_fd=None, _mm=None, _data=None, _block_checks=None)
+        state.pop("_row_offsets", None)
+        state.pop("_widths_t", None)
+        return state
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 # ---- the span table ---------------------------------------------------------------------------------
 class SpanTable:
     """One batch's items as the read path sees them: which elements of which file to copy.
@@ -66,7 +160,7 @@ class SpanTable:
     @property
     def path(self) -> str:
         """The data file the spans are in."""
-        return fmt.cache_path(self.cache.cache_dir, self.cache.split, "data")
+        return self.cache.path
 
     def byte_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """``(offsets, lengths)`` int64: each item's bytes in :attr:`path` (indices must be in range)."""
@@ -77,28 +171,27 @@ class SpanTable:
         """Useful bytes of the batch (the items' real elements)."""
         return int(self.widths.sum(dtype=np.int64)) * self.lines * ELEMENT_BYTES
 
-    def verify(self) -> None:
-        """Check the checksum blocks of the batch's items (a cache opened with ``verify_rows``)."""
-        self.cache.block_checks.check(self.source[0].numpy(), self.row_starts, self.index_np)
 
-
-def resolve(cache, indices, *, width=None, clip: bool = False) -> SpanTable:
-    """The :class:`SpanTable` of rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`).
+def resolve(cache: Items, indices, *, width=None, clip: bool = False) -> SpanTable:
+    """The :class:`SpanTable` of rows ``indices`` of an opened cache's :class:`Items`.
 
     ``clip``: a plain int64 vector of a line cache is not range-checked here (its widths are read
     clipped into range; the kernel checks every index before copying, and :func:`recheck` names a
     bad one if sizing fails first) -- a batch of small rows costs tens of microseconds, so the hot
     CPU path is kept to one conversion. Any other input, a shaped cache and ``clip=False`` get the
-    full check (:func:`latentfast.checks.as_row_indices`: IndexError naming the first bad index)."""
+    full check (:func:`latentfast.checks.as_row_indices`: IndexError naming the first bad index).
+    A cache opened with ``verify_rows`` has the batch's checksum blocks checked first."""
     table = SpanTable()
-    table.cache, table.source = cache, cache.gather_source()
-    table.row_starts, table.white = cache.row_starts, cache.white_column
+    table.cache, table.source = cache, cache.source()
+    table.row_starts, table.white = cache.row_starts, cache.white
     index, index_np = _as_int64_vector(indices) if clip and not cache.shaped else (None, None)
     table.checked = index is None
     if index is None:
-        index = as_row_indices(indices, len(cache))
+        index = as_row_indices(indices, cache.n)
         index_np = index.numpy()
     table.index, table.index_np = index, index_np
+    if cache.verify_rows:  # before any other check of the batch: a damaged block is the news
+        cache.block_checks.check(cache.memmap(), table.row_starts, index_np)
     table.pitch = int(table.source[3])
     if cache.shaped:
         _resolve_shaped(table, cache, width)
@@ -110,12 +203,12 @@ def resolve(cache, indices, *, width=None, clip: bool = False) -> SpanTable:
 def recheck(table: SpanTable) -> None:
     """Raise IndexError naming the first bad index of an unchecked table (else return)."""
     if not table.checked:
-        as_row_indices(table.index, len(table.cache))
+        as_row_indices(table.index, table.cache.n)
 
 
 def _resolve_lines(table: SpanTable, cache, width) -> None:
-    table.channels, table.latent_h = int(cache.channels), int(cache.latent_h)
-    table.lines, table.w_max = table.channels * table.latent_h, int(cache.w_max)
+    table.channels, table.latent_h = cache.channels, cache.latent_h
+    table.lines, table.w_max = table.channels * table.latent_h, cache.w_max
     table.shape = table.shapes = None
     try:
         table.widths = selected_widths(cache.widths, table.index_np, clip=not table.checked)

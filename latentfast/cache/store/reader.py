@@ -5,7 +5,6 @@ import json
 import operator
 import os
 import time
-import warnings
 import zlib
 from typing import Any
 
@@ -16,7 +15,6 @@ from ...errors import CacheCorruptError, IncompleteCacheError, IndexOutOfRangeEr
 from ..feed import coldread, gather
 from . import format as fmt
 from . import layout
-from .layout import BlockChecks
 
 
 class LatentCache:
@@ -72,11 +70,8 @@ class LatentCache:
 
     def _reset_process_state(self) -> None:
         """What each process opens for itself: the map, its file descriptor, the tensor views."""
-        self._mm: np.ndarray | None = None
-        self._fd: int | None = None
-        self._data: torch.Tensor | None = None
+        self.items = layout.Items(self)  # what the read path reads: geometry and this process's map
         self._keys: list[str] | None = None
-        self._block_checks: BlockChecks | None = None
         self._row_shape = (self.channels, self.latent_h, self.w_max)
         self._line_elements = self.channels * self.latent_h
         self._row_elements = self._line_elements * self.w_max
@@ -235,35 +230,14 @@ class LatentCache:
         return f"LatentCache({self.cache_dir!r}, split={self.split!r}, n={len(self)}, layout={self.layout!r}, C={self.channels}, h={self.latent_h}, w_max={self.w_max})"
 
     # -- data access ------------------------------------------------------------------------
-    def _open_fd(self) -> int:
-        """This process's descriptor of the data file (what reads and the size check use)."""
-        if self._fd is None:
-            self._fd = os.open(self._data_path, os.O_RDONLY)
-        return self._fd
-
     def _memmap(self) -> np.ndarray:
         """The whole data file as a flat read-only float16 array, opened once per process."""
-        if self._mm is None:
-            self._open_fd()
-            if self.row_starts[-1] == 0:
-                self._mm = np.zeros(0, dtype=np.float16)
-            else:
-                mm = np.memmap(self._data_path, dtype=np.float16, mode="r", shape=(int(self.row_starts[-1]),))
-                self._mm = mm.view(np.ndarray)  # plain-array slicing is cheaper; the view keeps the map open
-        return self._mm
+        return self.items.memmap()
 
     def check_unchanged(self) -> None:
         """Raise :class:`CacheCorruptError` if the mapped data file no longer has its size (one fstat):
         reading a page past a truncated file's end would kill the process with SIGBUS."""
-        if self._fd is None:
-            return
-        size = os.fstat(self._fd).st_size
-        if size != int(self.row_starts[-1]) * 2:
-            raise CacheCorruptError(
-                f"latent cache data file {self._data_path} changed size under this reader "
-                f"({int(self.row_starts[-1]) * 2} bytes when opened, {size} now): it was truncated or rewritten in "
-                f"place; rebuild the cache or reopen it"
-            )
+        self.items.check_unchanged()
 
     def _checked_index(self, i) -> int:
         n = self.meta["n"]
@@ -280,7 +254,7 @@ class LatentCache:
         i = self._checked_index(i)
         if self.verify_rows:
             self.verify_items([i])
-        fd = self._fd if self._fd is not None else self._open_fd()
+        fd = self.items.fd()
         start = int(self.row_starts[i])
         if self.shaped:
             row = np.empty(self._shapes[i], dtype=np.float16)
@@ -295,18 +269,11 @@ class LatentCache:
             row = np.ascontiguousarray(row[:, :, : int(self.widths[i])])
         return torch.from_numpy(row)
 
-    @property
-    def block_checks(self) -> BlockChecks:
-        """This process's record of the cache's checksum blocks (``InvalidArgumentError`` if it stores none)."""
-        if self._block_checks is None:
-            self._block_checks = BlockChecks(self.cache_dir, self.split, self.meta, len(self))
-        return self._block_checks
-
     def verify_items(self, indices) -> None:
         """Check the checksum block of every row in ``indices`` (each block once per process);
         :class:`CacheCorruptError` names the first failing block. A cache without checksums
         (the original format) has nothing to check against: ``InvalidArgumentError``."""
-        self.block_checks.check(self._memmap(), self.row_starts, np.asarray(indices, dtype=np.int64))
+        self.items.block_checks.check(self._memmap(), self.row_starts, np.asarray(indices, dtype=np.int64))
 
     def gather_source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(data, row_offsets, widths, pitch)`` for batch gathers; checks the file size first (one fstat).
@@ -316,21 +283,7 @@ class LatentCache:
         ``pitch_i`` is ``pitch`` (w_max) for the padded layout and the row's own width when
         ``pitch`` is 0 (ragged). In a shaped cache each item is one line (C = h = 1 in gather
         terms) whose width is its element count, with pitch 0. Never write through ``data``."""
-        if self._data is None:
-            with warnings.catch_warnings():  # torch warns that the memmap is not writable
-                warnings.simplefilter("ignore", UserWarning)
-                self._data = torch.from_numpy(self._memmap())
-            self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
-            if self.shaped:
-                numel = np.diff(self.row_starts)
-                if numel.size and numel.max() > np.iinfo(np.int32).max:
-                    raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max())} elements is too large for the batch gather (int32 widths)")
-                self._widths_t = torch.from_numpy(numel.astype(np.int32))
-            else:
-                self._widths_t = torch.from_numpy(np.ascontiguousarray(self.widths))
-        self.check_unchanged()
-        pitch = self.w_max if self.layout == "padded" else 0
-        return self._data, self._row_offsets, self._widths_t, pitch
+        return self.items.source()
 
     def read_batch(self, indices, **kwargs):
         """See :func:`latentfast.cache.read_batch`."""
@@ -343,7 +296,7 @@ class LatentCache:
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_mm", "_fd", "_data", "_row_offsets", "_widths_t", "row_starts", "_keys", "_block_checks", "_info"):
+        for key in ("items", "row_starts", "_keys", "_info"):
             state.pop(key, None)  # row_starts: recomputed from the index (validated equal on open)
         return state
 
@@ -351,11 +304,6 @@ class LatentCache:
         self.__dict__.update(state)
         self.row_starts = fmt.shaped_offsets(self._shapes) if self.shaped else self._line_row_starts()
         self._reset_process_state()
-
-    def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
-            self._fd = None
 
     def _line_row_starts(self) -> np.ndarray:
         return layout.row_starts(self.layout, len(self), channels=self.channels, latent_h=self.latent_h,
