@@ -19,7 +19,6 @@ from collections.abc import Iterable
 
 import torch
 
-from ... import ops
 from ...checks import as_int
 from ...devices import as_device, map_tensors
 from ...errors import DeviceUnavailableError
@@ -36,10 +35,11 @@ def stage_and_expand(table, device: torch.device, dtype: torch.dtype, out, backe
     ring = _ring_for(device, lines * int(table.widths.sum()), B, lines * table.w_max * max(B, DEFAULT_RING_ROWS))
     packed, offsets, widths = ring.stage_and_copy(table.source, table.index, torch.from_numpy(table.widths),
                                                   table.channels, table.latent_h, backend, cold_reads)
-    return ops.expand_rows(
-        packed, offsets, widths, ring.device_white(table.white), channels=table.channels, latent_h=table.latent_h,
-        width=table.width, dtype=dtype, out=out, backend="auto" if backend in ("cpp", "torch") else backend,
-    )
+    if out is None:  # (a given out was checked in resolve)
+        out = torch.empty((B, table.channels, table.latent_h, table.width), dtype=dtype, device=device)
+    torch.ops.latentfast.expand_rows_into.default(packed, offsets, widths, ring.device_white(table.white), out,
+                                                  "auto" if backend in ("cpp", "torch") else backend)
+    return out
 
 
 def packed_row_offsets(selected: torch.Tensor, lines: int, out: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ...checks import FLOAT_DTYPES, check_out_tensor
+from ...checks import FLOAT_DTYPES
 from ...devices import as_device
 from ...errors import DeviceUnavailableError, InvalidArgumentError
 from ..store import layout
@@ -69,7 +69,8 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     # the cache as plain attributes, so nothing below calls back into the reader; an object that only
     # presents a cache's attributes (a wrapper) is read through Items made from it for this call
     items = getattr(cache, "__dict__", {}).get("items") or layout.Items(cache, source=cache.gather_source)
-    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows)
+    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows, out=out,
+                           dtype=dtype, device=_CPU if on_cpu else device)
     if table.shape is not None:
         return _shaped_batch(table, device, dtype, out, backend, cold)
     if dtype not in FLOAT_DTYPES:
@@ -80,10 +81,7 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
 def _shaped_batch(table, device, dtype, out, backend, cold):
     """A shaped cache's batch: the items' one line each, viewed as ``[B, *shape]``."""
     B, shape = table.index.numel(), table.shape
-    flat_out = None
-    if out is not None:
-        check_out_tensor("out", out, (B, *shape), dtype, _CPU if device.__class__ is str else device)
-        flat_out = out.view(B, 1, 1, table.width)
+    flat_out = None if out is None else out.view(B, 1, 1, table.width)  # (checked in resolve)
     if B == 0:
         return torch.empty((0,) * (1 + table.shapes.shape[1]), dtype=dtype), torch.from_numpy(table.shapes)
     if dtype not in FLOAT_DTYPES:
@@ -108,15 +106,8 @@ def _copy(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tenso
 
 def _gather_cpu(table, dtype, out, backend, cold) -> torch.Tensor:
     """The CPU path, trimmed for small batches, where fixed per-call costs rival the copy."""
-    shape = (table.index.numel(), table.channels, table.latent_h, table.width)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype)
-    else:
-        try:
-            check_out_tensor("out", out, shape, dtype, _CPU)
-        except (TypeError, ValueError):  # a bad index, if any, is the error to report
-            layout.recheck(table)
-            raise
+    if out is None:  # (a given out was checked in resolve)
+        out = torch.empty((table.index.numel(), table.channels, table.latent_h, table.width), dtype=dtype)
     white = table.white
     if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
         white = white.to(torch.float16).contiguous()

@@ -25,11 +25,12 @@ import zlib
 import numpy as np
 import torch
 
-from ...checks import as_row_indices, batch_width
+from ...checks import as_row_indices, batch_width, check_out_tensor
 from ...errors import ArgumentTypeError, CacheCorruptError, InvalidArgumentError
 from . import format as fmt
 
 ELEMENT_BYTES = 2  # float16
+_CPU = torch.device("cpu")
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -172,7 +173,8 @@ class SpanTable:
         return int(self.widths.sum(dtype=np.int64)) * self.lines * ELEMENT_BYTES
 
 
-def resolve(cache: Items, indices, *, width=None, clip: bool = False) -> SpanTable:
+def resolve(cache: Items, indices, *, width=None, clip: bool = False, out=None, dtype=torch.float16,
+            device=_CPU) -> SpanTable:
     """The :class:`SpanTable` of rows ``indices`` of an opened cache's :class:`Items`.
 
     ``clip``: a plain int64 vector of a line cache is not range-checked here (its widths are read
@@ -180,7 +182,9 @@ def resolve(cache: Items, indices, *, width=None, clip: bool = False) -> SpanTab
     bad one if sizing fails first) -- a batch of small rows costs tens of microseconds, so the hot
     CPU path is kept to one conversion. Any other input, a shaped cache and ``clip=False`` get the
     full check (:func:`latentfast.checks.as_row_indices`: IndexError naming the first bad index).
-    A cache opened with ``verify_rows`` has the batch's checksum blocks checked first."""
+    A cache opened with ``verify_rows`` has the batch's checksum blocks checked first. ``out`` (if
+    given) must be the batch's exact output: ``[B, C, h, W]`` (a shaped cache: ``[B, *shape]``) of
+    ``dtype`` on ``device``."""
     table = SpanTable()
     table.cache, table.source = cache, cache.source()
     table.row_starts, table.white = cache.row_starts, cache.white
@@ -197,6 +201,13 @@ def resolve(cache: Items, indices, *, width=None, clip: bool = False) -> SpanTab
         _resolve_shaped(table, cache, width)
     else:
         _resolve_lines(table, cache, width)
+    if out is not None:
+        shape = (index.numel(), *table.shape) if cache.shaped else (index.numel(), table.channels, table.latent_h, table.width)
+        try:
+            check_out_tensor("out", out, shape, dtype, device)
+        except (TypeError, ValueError):  # a bad index, if any, is the error to report
+            recheck(table)
+            raise
     return table
 
 
