@@ -57,7 +57,7 @@ from ... import ops
 from ...checks import as_row_indices
 from ...errors import InvalidArgumentError
 from ..store import format as fmt
-from ..store.layout import ELEMENT_BYTES, byte_spans
+from ..store.layout import ELEMENT_BYTES
 
 PAGE = mmap.PAGESIZE
 # The kernel honours one WILLNEED request only up to max(read_ahead_kb, max_sectors_kb) of the
@@ -81,8 +81,8 @@ def row_spans(row_starts: np.ndarray, index: np.ndarray, element_bytes: int = EL
     """``(offsets, lengths)`` int64: the bytes of rows ``index`` (element offsets ``row_starts[i]`` to
     ``row_starts[i + 1]``), widened to whole pages, sorted, overlapping or touching spans merged, and
     cut into pieces of at most :data:`CHUNK_BYTES`. ``index`` must already be in range."""
-    first_byte, end_byte = byte_spans(np.asarray(row_starts, dtype=np.int64), np.asarray(index, dtype=np.int64),
-                                      element_bytes)
+    starts, index = np.asarray(row_starts, dtype=np.int64), np.asarray(index, dtype=np.int64)
+    first_byte, end_byte = starts[index] * element_bytes, starts[index + 1] * element_bytes
     nonempty = end_byte > first_byte
     if not nonempty.any():
         empty = np.zeros(0, dtype=np.int64)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ...checks import FLOAT_DTYPES
 from ...devices import as_device
 from ...errors import DeviceUnavailableError, InvalidArgumentError
 from ..store import layout
+from ..store.layout import ELEMENT_BYTES
 from . import coldread, device as device_path
 
 _CPU = torch.device("cpu")
@@ -118,7 +120,7 @@ def _gather_cpu(table, dtype, out, backend, cold) -> torch.Tensor:
     if state is not None and state.hot:  # a hot batch pays this clock read and a compare
         seconds = time.perf_counter() - start
         if seconds > coldread.SLOW_FLOOR_S:
-            state.after_copy(seconds, table.nbytes)
+            state.after_copy(seconds, lambda: int(table.widths.sum(dtype=np.int64)) * table.lines * ELEMENT_BYTES)
     return out
 
 

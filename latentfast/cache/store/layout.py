@@ -45,11 +45,6 @@ def row_starts(layout: str, n: int, *, channels: int = 0, latent_h: int = 0, w_m
     return np.arange(n + 1, dtype=np.int64) * (int(channels) * int(latent_h) * int(w_max))
 
 
-def byte_spans(starts: np.ndarray, index: np.ndarray, element_bytes: int = ELEMENT_BYTES) -> tuple[np.ndarray, np.ndarray]:
-    """``(first_byte, end_byte)`` int64 of items ``index`` (in range) in the data file."""
-    return starts[index] * element_bytes, starts[index + 1] * element_bytes
-
-
 # ---- one opened cache's items, as the read path sees them ----------------------------------------
 class Items:
     """What the read path needs of an opened cache, as plain attributes (so reading a batch never
@@ -153,24 +148,12 @@ class SpanTable:
     for); ``white`` the float16 ``[C, h, 1]`` padding column or None; ``shape``/``shapes`` a shaped
     batch's item shape and ``[B, ndim]`` shapes (None for line caches); ``checked`` whether the
     indices were range-checked here (if not, the kernel checks each before copying). ``source`` is
-    the cache's ``(data, row_offsets, widths, pitch)`` and ``row_starts`` its item offsets."""
+    the cache's ``(data, row_offsets, widths, pitch)`` and ``row_starts`` its item offsets (item
+    ``i``'s bytes in ``cache.path`` are ``[2 * row_starts[i], 2 * row_starts[i + 1])``, its checksum
+    block ``i // block_rows``)."""
 
     __slots__ = ("cache", "source", "row_starts", "index", "index_np", "widths", "lines", "channels", "latent_h",
                  "pitch", "width", "w_max", "white", "shape", "shapes", "checked")
-
-    @property
-    def path(self) -> str:
-        """The data file the spans are in."""
-        return self.cache.path
-
-    def byte_spans(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(offsets, lengths)`` int64: each item's bytes in :attr:`path` (indices must be in range)."""
-        first, end = byte_spans(self.row_starts, self.index_np)
-        return first, end - first
-
-    def nbytes(self) -> int:
-        """Useful bytes of the batch (the items' real elements)."""
-        return int(self.widths.sum(dtype=np.int64)) * self.lines * ELEMENT_BYTES
 
 
 def resolve(cache: Items, indices, *, width=None, clip: bool = False, out=None, dtype=torch.float16,
