@@ -6,7 +6,9 @@ Layout under ``directory``, per remote object version (``key`` = a hash of URL, 
                   read is one ``preadv`` per run straight into the caller's array (as fast as a local
                   cache file);
 - ``key.present`` one byte per chunk, memory-mapped by every process: 1 once the chunk's bytes are
-                  written *and* fdatasync'ed, so a reader never sees a torn or missing chunk;
+                  written (into the node's page cache, which every process reads), so a reader never
+                  sees a torn or missing chunk; a folder from an earlier boot (where marks may have
+                  reached the disk before the bytes) is emptied when opened;
 - ``key.atime``   int64 per chunk, CLOCK_MONOTONIC ns of its last use (node-wide clock): the LRU order;
 - ``key.claims``  empty; a POSIX byte-range lock on ``[c0, c1)`` is the right to download chunks
                   ``c0..c1-1``: one download per chunk per node. The kernel drops it if the holder dies.
@@ -22,13 +24,16 @@ closer than the coalescing gap become one GET, so small chunks do not mean small
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import fcntl
 import glob
 import hashlib
+import mmap
 import os
+import threading
 import time
 
 import numpy as np
@@ -52,6 +57,27 @@ def now_ns() -> int:
     return time.monotonic_ns()
 
 
+def _shared_map(path: str) -> mmap.mmap:
+    with open(path, "r+b") as fh:
+        return mmap.mmap(fh.fileno(), 0)
+
+
+def boot_id() -> str:
+    """This boot of the machine: page-cache contents never outlive it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def chunk_indices(c0s: np.ndarray, c1s: np.ndarray) -> np.ndarray:
+    """The chunk indices of the half-open chunk ranges ``[c0s[i], c1s[i])``, concatenated (repeats kept)."""
+    counts = c1s - c0s
+    firsts = np.repeat(c0s - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return firsts + np.arange(int(counts.sum()))
+
+
 class ObjectChunks:
     """One object's local copy: the four files above, opened by this process."""
 
@@ -59,10 +85,24 @@ class ObjectChunks:
         self.base, self.size, self.chunk_bytes = base, int(size), int(chunk_bytes)
         self.n_chunks = max(1, -(-self.size // self.chunk_bytes))
         self.data_fd = os.open(base + ".data", os.O_RDWR)
-        self.lock_fd = os.open(base + ".present", os.O_RDWR)  # flock: readers SH, evictor EX
+        self._reader_fds: dict[int, int] = {}  # flock: readers SH (one fd per thread), evictor EX
         self.claims_fd = os.open(base + ".claims", os.O_RDWR)
-        self.present = np.memmap(base + ".present", dtype=np.uint8, mode="r+", shape=(self.n_chunks,))
-        self.atime = np.memmap(base + ".atime", dtype=np.int64, mode="r+", shape=(self.n_chunks,))
+        self._maps = [_shared_map(base + ".present"), _shared_map(base + ".atime")]
+        self.present = np.frombuffer(self._maps[0], dtype=np.uint8, count=self.n_chunks)  # plain views:
+        self.atime = np.frombuffer(self._maps[1], dtype=np.int64, count=self.n_chunks)  # np.memmap slices slowly
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Hold the shared lock that keeps the evictor out. Each thread locks through its own file
+        descriptor: an unlock through a shared one would drop another thread's lock too."""
+        fd = self._reader_fds.get(threading.get_ident())
+        if fd is None:
+            fd = self._reader_fds[threading.get_ident()] = os.open(self.base + ".present", os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def chunk_span(self, c0: int, c1: int) -> tuple[int, int]:
         """Byte range ``[start, end)`` of chunks ``c0..c1-1``."""
@@ -82,13 +122,14 @@ class ObjectChunks:
         fcntl.lockf(self.claims_fd, fcntl.LOCK_UN, c1 - c0, c0)
 
     def store(self, c0: int, c1: int, data) -> None:
-        """Write chunks ``c0..c1-1`` (``data`` = their bytes), make them durable, then mark them present."""
+        """Write chunks ``c0..c1-1`` (``data`` = their bytes), then mark them present. Every process
+        of the node sees the written bytes through the page cache at once; no fsync, because a
+        folder written in an earlier boot is emptied on open (:meth:`ChunkCache.__init__`)."""
         start, _ = self.chunk_span(c0, c1)
         view = memoryview(data)
         done = 0
         while done < len(view):
             done += os.pwrite(self.data_fd, view[done:], start + done)
-        os.fdatasync(self.data_fd)
         self.atime[c0:c1] = now_ns()
         self.present[c0:c1] = 1
 
@@ -100,11 +141,9 @@ class ObjectChunks:
             n_bytes = n * self.chunk_bytes
         return n_bytes
 
-    def close(self) -> None:
-        for fd in (self.data_fd, self.lock_fd, self.claims_fd):
-            os.close(fd)
-        self.present._mmap.close()
-        self.atime._mmap.close()
+    def missing(self, chunks: np.ndarray) -> np.ndarray:
+        """The chunks of ``chunks`` not present locally, sorted, each once."""
+        return np.unique(chunks[self.present[chunks] == 0])
 
 
 class ChunkCache:
@@ -119,6 +158,32 @@ class ChunkCache:
         os.makedirs(self.directory, exist_ok=True)
         self._objects: dict[str, ObjectChunks] = {}
         self._pid = os.getpid()
+        self._forget_other_boots()
+
+    def _forget_other_boots(self) -> None:
+        """Chunks are marked present after their bytes are written, not synced: after a crash the
+        marks may have reached the disk without the bytes. So a folder last used in another boot
+        starts empty."""
+        stamp = os.path.join(self.directory, "boot_id")
+        with open(stamp, "a+") as fh:
+            fh.seek(0)
+            if fh.read().strip() == boot_id():
+                return
+        fd = self._global_lock(fcntl.LOCK_EX)
+        try:
+            with open(stamp) as fh:
+                if fh.read().strip() == boot_id():
+                    return
+            for path in glob.glob(os.path.join(self.directory, "*.present")):
+                os.unlink(path)  # the marker first: the rest of the set is then unreachable
+                for suffix in (".data", ".atime", ".claims"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path[: -len(".present")] + suffix)
+            with open(stamp + ".tmp", "w") as fh:
+                fh.write(boot_id())
+            os.replace(stamp + ".tmp", stamp)
+        finally:
+            os.close(fd)
 
     def __getstate__(self):
         return {"directory": self.directory, "capacity_bytes": self.capacity, "chunk_bytes": self.chunk_bytes}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import fcntl
 import os
 import random
 import threading
@@ -28,7 +27,7 @@ import zlib
 import numpy as np
 
 from ...errors import InvalidArgumentError
-from .chunks import CHUNK_BYTES, ChunkCache, ObjectChunks, now_ns
+from .chunks import CHUNK_BYTES, ChunkCache, ObjectChunks, chunk_indices, now_ns
 from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
 from .storage import ObjectFolder
 
@@ -138,14 +137,28 @@ class RemoteReader:
         lengths = _as_int64("lengths", lengths)
         if blocks is not None:
             return self._read_in_blocks(name, offsets, lengths, out, dest_offsets, blocks)
-        self.read_spans([name] * len(lengths), offsets, lengths, out, dest_offsets, crc32)
+        self.read_spans(name, offsets, lengths, out, dest_offsets, crc32)
 
     def read_spans(self, names, offsets, lengths, out, dest_offsets=None, crc32=None) -> None:
-        """The batch form over several objects: span i is ``names[i]``'s bytes ``[offsets[i],
+        """The batch form over several objects (``names`` one per span, or one name for all): span i is ``names[i]``'s bytes ``[offsets[i],
         offsets[i] + lengths[i])``, copied to ``out[dest_offsets[i]:]`` and checked against
         ``crc32[i]`` when it is not None. One concurrent gather for the whole table."""
-        spans = self._spans(names, offsets, lengths, out, dest_offsets, crc32)
-        self._run(self._read_all(spans, _byte_view(out))).result()
+        by_name, view = self._spans(names, offsets, lengths, out, dest_offsets, crc32), _byte_view(out)
+        if self.cache is not None:  # what is local is read here, without a trip through the event loop
+            by_name = {name: rest for name, spans in by_name.items() if len((rest := self._read_warm(name, *spans, view))[0])}
+        if by_name:
+            self._run(self._read_all(by_name, view)).result()
+
+    def _read_warm(self, name, offsets, lengths, dests, crcs, out) -> tuple:
+        """Read the spans whose chunks are all local and pass their CRC-32; returns the others."""
+        if self._pid != os.getpid():
+            self._fresh()
+        ends = offsets + lengths
+        missed = self._read_local(self._chunks(name), offsets, ends, dests, out)
+        for i in np.flatnonzero(~missed):
+            if crcs[i] is not None and zlib.crc32(out[dests[i]: dests[i] + lengths[i]]) != int(crcs[i]):
+                missed[i] = True  # the event loop's path drops these chunks and fetches the span again
+        return offsets[missed], lengths[missed], dests[missed], [c for c, m in zip(crcs, missed) if m]
 
     def prefetch(self, name: str, offsets, lengths) -> concurrent.futures.Future:
         """Start fetching these spans of ``name`` into the local chunk cache; returns at once with a
@@ -176,8 +189,7 @@ class RemoteReader:
             raise InvalidArgumentError(f"span {i} of {self.folder.where(name, int(offsets[i]), int(ends[i]))} ends past the object's {size} bytes")
 
     def _spans(self, names, offsets, lengths, out, dest_offsets, crc32) -> dict:
-        names = [names] if isinstance(names, str) else list(names)
-        n = len(names)
+        n = len(np.atleast_1d(lengths)) if isinstance(names, str) else len(names)
         offsets, lengths = _as_int64("offsets", offsets, n), _as_int64("lengths", lengths, n)
         dests = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if dest_offsets is None else _as_int64("dest_offsets", dest_offsets, n)
         crcs = [None] * n if crc32 is None else list(crc32)
@@ -188,8 +200,11 @@ class RemoteReader:
             i = int(np.argmax(dests + lengths))
             raise InvalidArgumentError(f"out holds {capacity} bytes, span {i} needs [{dests[i]}, {dests[i] + lengths[i]})")
         by_name = {}
-        for name in dict.fromkeys(names):
-            idx = np.array([i for i, nm in enumerate(names) if nm == name], dtype=np.int64)
+        groups = {names: np.arange(n)} if isinstance(names, str) else {}
+        for i, name in enumerate([] if isinstance(names, str) else names):
+            groups.setdefault(name, []).append(i)
+        for name, idx in groups.items():
+            idx = np.asarray(idx, dtype=np.int64)
             idx = idx[lengths[idx] > 0]
             self._check_bounds(name, offsets[idx], lengths[idx])
             by_name[name] = (offsets[idx], lengths[idx], dests[idx], [crcs[i] for i in idx])
@@ -271,42 +286,36 @@ class RemoteReader:
     def _read_local(self, obj: ObjectChunks, starts, ends, dests, out) -> np.ndarray:
         """``preadv`` each span from the local copy; returns which spans had a chunk missing."""
         c0s, c1s = starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes + 1
-        missed = np.zeros(len(starts), dtype=bool)
-        fcntl.flock(obj.lock_fd, fcntl.LOCK_SH)  # the evictor waits until we are done
-        try:
-            for i, (s, e, d, c0, c1) in enumerate(zip(starts, ends, dests, c0s, c1s)):
-                if not obj.present[c0:c1].all():
-                    missed[i] = True
-                    continue
-                view, done = out[int(d): int(d + e - s)], 0
+        chunks = chunk_indices(c0s, c1s)
+        with obj.reading():  # the evictor waits until we are done
+            missing = obj.missing(chunks)
+            missed = np.searchsorted(missing, c1s) > np.searchsorted(missing, c0s)
+            for s, e, d in zip(starts[~missed].tolist(), ends[~missed].tolist(), dests[~missed].tolist()):
+                view, done = out[d: d + e - s], 0
                 while done < len(view):
-                    done += os.preadv(obj.data_fd, [view[done:]], int(s) + done)
-                obj.atime[c0:c1] = now_ns()
-        finally:
-            fcntl.flock(obj.lock_fd, fcntl.LOCK_UN)
+                    done += os.preadv(obj.data_fd, [view[done:]], s + done)
+            obj.atime[chunks] = now_ns()
         self.stats["bytes_local"] += int((ends - starts)[~missed].sum())
         return missed
 
     async def _ensure_local(self, name: str, starts, ends) -> None:
         """Every chunk under these spans present locally: each downloaded once per node."""
         obj = self._chunks(name)
-        c0s, c1s = starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes + 1
-        needed = np.unique(np.concatenate([np.arange(a, b) for a, b in zip(c0s, c1s)]))
-        missing = needed[obj.present[needed] == 0]
+        missing = obj.missing(chunk_indices(starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes + 1))
         if not len(missing):
             return
-        waits = [self._inflight[(obj.base, int(c))] for c in missing if (obj.base, int(c)) in self._inflight]
-        missing = np.array([c for c in missing if (obj.base, int(c)) not in self._inflight], dtype=np.int64)
+        waits = {self._inflight[(obj.base, c)] for c in missing.tolist() if (obj.base, c) in self._inflight}
+        missing = np.array([c for c in missing.tolist() if (obj.base, c) not in self._inflight], dtype=np.int64)
         tasks = []
         if len(missing):  # runs of adjacent chunks only: a run's claim never covers another task's chunk
             run_c0, run_c1 = coalesce(missing, missing + 1, 0)
             for c0, c1 in zip(run_c0.tolist(), run_c1.tolist()):
                 task = asyncio.ensure_future(self._download_run(name, obj, c0, c1))
-                for c in missing[(missing >= c0) & (missing < c1)]:
-                    self._inflight[(obj.base, int(c))] = task
-                task.add_done_callback(lambda _t, cs=missing[(missing >= c0) & (missing < c1)], b=obj.base: [self._inflight.pop((b, int(c)), None) for c in cs])
+                keys = [(obj.base, c) for c in range(c0, c1)]
+                self._inflight.update(dict.fromkeys(keys, task))
+                task.add_done_callback(lambda _t, keys=keys: [self._inflight.pop(k, None) for k in keys])
                 tasks.append(task)
-        await asyncio.gather(*tasks, *set(waits))
+        await asyncio.gather(*tasks, *waits)
         if tasks:
             self.cache.evict()
 
