@@ -191,3 +191,19 @@ def test_coalesce_merges_exactly_the_close_ranges():
         for s, e in zip(starts, ends):  # every range inside exactly one run
             assert ((rs <= s) & (re >= e)).sum() == 1
         assert ((rs[1:] - re[:-1]) > gap).all()  # runs further apart than the gap stay apart
+
+
+def test_large_files_push_in_parts_and_pull_back_whole(server, tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "MULTIPART_BYTES", 1 << 20)
+    folder = tmp_path / "big"
+    folder.mkdir()
+    payload = np.random.default_rng(5).integers(0, 256, size=(11 << 20) + 17, dtype=np.uint8)
+    payload.tofile(folder / DATA)
+    (folder / "train.latents.meta.json").write_text("{}")
+    push(str(folder), "s3://lfcache/big", s3_options(server))
+    reader = RemoteReader("s3://lfcache/big", s3_options(server))
+    size, etag = reader.folder.head(DATA)
+    assert size == len(payload) and etag.strip('"').endswith("-3")  # three 5 MiB parts (S3's multipart ETag)
+    pull("s3://lfcache/big", str(tmp_path / "back"), s3_options(server))
+    assert (tmp_path / "back" / DATA).read_bytes() == payload.tobytes()
+    assert not [p for p in (tmp_path / "back").iterdir() if p.name.endswith(".pulling")]

@@ -140,9 +140,11 @@ class RemoteReader:
         self.read_spans(name, offsets, lengths, out, dest_offsets, crc32)
 
     def read_spans(self, names, offsets, lengths, out, dest_offsets=None, crc32=None) -> None:
-        """The batch form over several objects (``names`` one per span, or one name for all): span i is ``names[i]``'s bytes ``[offsets[i],
-        offsets[i] + lengths[i])``, copied to ``out[dest_offsets[i]:]`` and checked against
-        ``crc32[i]`` when it is not None. One concurrent gather for the whole table."""
+        """The batch form over several objects (``names``: one per span, or one name for all): span
+        i is ``names[i]``'s bytes ``[offsets[i], offsets[i] + lengths[i])``, copied to
+        ``out[dest_offsets[i]:]`` and checked against ``crc32[i]`` when it is not None. Spans whose
+        chunks are all in the local cache are read in the calling thread; the rest in one concurrent
+        gather on the background loop."""
         by_name, view = self._spans(names, offsets, lengths, out, dest_offsets, crc32), _byte_view(out)
         if self.cache is not None:  # what is local is read here, without a trip through the event loop
             by_name = {name: rest for name, spans in by_name.items() if len((rest := self._read_warm(name, *spans, view))[0])}

@@ -195,7 +195,7 @@ class ObjectFolder:
         """Upload the local file ``path`` as ``name``; multipart above :data:`MULTIPART_BYTES`."""
         import obstore
 
-        multipart = os.path.getsize(path) > MULTIPART_BYTES
+        multipart = os.path.getsize(path) > MULTIPART_BYTES  # read at call time: tests lower it
         store = self.store
         try:
             with open(path, "rb") as fh:

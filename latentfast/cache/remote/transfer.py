@@ -68,10 +68,10 @@ def _download(folder: ObjectFolder, name: str, path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     size, _ = folder.head(name)
     tmp = path + _TEMP_SUFFIX
-    written = 0
+    written, store = 0, folder.store
     try:
         with open(tmp, "wb") as fh:
-            for part in obstore.get(folder.store, name).stream(min_chunk_size=8 << 20):
+            for part in obstore.get(store, name).stream(min_chunk_size=8 << 20):
                 fh.write(part)
                 written += len(part)
             fh.flush()
