@@ -178,3 +178,18 @@ def test_cache_arguments_are_checked(tmp_path):
         ChunkCache(str(tmp_path), 0)
     with pytest.raises(InvalidArgumentError, match="chunk_bytes must be a positive multiple of 4096"):
         ChunkCache(str(tmp_path), 1 << 20, chunk_bytes=1000)
+
+
+def test_a_cache_folder_from_another_boot_starts_empty(server, tmp_path):
+    """Chunks are marked present without an fsync of their bytes: only this boot's page cache
+    vouches for them, so a folder stamped by another boot is emptied when opened."""
+    reader = cached_reader(server, tmp_path)
+    read(reader, [0], [3 * CHUNK])
+    assert reader.cache.used_bytes() == 3 * CHUNK
+    assert ChunkCache(str(tmp_path), 1 << 30, CHUNK).used_bytes() == 3 * CHUNK  # same boot: kept
+    (tmp_path / "boot_id").write_text("a-boot-before-a-crash")
+    assert ChunkCache(str(tmp_path), 1 << 30, CHUNK).used_bytes() == 0
+    assert not [f for f in os.listdir(tmp_path) if f.endswith((".data", ".present"))]
+    fresh = cached_reader(server, tmp_path)
+    np.testing.assert_array_equal(read(fresh, [0], [3 * CHUNK]), PAYLOAD[:3 * CHUNK])
+    assert fresh.stats["bytes_fetched"] == 3 * CHUNK

@@ -293,9 +293,9 @@ class RemoteReader:
             missing = obj.missing(chunks)
             missed = np.searchsorted(missing, c1s) > np.searchsorted(missing, c0s)
             for s, e, d in zip(starts[~missed].tolist(), ends[~missed].tolist(), dests[~missed].tolist()):
-                view, done = out[d: d + e - s], 0
-                while done < len(view):
-                    done += os.preadv(obj.data_fd, [view[done:]], s + done)
+                done = os.preadv(obj.data_fd, [out[d: d + e - s]], s)
+                while done < e - s:  # a short read of a regular file: rare, finish it
+                    done += os.preadv(obj.data_fd, [out[d + done: d + e - s]], s + done)
             obj.atime[chunks] = now_ns()
         self.stats["bytes_local"] += int((ends - starts)[~missed].sum())
         return missed
