@@ -122,6 +122,9 @@ def test_prefetch_fills_the_cache_without_blocking(server, tmp_path):
         n = len(proxy.gets)
         np.testing.assert_array_equal(read(reader, offsets, lengths), want(offsets, lengths))
         assert len(proxy.gets) == n == 2
+    other = cached_reader(server, tmp_path / "other")
+    other.prefetch_spans([DATA, "meta.json", DATA], [0, 0, 50 * CHUNK], [10, 2, CHUNK]).result(timeout=30)
+    assert other.stats["bytes_fetched"] == CHUNK + 2 + CHUNK  # meta.json is one short chunk
     no_cache = RemoteReader("s3://lfcache/f", s3_options(server))
     assert no_cache.prefetch(DATA, offsets, lengths).done()
 

@@ -78,6 +78,16 @@ def _byte_view(out) -> memoryview:
     return view
 
 
+def _group(names, n: int) -> dict[str, np.ndarray]:
+    """Span indices per object name (``names``: one per span, or one name for all ``n``)."""
+    if isinstance(names, str):
+        return {names: np.arange(n)}
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        groups.setdefault(name, []).append(i)
+    return {name: np.asarray(idx, dtype=np.int64) for name, idx in groups.items()}
+
+
 class RemoteReader:
     """Reads byte spans of the objects under ``url`` (see the module docstring).
 
@@ -166,13 +176,23 @@ class RemoteReader:
         """Start fetching these spans of ``name`` into the local chunk cache; returns at once with a
         future (done when the chunks are local). Without ``local_cache`` there is nowhere to keep
         them: the future is already done and nothing is fetched."""
-        offsets, lengths = _as_int64("offsets", offsets), _as_int64("lengths", lengths, len(np.atleast_1d(offsets)))
+        return self.prefetch_spans(name, offsets, lengths)
+
+    def prefetch_spans(self, names, offsets, lengths) -> concurrent.futures.Future:
+        """:meth:`prefetch` for a span table over several objects (``names`` as in :meth:`read_spans`)."""
+        n = len(np.atleast_1d(lengths)) if isinstance(names, str) else len(names)
+        offsets, lengths = _as_int64("offsets", offsets, n), _as_int64("lengths", lengths, n)
         if self.cache is None:
             done = concurrent.futures.Future()
             done.set_result(None)
             return done
-        self._check_bounds(name, offsets, lengths)
-        return self._run(self._ensure_local(name, offsets, offsets + lengths))
+        groups = {name: idx[lengths[idx] > 0] for name, idx in _group(names, n).items()}
+        for name, idx in groups.items():
+            self._check_bounds(name, offsets[idx], lengths[idx])
+        return self._run(self._ensure_all({name: (offsets[idx], offsets[idx] + lengths[idx]) for name, idx in groups.items() if len(idx)}))
+
+    async def _ensure_all(self, spans: dict) -> None:
+        await asyncio.gather(*(self._ensure_local(name, starts, ends) for name, (starts, ends) in spans.items()))
 
     # ---- validation ---------------------------------------------------------------------------
 
@@ -202,11 +222,7 @@ class RemoteReader:
             i = int(np.argmax(dests + lengths))
             raise InvalidArgumentError(f"out holds {capacity} bytes, span {i} needs [{dests[i]}, {dests[i] + lengths[i]})")
         by_name = {}
-        groups = {names: np.arange(n)} if isinstance(names, str) else {}
-        for i, name in enumerate([] if isinstance(names, str) else names):
-            groups.setdefault(name, []).append(i)
-        for name, idx in groups.items():
-            idx = np.asarray(idx, dtype=np.int64)
+        for name, idx in _group(names, n).items():
             idx = idx[lengths[idx] > 0]
             self._check_bounds(name, offsets[idx], lengths[idx])
             by_name[name] = (offsets[idx], lengths[idx], dests[idx], [crcs[i] for i in idx])
