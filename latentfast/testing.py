@@ -347,3 +347,18 @@ class FaultProxy:
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         server.daemon_threads = True
         return server
+
+
+@contextlib.contextmanager
+def s3_with_objects(folder: str, url: str, files: dict):
+    """:func:`s3_server` holding ``files`` (name -> bytes) under ``url`` (``s3://bucket/prefix``),
+    written to ``folder`` and pushed there; yields the endpoint."""
+    from .cache.remote import push
+
+    for name, data in files.items():
+        with open(os.path.join(folder, name), "wb") as fh:
+            fh.write(data)
+    with s3_server() as endpoint:
+        create_bucket(endpoint, url[len("s3://"):].split("/")[0])
+        push(folder, url, s3_options(endpoint))
+        yield endpoint

@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("obstore", reason="remote caches need obstore (pip install 'latentfast[s3]')")
 pytest.importorskip("moto.server", reason="the loopback S3 server is moto[server] (pip install 'latentfast[test]')")
 
-from latentfast.cache.remote import ChunkCache, RemoteReader, push
+from latentfast.cache.remote import ChunkCache, RemoteReader
 from latentfast.errors import InvalidArgumentError
-from latentfast.testing import FaultProxy, create_bucket, s3_options, s3_server
+from latentfast.testing import FaultProxy, s3_options, s3_with_objects
 
 DATA = "data.bin"
 CHUNK = 4096
@@ -24,12 +24,8 @@ PAYLOAD = np.random.default_rng(11).integers(0, 256, size=100 * CHUNK + 123, dty
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("objects")
-    PAYLOAD.tofile(folder / DATA)
-    (folder / "meta.json").write_text("{}")
-    with s3_server() as endpoint:
-        create_bucket(endpoint, "lfcache")
-        push(str(folder), "s3://lfcache/f", s3_options(endpoint))
+    files = {DATA: PAYLOAD.tobytes(), "meta.json": b"{}"}
+    with s3_with_objects(str(tmp_path_factory.mktemp("objects")), "s3://lfcache/f", files) as endpoint:
         yield endpoint
 
 
