@@ -20,6 +20,8 @@ the network and its ratio to the bytes the batches use. mosaic streaming and lit
 here yet.
 
     python bench/bench_remote.py [--quick] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
+
+``run_report(quick)`` is the ``latentfast bench`` suite interface (not yet in its SUITES list).
 """
 from __future__ import annotations
 
@@ -191,6 +193,38 @@ def summarize(runs: list[dict], n_items: int, used: int) -> str:
     return format_table(f"random batches, {len(runs)} runs", header, rows) + f"\nwarm chunk cache / local file (items/s, per run): {fmt(warm_vs_local)}"
 
 
+def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, batch: int = 64, batches: int = 16,
+               runs: int = 3, s3rver: str | None = None, endpoint: str | None = None, access_key: str = "S3RVER",
+               secret_key: str = "S3RVER") -> dict:
+    """The side-by-side report (the ``latentfast bench`` suite interface): ``{"table", "runs", ...}``."""
+    if quick:
+        items, batches = 256, 4
+    s3rver = s3rver or shutil.which("s3rver") or "node_modules/.bin/s3rver"
+    with tempfile.TemporaryDirectory(prefix="bench_remote_") as scratch:
+        proc = None
+        if endpoint:
+            options = {"endpoint_url": endpoint, "access_key_id": access_key, "secret_access_key": secret_key, "region": "us-east-1"}
+        elif not os.path.exists(s3rver):
+            raise SystemExit(f"s3rver not found at {s3rver!r}: npm install s3rver (node >= 14), or pass --s3rver / --endpoint")
+        else:
+            proc, endpoint, options = start_s3rver(s3rver, os.path.join(scratch, "s3rver"))
+        try:
+            path, row = make_cache(os.path.join(scratch, "local"), items, item_kib)
+            url = f"s3://{BUCKET}/{PREFIX}"
+            start = time.perf_counter()
+            push(path, url, options)
+            pushed_s = time.perf_counter() - start
+            results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch)
+                       for seed in range(runs)]
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    n_items = batch * batches
+    return {"server": "s3rver (loopback)" if proc is not None else endpoint, "items": items, "item_bytes": row,
+            "push_s": pushed_s, "runs": results, "table": summarize(results, n_items, n_items * row)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=2048)
@@ -199,36 +233,15 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="256 items, 4 batches, 3 runs")
-    parser.add_argument("--s3rver", default=shutil.which("s3rver") or "node_modules/.bin/s3rver")
+    parser.add_argument("--s3rver", help="the s3rver executable (default: on PATH, else ./node_modules/.bin/s3rver)")
     parser.add_argument("--endpoint", help="an S3 endpoint already running (bucket 'bench' must exist) instead of s3rver")
     parser.add_argument("--access-key", default="S3RVER")
     parser.add_argument("--secret-key", default="S3RVER")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.items, args.batches = 256, 4
-    with tempfile.TemporaryDirectory(prefix="bench_remote_") as scratch:
-        proc = None
-        if args.endpoint:
-            options = {"endpoint_url": args.endpoint, "access_key_id": args.access_key, "secret_access_key": args.secret_key, "region": "us-east-1"}
-            server = args.endpoint
-        else:
-            if not os.path.exists(args.s3rver):
-                raise SystemExit(f"s3rver not found at {args.s3rver!r}: npm install s3rver (node >= 14), or pass --s3rver / --endpoint")
-            proc, server, options = start_s3rver(args.s3rver, os.path.join(scratch, "s3rver"))
-        try:
-            path, row = make_cache(os.path.join(scratch, "local"), args.items, args.item_kib)
-            url = f"s3://{BUCKET}/{PREFIX}"
-            start = time.perf_counter()
-            push(path, url, options)
-            print(f"pushed {args.items} x {row // 1024} KiB to {'s3rver' if proc else server} on loopback in {time.perf_counter() - start:.1f} s")
-            runs = [one_run(url, options, os.path.join(path, DATA), epoch_batches(args.items, args.batch, args.batches, seed), row, scratch)
-                    for seed in range(args.runs)]
-            n_items = args.batch * args.batches
-            print(summarize(runs, n_items, n_items * row))
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(timeout=30)
+    a = parser.parse_args(argv)
+    report = run_report(a.quick, items=a.items, item_kib=a.item_kib, batch=a.batch, batches=a.batches, runs=a.runs,
+                        s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key)
+    print(f"pushed {report['items']} x {report['item_bytes'] // 1024} KiB to {report['server']} in {report['push_s']:.1f} s")
+    print(report["table"])
 
 
 if __name__ == "__main__":
