@@ -11,6 +11,8 @@ batches of an epoch's permutation: no item twice). Per configuration, ``--runs``
 - remote: :class:`RemoteReader` without a local cache (coalesced ranged GETs);
 - cold: with an empty local chunk cache (fresh folder per run);
 - cold + prefetch: the same, ``prefetch`` of batch k+1 issued before reading batch k (a lookahead of 1);
+- cold, spans 1000 B off the chunks: the same, every span shifted (ragged rows do not start on a
+  chunk): what the 16 KiB chunk granularity costs in bytes;
 - warm: the same batches again from the filled local chunk cache;
 - local file: ``preadv`` of the same rows from the cache's own data file (page cache hot), the
   target a warm chunk cache should reach. Warm and local: the median of 5 interleaved passes per run.
@@ -111,7 +113,8 @@ def run_ceiling(url: str, options: dict, batches, row: int, out: np.ndarray):
     return total, first, sum(fetched)
 
 
-def run_reader(url, options, batches, row, out, cache_dir=None, budget=None, prefetch=False, reader=None):
+def run_reader(url, options, batches, row, out, cache_dir=None, budget=None, prefetch=False, reader=None, shift=0):
+    """``shift``: every span starts that many bytes after its row (unaligned to the chunks)."""
     lengths = np.full(len(batches[0]), row)
 
     def read_batch(k):
@@ -119,8 +122,8 @@ def run_reader(url, options, batches, row, out, cache_dir=None, budget=None, pre
         if reader is None:
             reader = RemoteReader(url, options, local_cache=cache_dir, local_cache_bytes=budget)
         if prefetch and k + 1 < len(batches):
-            reader.prefetch(DATA, batches[k + 1] * row, lengths)
-        reader.read_ranges(DATA, batches[k] * row, lengths, out)
+            reader.prefetch(DATA, batches[k + 1] * row + shift, lengths)
+        reader.read_ranges(DATA, batches[k] * row + shift, lengths, out)
 
     before = 0 if reader is None else reader.stats["bytes_fetched"]
     total, first = timed(read_batch, batches)
@@ -164,6 +167,8 @@ def one_run(url, options, path, batches, row, scratch):
     check("cold")
     results["cold + prefetch"] = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget, prefetch=True)[:3]
     check("cold + prefetch")
+    shifted = [np.minimum(b, len(local) // row - 2) for b in batches]  # room for the shift after the last row
+    results["cold, spans 1000 B off the chunks"] = run_reader(url, options, shifted, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget, shift=1000)[:3]
     warm, plain = [], []
     for _ in range(PASSES):  # interleaved, so both see the same load on a shared machine
         warm.append(run_reader(url, options, batches, row, out, reader=cold[3])[:3])
