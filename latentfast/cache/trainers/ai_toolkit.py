@@ -65,13 +65,14 @@ def scan(folder, max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Source:
         raise TrainerCacheError(f"{root}: expected ai-toolkit _latent_cache folders of {{stem}}_{{hash}}.safetensors, found none")
     groups = _group_latents(latent_files, skipped)
     texts, used = _match_texts(text_files, skipped)
-    plans = []
+    plans, attached = [], set()
     for (image_dir, _), variants in groups.items():
         if "" not in variants:
             skipped.extend(Skipped(v[0], "flipped copies without their unflipped latent") for v in variants.values())
             continue
         stem = os.path.splitext(variants[""][1]["filename"])[0]
         te_path = texts.get((image_dir, stem))
+        attached.add(te_path)
         nbytes = sum(sum(e[2] for e in v[2].values()) for v in variants.values())
         if te_path:
             nbytes += sum(e[2] for e in safetensors_header(te_path)[0].values())
@@ -79,6 +80,7 @@ def scan(folder, max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Source:
         plans.append(ItemPlan(rel_key(root, image_dir, stem), hw, nbytes, _loader(variants, te_path)))
     skipped.extend(Skipped(p, "text embeddings not matched to one image") for files in text_files.values()
                    for *_, p in files if p not in used)
+    skipped.extend(Skipped(p, "text embeddings of images without a latent") for p in texts.values() if p not in attached)
     uint8 = any(v[2]["latent"][0] == "U8" for g in groups.values() for v in g.values())
     convention = {"latent_convention": "pixels" if uint8 else "scaled", "scaling_factor": None, "shift_factor": None}
     return Source("ai-toolkit", root, plans, skipped, convention,

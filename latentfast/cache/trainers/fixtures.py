@@ -4,7 +4,8 @@ Each writer follows the save path it names (repository, file, function) at the c
 module: kohya-ss/sd-scripts 48d368f, kohya-ss/musubi-tuner 30c658c, ostris/ai-toolkit 27a03a9,
 bghira/SimpleTuner bc8e6ab, tdrussell/diffusion-pipe 8f83dbf. Only the encoders are replaced by
 random tensors; names, keys, dtypes, metadata and file layouts are the trainers'. Every writer returns
-the list of image stems it cached, and takes ``seed`` so two calls write the same bytes.
+the list of image stems it cached (ai-toolkit: what its loader hashes, see there), and takes ``seed``
+so two calls write the same bytes.
 """
 from __future__ import annotations
 
@@ -262,8 +263,11 @@ def ai_toolkit_prompt_embeds_save(path, text_embeds, pooled_embeds=None, attenti
 
 
 def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = True, uint8: bool = False,
-                     dropout: bool = True, seed: int = 0) -> list[str]:
+                     dropout: bool = True, seed: int = 0) -> list[dict]:
     """An ai-toolkit dataset folder's ``_latent_cache`` and ``_t_e_cache`` (images not written).
+
+    Returns, per image, what the trainer hashes to find its files: ``{"stem", "latent_infos": [the
+    get_latent_info_dict of each file], "te_infos": [the get_text_embedding_info_dict of each]}``.
 
     Latents: ``LatentCachingMixin._cache_one_latent`` (toolkit/dataloader_mixins.py) -> ``save_file``
     with ``get_meta_for_safetensors(get_latent_info_dict())`` at ``get_latent_path``; one file per
@@ -272,9 +276,10 @@ def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = 
     ``get_text_embedding_path`` and, with ``dropout`` (caption_dropout_rate > 0), the blank caption's
     embedding at ``get_blank_text_embedding_path``.
     """
-    g, stems = _gen(seed), []
+    g, manifest = _gen(seed), []
     for i in range(n):
         stem, filename = f"img_{i:03d}", f"img_{i:03d}.jpg"
+        entry = {"stem": stem, "latent_infos": [], "te_infos": []}
         for res in resolutions:
             for flipped in ((False, True) if flip_x else (False,)):
                 width, height = res + 64 * (i % 2), res
@@ -283,6 +288,7 @@ def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = 
                                     ("latent_space_version", "flux"), ("latent_version", 1)])
                 if flipped:
                     info["flip_x"] = True
+                entry["latent_infos"].append(info)
                 latent = torch.tanh(_randn(g, 16, height // 8, width // 8)).to(torch.bfloat16)
                 state_dict = OrderedDict(latent=_latent_to_uint8(latent) if uint8 else latent.clone())
                 path = os.path.join(folder, "_latent_cache", f"{stem}_{ai_toolkit_hash(info)}.safetensors")
@@ -293,12 +299,13 @@ def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = 
         captions = [f"a photo number {i}"] + ([""] if dropout else [])
         for caption in captions:
             te_info = OrderedDict([("caption", caption), ("text_embedding_space_version", "flux"), ("text_embedding_version", 1)])
+            entry["te_infos"].append(te_info)
             length = 4 + i if caption else 2
             ai_toolkit_prompt_embeds_save(os.path.join(folder, "_t_e_cache", f"{stem}_{ai_toolkit_hash(te_info)}.safetensors"),
                                           _randn(g, 1, length, 32, dtype=torch.bfloat16), _randn(g, 1, 24, dtype=torch.bfloat16),
                                           torch.ones(1, length, dtype=torch.int64))
-        stems.append(stem)
-    return stems
+        manifest.append(entry)
+    return manifest
 
 
 # ---------------------------------------------------------------- bghira/SimpleTuner
@@ -425,3 +432,13 @@ def write_diffusion_pipe(folder, n: int = 3, buckets=((256, 256), (384, 256)), c
         latents.close()
         texts.close()
     return stems
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN-safe, -0.0 told from 0.0): what "read exactly" means in the tests."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
