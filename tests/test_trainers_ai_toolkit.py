@@ -113,3 +113,10 @@ def test_flipped_copy_without_base_is_listed(tmp_path):
     assert [r.key for r in source] == ["img_000"]
     assert "1 flipped copies without their unflipped latent" in source.summary()
     assert "1 text embeddings of images without a latent" in source.summary()
+
+
+def test_the_latent_cache_folder_itself_reads_as_its_dataset_folder(tmp_path):
+    write_ai_toolkit(tmp_path, n=2, resolutions=(64,), flip_x=False, dropout=False)
+    source = open_source(tmp_path / "_latent_cache", "ai-toolkit")
+    assert [r.key for r in source] == ["img_000", "img_001"]
+    assert all("text_text_embed" in r.fields for r in source)

@@ -51,6 +51,8 @@ def dequantize_int16(t: torch.Tensor) -> torch.Tensor:
 def scan(folder, max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Source:
     """A :class:`Source` of every ``_latent_cache`` under ``folder`` with its ``_t_e_cache`` beside it."""
     root = check_root(folder)
+    if os.path.basename(root) in ("_latent_cache", "_t_e_cache"):  # given the cache folder itself: its dataset folder
+        root = os.path.dirname(root)
     latent_files, text_files, skipped = [], defaultdict(list), []
     for dirpath, name in walk_files(root):
         path, kind = os.path.join(dirpath, name), os.path.basename(dirpath)
@@ -75,7 +77,11 @@ def scan(folder, max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Source:
         attached.add(te_path)
         nbytes = sum(sum(e[2] for e in v[2].values()) for v in variants.values())
         if te_path:
-            nbytes += sum(e[2] for e in safetensors_header(te_path)[0].values())
+            te_entries, te_meta = safetensors_header(te_path)
+            if te_meta.get("class_name"):
+                raise TrainerCacheError(f"{te_path}: expected PromptEmbeds entries, found a {te_meta['class_name']} file "
+                                        "(not supported)")
+            nbytes += sum(e[2] for e in te_entries.values())
         hw = "x".join(str(s) for s in variants[""][2]["latent"][1][-2:])
         plans.append(ItemPlan(rel_key(root, image_dir, stem), hw, nbytes, _loader(variants, te_path)))
     skipped.extend(Skipped(p, "text embeddings not matched to one image") for files in text_files.values()
@@ -158,9 +164,6 @@ def _loader(variants: dict, te_path: str | None):
                     tensor = dequantize_int16(tensor)
                 fields[LATENT_FIELDS.get(name, name) + suffix] = tensor
         if te_path is not None:
-            if safetensors_header(te_path)[1].get("class_name"):
-                raise TrainerCacheError(f"{te_path}: expected PromptEmbeds entries, found a "
-                                        f"{safetensors_header(te_path)[1]['class_name']} file (not supported)")
             fields.update({f"text_{k}": v for k, v in load_safetensors(te_path).items()})
         return fields, info
     return load

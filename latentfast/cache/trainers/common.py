@@ -21,7 +21,8 @@ import torch
 from ...errors import CacheError
 
 # An item whose tensors take more than this many bytes is refused before anything is read: reading
-# one means holding it in memory (twice, for a gzip'd .pt: the file's bytes and the tensors).
+# one holds its tensors in memory -- twice, briefly, for a gzip'd .pt and a diffusion-pipe shard record
+# (the bytes read, then the tensors torch.load makes of them); .npz, .safetensors and plain .pt hold them once.
 DEFAULT_MAX_ITEM_BYTES = 2 << 30
 
 
@@ -197,10 +198,10 @@ def safetensors_header(path: str) -> tuple[dict[str, tuple[str, list[int], int]]
 def load_safetensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    safetensors_header(path)  # a truncated file is named as such, not as a parse error
     try:
         return load_file(path, device="cpu")
     except Exception as exc:  # noqa: BLE001 - named by file
+        safetensors_header(path)  # a truncated file is named as such, not as a parse error
         raise fail(path, "a safetensors file", f"{type(exc).__name__}: {exc}") from None
 
 
@@ -224,8 +225,12 @@ def load_pt_bytes(data: bytes | memoryview, where: str) -> Any:
     """``torch.load`` of a whole ``torch.save`` payload with ``weights_only=True`` (no code runs)."""
     if bytes(data[:4]) == b"PK\x03\x04" and b"PK\x05\x06" not in bytes(data[-65557:]):
         raise fail(where, "a torch.save file", f"a truncated one ({len(data)} bytes: the zip directory at its end is missing)")
+    return _torch_load(io.BytesIO(data), where)
+
+
+def _torch_load(file, where: str, mmap: bool = False) -> Any:
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - named by file
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "Weights only load failed" in str(exc):
@@ -234,18 +239,27 @@ def load_pt_bytes(data: bytes | memoryview, where: str) -> Any:
 
 
 def load_pt(path: str) -> Any:
-    """A ``.pt`` written by ``torch.save``, gzip'd or not (SimpleTuner's ``compress_disk_cache`` keeps ``.pt``)."""
+    """A ``.pt`` written by ``torch.save``, gzip'd or not (SimpleTuner's ``compress_disk_cache`` keeps ``.pt``).
+
+    A plain (zip) file is memory-mapped, so reading it holds its tensors once; a gzip'd one is
+    decompressed in memory first (its bytes, then its tensors)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    if not head:
+        raise fail(path, "a torch.save file", "an empty file")
+    if head[:2] != GZIP_MAGIC:
+        truncated = truncated_or(path, "")
+        if truncated:
+            raise fail(path, "a torch.save file", truncated.replace("a truncated file", "a truncated one"))
+        return _torch_load(path, path, mmap=head == b"PK\x03\x04")
     with open(path, "rb") as fh:
         data = fh.read()
-    if data[:2] == GZIP_MAGIC:
-        try:
-            data = gzip.decompress(data)
-        except EOFError:
-            raise fail(path, "a gzip'd torch.save file", f"a truncated one ({os.path.getsize(path)} bytes: the gzip stream ends early)") from None
-        except (OSError, gzip.BadGzipFile) as exc:
-            raise fail(path, "a gzip'd torch.save file", f"a corrupt gzip stream ({exc})") from None
-    elif not data:
-        raise fail(path, "a torch.save file", "an empty file")
+    try:
+        data = gzip.decompress(data)
+    except EOFError:
+        raise fail(path, "a gzip'd torch.save file", f"a truncated one ({len(data)} bytes: the gzip stream ends early)") from None
+    except (OSError, gzip.BadGzipFile) as exc:
+        raise fail(path, "a gzip'd torch.save file", f"a corrupt gzip stream ({exc})") from None
     return load_pt_bytes(data, path)
 
 
