@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from latentfast.cache.trainers import fixtures as fx
 from latentfast.cache.trainers import open_source
+from latentfast.testing import torch_threads
 
 
 def _npz_reads(folder):
@@ -99,9 +100,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=100, help="images per trainer fixture")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     print(f"{'format':>15} {'records':>8} {'records/s':>10} {'records s (min-max)':>24} {'trainer reads s (min-max)':>26} {'ratio':>6}")
-    for fmt, count, rate, ours, theirs, ratio in run(args.items):
+    with torch_threads(1):
+        rows = run(args.items)
+    for fmt, count, rate, ours, theirs, ratio in rows:
         print(f"{fmt:>15} {count:>8} {rate:>10.0f} {ours[0]:>8.3f} ({ours[1]:.3f}-{ours[2]:.3f}) "
               f"{theirs[0]:>10.3f} ({theirs[1]:.3f}-{theirs[2]:.3f}) {ratio:>6.2f}")
 
