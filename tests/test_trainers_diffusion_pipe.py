@@ -90,3 +90,16 @@ def test_missing_latents_cache_is_explained(tmp_path):
         os.remove(path)
     with pytest.raises(ValueError, match=r"expected diffusion-pipe caches .*found \['text_embeddings_1'\]"):
         open_source(tmp_path, "diffusion-pipe")
+
+
+def test_scan_reads_only_the_record_pickles(tmp_path, monkeypatch):
+    from latentfast.cache.trainers import diffusion_pipe
+
+    write_diffusion_pipe(tmp_path, n=2, buckets=((256, 256), (384, 256)), captions=2)
+
+    def refuse(self, i):
+        raise AssertionError("scan read a whole record")
+
+    monkeypatch.setattr(diffusion_pipe.ShardCache, "read", refuse)
+    source = open_source(tmp_path, "diffusion-pipe")
+    assert source.keys == ["img_000@8x8", "img_001@8x8", "img_000@8x12", "img_001@8x12"]

@@ -151,3 +151,16 @@ def test_truncated_npz_names_the_file(tmp_path):
     open(path, "wb").write(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"img_000_0067x0048_sdxl\.npz: expected an \.npz .*truncated file"):
         open_source(tmp_path, "kohya")
+
+
+def test_legacy_npz_beside_sdxl_files_is_read_with_them_and_wins(tmp_path):
+    write_kohya(tmp_path, arch="sdxl", n=2, text=False)
+    legacy = tmp_path / "img_001.npz"  # kohya's get_latents_npz_path returns this one when it exists
+    np.savez(legacy, latents=np.full((4, 2, 2), 7, np.float32), original_size=np.array([16, 16]), crop_ltrb=np.array([0, 0, 16, 16]))
+    np.savez(tmp_path / "old_only.npz", latents=np.ones((4, 2, 2), np.float32), original_size=np.array([16, 16]),
+             crop_ltrb=np.array([0, 0, 16, 16]))
+    source = open_source(tmp_path, "kohya")
+    records = {r.key: r for r in source}
+    assert sorted(records) == ["img_000", "img_001", "old_only"]
+    assert same_bits(records["img_001"].fields["latent"], torch.full((4, 2, 2), 7.0))
+    assert "1 latent files superseded by a legacy {stem}.npz" in source.summary()

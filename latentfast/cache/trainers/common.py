@@ -1,8 +1,9 @@
 """What every trainer reader shares: the record and source types, item keys, size limits, file reads.
 
-A reader first *scans* a folder (file names, headers, sqlite tables -- no tensor data) into a
-:class:`Source`: the items it will yield, each with the bytes it will read, and every file or entry
-it will not import, with the reason. Iterating the source then reads one item at a time.
+A reader first *scans* a folder (file names, headers, zip directories, sqlite tables, the pickles of
+diffusion-pipe's records, whose keys are inside them) into a :class:`Source`: the items it will yield, each
+with the bytes it will read, and every file or entry it will not import, with the reason. Iterating
+the source then reads one item at a time. Hidden files and folders (``.name``) are not looked at.
 """
 from __future__ import annotations
 
@@ -116,10 +117,10 @@ def rel_key(root: str, folder: str, stem: str) -> str:
     return stem if rel == "." else f"{rel.replace(os.sep, '/')}/{stem}"
 
 
-def walk_files(root: str, skip_dir: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, str]]:
+def walk_files(root: str) -> Iterator[tuple[str, str]]:
     """``(folder, name)`` of every file under ``root`` in sorted order, hidden entries left out."""
     for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not skip_dir(d))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             if not name.startswith("."):
                 yield folder, name
@@ -142,7 +143,7 @@ def array_to_tensor(array: np.ndarray, path: str, name: str) -> torch.Tensor:
     """A tensor of ``array``'s dtype; 2-byte void arrays (bfloat16 bits saved by numpy) become bfloat16."""
     if array.dtype.kind == "V" and array.dtype.itemsize == 2 and array.dtype.fields is None:
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-    if array.dtype.kind not in "biuf" and array.dtype != np.float16:
+    if array.dtype.kind not in "biuf":
         raise fail(f"{path}#{name}", "a numeric array", f"dtype {array.dtype.str}")
     return torch.from_numpy(np.ascontiguousarray(array))
 
@@ -186,10 +187,13 @@ def safetensors_header(path: str) -> tuple[dict[str, tuple[str, list[int], int]]
             raise fail(path, "a safetensors file (JSON header)", "bytes that are not JSON") from None
     metadata = header.pop("__metadata__", None) or {}
     entries, end = {}, 0
-    for name, spec in header.items():
-        start, stop = spec["data_offsets"]
-        entries[name] = (spec["dtype"], list(spec["shape"]), stop - start)
-        end = max(end, stop)
+    try:
+        for name, spec in header.items():
+            start, stop = spec["data_offsets"]
+            entries[name] = (spec["dtype"], list(spec["shape"]), stop - start)
+            end = max(end, stop)
+    except (KeyError, TypeError, ValueError):
+        raise fail(path, "a safetensors header (dtype, shape, data_offsets per tensor)", f"entry {name!r}: {spec!r}") from None
     if 8 + n + end > size:
         raise fail(path, f"{8 + n + end} bytes (header and tensors)", f"a truncated file ({size} bytes)")
     return entries, metadata

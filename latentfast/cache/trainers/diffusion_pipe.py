@@ -17,9 +17,12 @@ stem below the dataset folder (``{tar stem}/{stem}`` for tar members); one image
 """
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import sqlite3
-from collections import defaultdict
+import zipfile
+from collections import OrderedDict, defaultdict
 
 import torch
 
@@ -55,18 +58,80 @@ class ShardCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def read(self, i: int):
+    def _shard(self, i: int) -> tuple[str, int, int]:
         shard, offset, size = self.entries[i]
         path = os.path.join(self.folder, f"shard_{shard}.bin")
         if not os.path.exists(path):
             raise fail(path, f"the shard holding record {i} of {self.folder}", "no such file")
+        if os.path.getsize(path) < offset + size:
+            raise fail(path, f"bytes {offset}..{offset + size} (record {i})",
+                       f"a truncated shard ({os.path.getsize(path)} bytes)")
+        return path, offset, size
+
+    def read(self, i: int):
+        path, offset, size = self._shard(i)
         with open(path, "rb") as fh:
             fh.seek(offset)
             data = fh.read(size)
-        if len(data) != size:
-            raise fail(path, f"bytes {offset}..{offset + size} (record {i})",
-                       f"a truncated shard ({os.path.getsize(path)} bytes)")
         return load_pt_bytes(data, f"{path}[{offset}:{offset + size}]")
+
+    def peek(self, i: int):
+        """Record ``i`` with each tensor replaced by ``("shape", size)``, reading only its pickle (or all of it
+        when the pickle holds anything but plain values and tensors)."""
+        path, offset, size = self._shard(i)
+        try:
+            with open(path, "rb") as fh, zipfile.ZipFile(_Window(fh, offset, size)) as archive:
+                name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+                return _ShapeUnpickler(io.BytesIO(archive.read(name))).load()
+        except (zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError):
+            record = self.read(i)
+            return {k: ("shape", tuple(v.shape)) if isinstance(v, torch.Tensor) else v for k, v in record.items()} \
+                if isinstance(record, dict) else record
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[start, start + size)`` of an open file, as a seekable file (for ``zipfile``)."""
+
+    def __init__(self, fh, start: int, size: int):
+        self.fh, self.start, self.size, self.pos = fh, start, size, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, offset, whence=0):
+        self.pos = max(0, {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence])
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def read(self, n=-1):
+        n = self.size - self.pos if n is None or n < 0 else min(n, self.size - self.pos)
+        self.fh.seek(self.start + self.pos)
+        data = self.fh.read(max(0, n))
+        self.pos += len(data)
+        return data
+
+
+class _ShapeUnpickler(pickle.Unpickler):
+    """Unpickles a ``torch.save`` record's ``data.pkl`` without its storages: tensors become their shape.
+
+    Only torch's tensor rebuild, its storage types and ``OrderedDict`` are allowed; anything else raises."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, *rest: ("shape", tuple(size))
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return None
 
 
 def scan(folder, max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Source:
@@ -103,22 +168,24 @@ def iter_records(folder, **options):
 
 
 def _bucket_plans(bucket_dir: str, latents: ShardCache, texts: dict) -> list[ItemPlan]:
-    """Reads each record's ``image_spec`` once (text records: to index them, as ``TextEmbeddingDataset`` does)."""
+    """Peeks at each record's pickle for its ``image_spec`` and latent size (text records: to index them,
+    as ``TextEmbeddingDataset`` does); tensors are read when the item is."""
     text_index = {}
     for name, cache in texts.items():
         per_spec = defaultdict(list)
         for i in range(len(cache)):
-            per_spec[_spec(cache.read(i), cache.folder, i)].append(i)
+            per_spec[_spec(cache.peek(i), cache.folder, i)].append(i)
         text_index[name] = per_spec
     bucket = os.path.basename(bucket_dir)[len("cache_"):]
     plans = []
     for i in range(len(latents)):
-        record = latents.read(i)  # the key and the variant (latent size) come from the record itself
+        record = latents.peek(i)  # the key and the variant (latent size) come from the record itself
         spec = _spec(record, latents.folder, i)
         base = os.path.splitext(os.path.basename(spec[1]))[0]
         if spec[0]:
             base = f"{os.path.splitext(os.path.basename(spec[0]))[0]}/{base}"
-        hw = "x".join(str(s) for s in record["latents"].shape[1:]) if isinstance(record.get("latents"), torch.Tensor) else ""
+        shape = record.get("latents")
+        hw = "x".join(str(s) for s in shape[1][1:]) if isinstance(shape, tuple) and shape[:1] == ("shape",) else ""
         refs = {name: per_spec.get(spec, []) for name, per_spec in text_index.items()}
         nbytes = latents.entries[i][2] + sum(texts[n].entries[j][2] for n, js in refs.items() for j in js)
         plans.append(ItemPlan(base, hw, nbytes, _loader(latents, i, texts, refs, bucket)))

@@ -42,12 +42,11 @@ CONVENTION = {
 def scan(folder, arch: str | None = None, max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Source:
     """A :class:`Source` of every kohya latent cache under ``folder``; ``arch`` picks one when several are there."""
     root = check_root(folder)
-    latents, texts, skipped = {}, {}, []
+    latents, texts, skipped = {}, set(), []
     for dirpath, name in walk_files(root):
         path = os.path.join(dirpath, name)
-        te = next((s for s in set(TE_SUFFIX.values()) if name.endswith(s)), None)
-        if te is not None:
-            texts[os.path.join(dirpath, name[: -len(te)]) + te] = path
+        if any(name.endswith(s) for s in set(TE_SUFFIX.values())):
+            texts.add(path)
             continue
         m = LATENT_NAME.match(name)
         if m:
@@ -56,13 +55,15 @@ def scan(folder, arch: str | None = None, max_item_bytes: int = DEFAULT_MAX_ITEM
             latents.setdefault("legacy", []).append((dirpath, name[:-4], path, None))
         else:
             skipped.append(Skipped(path, "files that are not kohya .npz caches"))
+    _merge_legacy(latents, skipped)
     arch = _pick_arch(root, latents, arch)
     plans, used, no_text = [], set(), 0
     for dirpath, stem, path, size in latents.get(arch, []):
-        if arch == "legacy" and "latents" not in npz_member_bytes(path):
+        if size is None and "latents" not in npz_member_bytes(path):
             skipped.append(Skipped(path, ".npz files that are not latent caches (no array 'latents')"))
             continue
-        te_path = texts.get(os.path.join(dirpath, stem) + TE_SUFFIX[arch])
+        te_path = os.path.join(dirpath, stem) + TE_SUFFIX[arch]
+        te_path = te_path if te_path in texts else None
         used.add(te_path)
         new = _plans_for_file(root, dirpath, stem, path, size, arch, te_path, skipped)
         no_text += len(new) if te_path is None else 0
@@ -70,7 +71,7 @@ def scan(folder, arch: str | None = None, max_item_bytes: int = DEFAULT_MAX_ITEM
     for other, files in latents.items():
         if other != arch:
             skipped.extend(Skipped(p, f"latent files of architecture {other!r} (pass arch={other!r})") for *_, p, _ in files)
-    skipped.extend(Skipped(p, "text-encoder outputs without a latent file") for p in texts.values() if p not in used)
+    skipped.extend(Skipped(p, "text-encoder outputs without a latent file") for p in sorted(texts) if p not in used)
     notes = [f"{no_text} items have no text-encoder outputs"] if no_text else []
     kind, scale, shift = CONVENTION[arch]
     evidence = f"{sum(len(v) for v in latents.values())} .npz latent files ({arch})"
@@ -81,6 +82,23 @@ def scan(folder, arch: str | None = None, max_item_bytes: int = DEFAULT_MAX_ITEM
 def iter_records(folder, **options):
     """The records of :func:`scan` ``(folder, **options)``."""
     return iter(scan(folder, **options))
+
+
+def _merge_legacy(latents: dict, skipped: list) -> None:
+    """Legacy ``{stem}.npz`` files belong to an sd / sdxl cache beside them; where both exist for an
+    image, kohya reads the legacy one (``SdSdxlLatentsCachingStrategy.get_latents_npz_path``)."""
+    others = set(latents) - {"legacy"}
+    if "legacy" not in latents or len(others) != 1 or not others <= {"sd", "sdxl"}:
+        return
+    (arch,) = others
+    old = {(d, stem) for d, stem, _, _ in latents["legacy"]}
+    kept = []
+    for entry in latents[arch]:
+        if (entry[0], entry[1]) in old:
+            skipped.append(Skipped(entry[2], "latent files superseded by a legacy {stem}.npz (kohya reads that one)"))
+        else:
+            kept.append(entry)
+    latents[arch] = sorted(kept + latents.pop("legacy"), key=lambda e: e[2])
 
 
 def _pick_arch(root: str, latents: dict, arch: str | None) -> str:
