@@ -69,3 +69,20 @@ def test_summary_counts_each_reason(tmp_path):
     for name in ("a.txt", "b.txt"):
         (tmp_path / name).write_text("x")
     assert open_source(tmp_path, "kohya").summary() == "kohya: 1 items; skipped 2 files: 2 files that are not kohya .npz caches"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_info_is_json_and_fields_are_tensors_with_the_convention_stamped(tmp_path, fmt):
+    import json
+
+    import torch
+
+    folder = tmp_path / "cache"
+    WRITERS[fmt](str(folder))
+    opts = {"images": str(tmp_path / "images")} if fmt == "simpletuner" else {}
+    source = open_source(folder, fmt, **opts)
+    for record in source:
+        json.dumps(record.info)
+        assert record.fields and all(isinstance(v, torch.Tensor) for v in record.fields.values())
+        assert "latent" in record.fields
+        assert record.info["latent_convention"] == source.convention["latent_convention"]
