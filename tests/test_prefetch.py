@@ -1,4 +1,4 @@
-"""Out-of-core reads (latentfast.cache.prefetch): byte spans against a page-by-page count, residency
+"""Out-of-core reads (latentfast.cache.feed.coldread): byte spans against a page-by-page count, residency
 probes against reads made here, prefetch (same bytes as a hot read, the right pages, in DataLoader
 workers under fork and spawn, bad indices), read_batch's cold path (advice issued, the auto switch),
 MADV_RANDOM on the map, the lookahead sampler and the `cache inspect` residency line.
@@ -471,8 +471,10 @@ def test_slow_advice_tries_the_pread_pool_and_keeps_the_faster_way(cache_dir, mo
     cache = LatentCache(str(cache_dir / "padded"))
     state = pf.cold_reads(cache)
     pooled = []
-    real_read_spans = pf.ops.read_spans
-    monkeypatch.setattr(pf.ops, "read_spans", lambda fd, o, n, **kw: pooled.append(len(o)) or real_read_spans(fd, o, n, **kw))
+    from latentfast import ops
+
+    real_read_spans = ops.read_spans
+    monkeypatch.setattr(ops, "read_spans", lambda fd, o, n, **kw: pooled.append(len(o)) or real_read_spans(fd, o, n, **kw))
     offsets, lengths = pf.row_spans(cache.row_starts, np.arange(0, 40, 4))
     state.bring_in(offsets, lengths)
     assert state.way == "advise" and state.rates == {} and pooled == [], "fast advice must choose nothing"

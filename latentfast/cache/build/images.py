@@ -5,7 +5,7 @@ bytes); give each item its bucket; plan batches of one bucket (buckets in the or
 sorted within a bucket); then per batch either copy an item's latents from the cache already in
 the folder (same encoder and settings, same content hash, checksum intact) or decode it (Pillow /
 PyAV on a thread pool, two batches ahead) and encode it. Everything goes through
-:class:`~latentfast.cache.writer.LatentCacheWriter`, and each batch is made durable before the
+:class:`~latentfast.cache.LatentCacheWriter`, and each batch is made durable before the
 next, so a build is crash-safe (a crash loses at most the batch in flight) and resumable (rerun
 the same call), and a rerun after editing images re-encodes only the edited ones. A rerun over a
 complete, intact cache with unchanged sources writes nothing; one over a damaged cache re-encodes

@@ -6,7 +6,7 @@ name starts with ``latent``, e.g. ``latents_1x64x64_bfloat16``) and ``"pt"`` (Si
 ``torch.save`` of a tensor, or of a dict holding it). Files are taken in sorted order of their
 path relative to ``source_dir`` (walked recursively); an item's key is that path without its
 extension. Latents of any float dtype are stored as float16 (values beyond float16's range
-raise, naming the file). Everything goes through :class:`~latentfast.cache.writer.LatentCacheWriter`:
+raise, naming the file). Everything goes through :class:`~latentfast.cache.LatentCacheWriter`:
 an import is crash-safe and resumable, and rerunning it over unchanged files writes nothing.
 """
 from __future__ import annotations

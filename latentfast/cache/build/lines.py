@@ -15,7 +15,7 @@ crash loses at most the batch in flight, and the finished cache is byte-identica
 without interruption. Before the cache is marked complete every row is read back and checked
 against its logged CRC (a batch that fails is encoded again, once); the index files are written
 next and the meta file last, with atomic renames, so a cache never opens as complete before it is.
-An exclusive lock on the split (:class:`~latentfast.cache.durable.BuildLock`) keeps a second build out.
+An exclusive lock on the split (:class:`~latentfast.cache.store.durable.BuildLock`) keeps a second build out.
 
 Reruns: a build is identified by its geometry, encoder, white column and the list of images (keys
 relative to the source, so ``imgs``, ``./imgs`` and an absolute path are the same build) with

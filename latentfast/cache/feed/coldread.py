@@ -53,7 +53,6 @@ import weakref
 
 import numpy as np
 
-from ... import ops
 from ...checks import as_row_indices
 from ...errors import InvalidArgumentError
 from ..store import format as fmt
@@ -345,6 +344,8 @@ class ColdReads:
         next such batch, and from then on the way with the better rate is kept."""
         start = time.perf_counter()
         if self.way == "pool":
+            from ... import ops  # the op layer only where the pool is used (the samplers import this module)
+
             ops.read_spans(self.file.fd, offsets, lengths, threads=POOL_THREADS)
         else:
             self.file.advise(offsets, lengths)

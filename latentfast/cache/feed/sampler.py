@@ -27,7 +27,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     ``state_dict()`` records the epoch and how many of this rank's batches were handed out (or pass
     ``consumed``, what the training loop really used); ``load_state_dict()`` continues from exactly
     there. :meth:`upcoming` lets a reader look ahead
-    (:class:`~latentfast.cache.prefetch.LookaheadSampler`) without consuming anything.
+    (:class:`LookaheadSampler`) without consuming anything.
     """
 
     def __init__(self, n_items: int, batch_size: int, *, seed: int, rank: int, world_size: int, drop_last: bool):

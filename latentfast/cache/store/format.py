@@ -14,7 +14,7 @@ A cache for ``split`` in ``cache_dir`` is these files:
 - ``{split}.latents.keys.json``    the source name of each row (a JSON list of strings).
 - ``{split}.latents.hashes.npy``   uint8 ``[N, 16]``: BLAKE2b-128 of each row's source bytes.
 
-A ``shaped`` cache (from :class:`~latentfast.cache.writer.LatentCacheWriter`: image buckets,
+A ``shaped`` cache (from :class:`~latentfast.cache.LatentCacheWriter`: image buckets,
 video clips, imported per-item latents) holds items of any shape, ``[C, h, w]`` or ``[C, T, h, w]``,
 back to back, C-contiguous, and instead of the widths file:
 

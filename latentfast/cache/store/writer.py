@@ -19,7 +19,7 @@ identity and ``meta``) resumes after the last logged item, truncating any unlogg
 different header starts over. :meth:`finish` reads the data back and checks every item's CRC
 (``verify=True``), writes the index files, renames the data into place and writes the meta (the
 completion mark) last, each step durable. An exclusive lock on the split
-(:class:`~latentfast.cache.durable.BuildLock`) keeps a second writer out for the whole time.
+(:class:`~latentfast.cache.store.durable.BuildLock`) keeps a second writer out for the whole time.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class LatentCacheWriter:
         flush_every: items between durability points (a crash loses at most these).
         lock_timeout: seconds to wait for another writer of this split before
             :class:`~latentfast.errors.CacheLockedError`.
-        lock: a :class:`~latentfast.cache.durable.BuildLock` the caller already holds on this split
+        lock: a :class:`~latentfast.cache.store.durable.BuildLock` the caller already holds on this split
             (the writer releases it when done) instead of taking one.
         restart: discard an interrupted run's progress instead of resuming it.
 
