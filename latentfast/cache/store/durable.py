@@ -85,11 +85,12 @@ def append_log(fh, records) -> None:
     os.fsync(fh.fileno())
 
 
-def publish(paths: dict, data_src: str, files: dict, meta: dict) -> None:
+def publish(paths: dict, data_src: str, files: dict, meta: dict, renames=()) -> None:
     """The finish step: the old meta out (an older cache here no longer opens as complete), each
     index file of ``files`` (kind -> bytes, or None: remove a leftover of another cache) written
     durably, the data at ``data_src`` renamed to ``paths["data"]``, the meta (the completion mark)
-    last, then the progress log removed."""
+    last, then the progress log removed. ``renames``: more ``(partial, final)`` data files (a
+    cache's fields) renamed with the data."""
     folder = os.path.dirname(paths["meta"]) or "."
     with contextlib.suppress(FileNotFoundError):
         os.remove(paths["meta"])
@@ -102,6 +103,8 @@ def publish(paths: dict, data_src: str, files: dict, meta: dict) -> None:
             fmt.write_bytes_durably(paths[kind], payload)
     if data_src != paths["data"]:
         os.replace(data_src, paths["data"])
+    for src, dst in renames:
+        os.replace(src, dst)
     fmt.fsync_dir(folder)
     fmt.write_meta(paths["meta"], meta)
     with contextlib.suppress(FileNotFoundError):
