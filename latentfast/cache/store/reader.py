@@ -237,6 +237,10 @@ class LatentCache:
             fds[name] = os.open(self.field_items[name].path, os.O_RDONLY)
         return fds[name]
 
+    def __del__(self) -> None:
+        for fd in self.__dict__.get("_field_fds", {}).values():
+            os.close(fd)
+
     def info(self, i: int) -> dict:
         """The small dict stored with item ``i`` (e.g. ``original_size``, ``crop_top_left``), or ``{}``."""
         i = self._checked_index(i)
