@@ -307,3 +307,17 @@ def test_row_spans_of_shared_values_end_where_the_value_ends():
     ends = np.asarray([PAGE, PAGE, 4 * PAGE], dtype=np.int64) // 2
     offsets, lengths = row_spans(starts, np.asarray([1, 2]), row_ends=ends)
     assert offsets.tolist() == [0, 3 * PAGE] and lengths.tolist() == [PAGE, PAGE]
+
+
+def test_verify_cache_checks_every_field_value(tmp_path):
+    from latentfast.cache import verify_cache
+    from latentfast.errors import CacheCorruptError
+
+    build_records(tmp_path, n=6)
+    assert verify_cache(tmp_path)["rows"] == 6
+    path = field_path(tmp_path, "train", "pooled", "data")
+    with open(path, "r+b") as fh:
+        fh.seek(7 * 4 * 4 + 1)  # item 4's pooled vector
+        fh.write(b"\x55")
+    with pytest.raises(CacheCorruptError, match="field 'pooled'.*item 4's value fails its CRC-32"):
+        verify_cache(tmp_path)

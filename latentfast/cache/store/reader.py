@@ -405,6 +405,9 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train") -> dict:
         raise CacheCorruptError(f"latent cache {cache._data_path}: block {b} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
     if cache.white_column is not None and not torch.isfinite(cache.white_column.float()).all():
         raise CacheCorruptError(f"latent cache {cache_dir}: the white column holds a non-finite value")
+    for items in cache.field_items.values():  # every field value against its CRC (a shared value once)
+        _, first = np.unique(items.row_starts, return_index=True)
+        items.check(first)
     cache.keys  # noqa: B018 - a malformed keys file fails verify
     seconds = time.perf_counter() - start
     nbytes = int(cache.row_starts[-1]) * 2
