@@ -1,10 +1,6 @@
 """Records of named fields in a latent cache: dtypes stored bit for bit, per-item shapes, padded
 batches, equal values stored once, resume after SIGKILL, DataLoader workers, old caches unchanged."""
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,7 +15,7 @@ from latentfast.cache.store.format import cache_path
 from latentfast.cache.store.reader import inspect_cache
 from latentfast.cli import main
 from latentfast.errors import InvalidArgumentError
-from latentfast.testing import write_random_cache
+from latentfast.testing import kill_and_resume, write_random_cache
 
 
 def random_bits(gen: torch.Generator, shape, dtype) -> torch.Tensor:
@@ -246,20 +242,9 @@ print("written", written)
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkill_mid_build_with_fields_resumes_to_the_same_bytes(tmp_path):
-    folder = str(tmp_path / "out")
-    progress = cache_path(folder, "train", "progress")
-    proc = subprocess.Popen([sys.executable, "-c", RECORD_SCRIPT, folder], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress, "rb").read().count(b"\n") > 12):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    logged = open(progress, "rb").read().count(b"\n") - 1
-    done = subprocess.run([sys.executable, "-c", RECORD_SCRIPT, folder], capture_output=True, text=True, timeout=90)
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout.split()[-1]) <= 60 - logged
-    ref = str(tmp_path / "ref")
-    assert subprocess.run([sys.executable, "-c", RECORD_SCRIPT, ref], capture_output=True, timeout=90).returncode == 0
+    folder, ref = str(tmp_path / "out"), str(tmp_path / "ref")
+    logged, written = kill_and_resume(RECORD_SCRIPT, folder, ref)
+    assert logged > 0 and written <= 60 - logged  # the logged records were not written again
     for kind in ("data", "shapes", "offsets", "keys", "checksums", "meta"):
         assert open(cache_path(folder, "train", kind), "rb").read() == open(cache_path(ref, "train", kind), "rb").read(), kind
     for name in ("text", "ids"):
