@@ -306,3 +306,21 @@ def test_verify_cache_checks_every_field_value(tmp_path):
         fh.write(b"\x55")
     with pytest.raises(CacheCorruptError, match="field 'pooled'.*item 4's value fails its CRC-32"):
         verify_cache(tmp_path)
+
+
+def test_one_compiled_gather_per_field_per_batch(tmp_path, monkeypatch):
+    """_gather_cpu makes one gather_rows_into call; a batch of records makes one _gather_cpu call per field."""
+    from latentfast.cache.feed import gather
+
+    build_records(tmp_path, n=9)
+    cache = LatentCache(tmp_path)
+    calls = []
+    real = gather._gather_cpu
+
+    def counted(table, *args):
+        calls.append(table.index.numel())
+        return real(table, *args)
+
+    monkeypatch.setattr(gather, "_gather_cpu", counted)
+    cache.read_batch(list(range(9)), fields=("latent", "text", "pooled", "mask"), pad={"text": 0.0, "mask": False})
+    assert calls == [9, 9, 9, 9]
