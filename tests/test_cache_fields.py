@@ -1,6 +1,7 @@
 """Records of named fields in a latent cache: dtypes stored bit for bit, per-item shapes, padded
 batches, equal values stored once, resume after SIGKILL, DataLoader workers, old caches unchanged."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -324,3 +325,30 @@ def test_one_compiled_gather_per_field_per_batch(tmp_path, monkeypatch):
     monkeypatch.setattr(gather, "_gather_cpu", counted)
     cache.read_batch(list(range(9)), fields=("latent", "text", "pooled", "mask"), pad={"text": 0.0, "mask": False})
     assert calls == [9, 9, 9, 9]
+
+
+def test_prefetch_brings_in_the_fields_pages_of_the_items_asked_for(tmp_path):
+    from latentfast.cache.feed import coldread
+
+    gen = torch.Generator().manual_seed(5)
+    texts = [torch.randn((8, 1024), generator=gen).bfloat16() for _ in range(40)]  # 16 KiB each
+    with LatentCacheWriter(tmp_path) as writer:
+        for i, t in enumerate(texts):
+            writer.append(f"k{i}", {"latent": latent(gen, 0), "text": t})
+    cache = LatentCache(tmp_path)
+    path = field_path(tmp_path, "train", "text", "data")
+    if coldread.evict(path) is None:
+        pytest.skip("the OS cannot evict or report page residency here")
+    field = cache.field_items["text"]
+    wanted, elsewhere = np.array([3, 17]), np.array([30, 35])
+    cache.prefetch(wanted)
+    coldread.wait_for_prefetches()
+    handle = coldread.DataFile(path)
+    try:
+        deadline = time.monotonic() + 5  # advice queues the reads: they land shortly after
+        while time.monotonic() < deadline and handle.missing(*coldread.row_spans(field.row_starts, wanted, row_ends=field.row_ends)).any():
+            time.sleep(0.01)
+        assert not handle.missing(*coldread.row_spans(field.row_starts, wanted, row_ends=field.row_ends)).any()
+        assert handle.missing(*coldread.row_spans(field.row_starts, elsewhere, row_ends=field.row_ends)).all()
+    finally:
+        handle.close()

@@ -453,6 +453,11 @@ def prefetch(cache, indices) -> None:
         return
     offsets, lengths = row_spans(np.asarray(cache.row_starts, dtype=np.int64), index)
     _background().jobs.put((state.file, offsets, lengths))
+    for field in getattr(cache, "__dict__", {}).get("field_items", {}).values():  # a cache of records: its fields too
+        field_state = cold_reads(field)
+        if field_state is not None:
+            offsets, lengths = row_spans(field.row_starts, index, row_ends=field.row_ends)
+            _background().jobs.put((field_state.file, offsets, lengths))
 
 
 def wait_for_prefetches() -> None:
