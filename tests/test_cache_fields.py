@@ -352,3 +352,27 @@ def test_prefetch_brings_in_the_fields_pages_of_the_items_asked_for(tmp_path):
         assert handle.missing(*coldread.row_spans(field.row_starts, elsewhere, row_ends=field.row_ends)).all()
     finally:
         handle.close()
+
+
+def test_finish_finds_a_damaged_field_value_drops_it_and_the_rerun_rewrites_it(tmp_path):
+    from latentfast.errors import CacheCorruptError
+
+    gen = torch.Generator().manual_seed(2)
+    records = [{"latent": latent(gen, 0), "text": torch.randn((3 + i, 4), generator=gen).bfloat16()} for i in range(4)]
+    writer = LatentCacheWriter(tmp_path)
+    for i, r in enumerate(records):
+        writer.append(f"k{i}", r)
+    writer.flush()
+    offset = writer._records[2]["f"]["text"]["o"]
+    with open(fieldstore.fmt.partial_path(field_path(tmp_path, "train", "text", "data")), "r+b") as fh:
+        fh.seek(offset)
+        fh.write(bytes([fh.read(1)[0] ^ 1]))
+    with pytest.raises(CacheCorruptError, match=r"item 2 \(key 'k2'\) on disk differs"):
+        writer.finish()
+    assert writer.keys == ["k0", "k1"]
+    for i in (2, 3):
+        writer.append(f"k{i}", records[i])
+    writer.finish()
+    cache = LatentCache(tmp_path)
+    for i, r in enumerate(records):
+        assert torch.equal(bits(cache.record(i)["text"]), bits(r["text"])) and torch.equal(cache[i], r["latent"])

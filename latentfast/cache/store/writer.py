@@ -306,7 +306,7 @@ class LatentCacheWriter:
         """Every item's bytes on disk against the CRC of what was meant; the first bad item and all
         after it are dropped from the log (a rerun writes them again) before raising."""
         with open(self._partial, "rb") as fh:
-            for i, record in enumerate(self._records):
+            for i in range(len(self._records)):
                 start, end = int(offsets[i]) * 2, int(offsets[i + 1]) * 2
                 fh.seek(start)
                 if zlib.crc32(fh.read(end - start)) != int(sums[i]):
