@@ -376,3 +376,18 @@ def test_finish_finds_a_damaged_field_value_drops_it_and_the_rerun_rewrites_it(t
     cache = LatentCache(tmp_path)
     for i, r in enumerate(records):
         assert torch.equal(bits(cache.record(i)["text"]), bits(r["text"])) and torch.equal(cache[i], r["latent"])
+
+
+def test_empty_batches_and_empty_values(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    with LatentCacheWriter(tmp_path) as writer:
+        for i in range(3):
+            writer.append(f"k{i}", {"latent": latent(gen, 0), "text": torch.ones((i, 4), dtype=torch.bfloat16)})
+    cache = LatentCache(tmp_path)
+    assert cache.record(0)["text"].shape == (0, 4)
+    empty = cache.read_batch([], fields=("latent", "text"), pad={"text": 0.0})
+    assert empty["text"].shape == (0, 0, 0) and empty["text_shape"].shape == (0, 2)  # as a shaped cache's empty batch
+    batch = cache.read_batch([0, 2, 1], fields=("text",), pad={"text": 7.0})
+    assert batch["text"].shape == (3, 2, 4) and (batch["text"][0] == 7).all() and (batch["text"][2, 1] == 7).all()
+    assert (batch["text"][1] == 1).all() and (batch["text"][2, 0] == 1).all()
+    assert cache.read_batch([0], fields=("text",))["text"].shape == (1, 0, 4)

@@ -119,11 +119,11 @@ def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
     """One field's batch: its values gathered as 2-byte units by the same compiled gather, viewed in their
     own dtype as ``[B, *shape]``, the padding past each item's first dimension filled with ``batch.pad``."""
     table, B = batch.table, batch.table.index.numel()
-    if B == 0:
-        return torch.empty((0, *batch.shape), dtype=batch.dtype, device=device)
+    nbytes = int(np.prod(batch.shape, dtype=np.int64)) * torch.empty(0, dtype=batch.dtype).element_size()
+    if B == 0 or nbytes == 0:
+        return torch.empty((B, *batch.shape), dtype=batch.dtype, device=device)
     units = _copy(table, on_cpu, device, torch.float16, None, backend, cold)
     raw = units.view(B, -1).view(torch.uint8)
-    nbytes = int(np.prod(batch.shape, dtype=np.int64)) * torch.empty(0, dtype=batch.dtype).element_size()
     if raw.shape[1] != nbytes:  # a 1-byte dtype with an odd count: drop the unit's spare byte
         raw = raw[:, :nbytes].contiguous()
     values = raw.view(batch.dtype).view(B, *batch.shape)

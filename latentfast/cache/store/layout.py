@@ -390,7 +390,7 @@ def _common_shape(name: str, shapes: np.ndarray, index_np: np.ndarray) -> tuple[
         listed = ", ".join(f"{kinds[k].tolist()} (indices[{int(first[k])}] = {int(index_np[first[k]])})" for k in np.argsort(first)[:6])
         raise InvalidArgumentError(f"field {name!r}: the batch's items have {len(kinds)} shapes: {listed}; "
                                    f"name the field in pad= to pad it to the largest")
-    return tuple(int(x) for x in shapes[0]) if len(shapes) else ()
+    return tuple(int(x) for x in shapes[0]) if len(shapes) else (0,) * shapes.shape[1]  # (an empty batch: zeros)
 
 
 def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to) -> tuple[int, ...]:
@@ -404,4 +404,4 @@ def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to) -
         raise InvalidArgumentError(f"pad_to[{name!r}] = {pad_to} is shorter than indices[{at}] = {int(index_np[at])}, "
                                    f"of shape {shapes[at].tolist()}")
     lead = longest if pad_to is None else pad_to
-    return (lead, *(int(x) for x in shapes[0, 1:])) if len(shapes) else (lead,)
+    return (lead, *(int(x) for x in shapes[0, 1:])) if len(shapes) else (lead,) + (0,) * (shapes.shape[1] - 1)
