@@ -14,7 +14,7 @@ import platform
 import shlex
 import subprocess
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 try:
@@ -70,7 +70,12 @@ class PlatformWheel(bdist_wheel):
         return "py3", "none", plat
 
 
+# Every package under latentfast/, and the Triton kernels and benchmark suites, which live in kernels/
+# and bench/ but install as latentfast.kernels and latentfast.bench (pyproject.toml's package-dir).
+PACKAGES = find_packages(ROOT, include=["latentfast", "latentfast.*"]) + ["latentfast.kernels", "latentfast.bench"]
+
 setup(
+    packages=PACKAGES,
     ext_modules=[
         Extension("latentfast._native", sources=SOURCES, include_dirs=[os.path.join(ROOT, "csrc")],
                   extra_link_args=LINK, language="c++")
