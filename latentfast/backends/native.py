@@ -36,7 +36,6 @@ ENTRY_POINTS = {  # op -> exported kernel
 # torch's ScalarType numbers (csrc/native.h's Dtype); 99: a dtype no kernel takes
 _DTYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
            torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
-_DEVICES = {"cpu": 0, "cuda": 1}
 _ERRORS = {1: ValueError, 2: IndexError, 3: RuntimeError}
 _ELF_MACHINES = {3: "x86", 62: "x86_64", 183: "aarch64", 21: "ppc64", 22: "s390x", 243: "riscv"}
 
@@ -134,8 +133,10 @@ _NO_FLOATS = array("d", [0.0])
 
 
 def _put(args: list, t: torch.Tensor) -> None:
-    """Append ``t``'s descriptor: data pointer, dtype, device, dim, sizes, strides."""
-    args += (t.data_ptr(), _DTYPES.get(t.dtype, 99), _DEVICES.get(t.device.type, 2), t.dim(), *t.shape, *t.stride())
+    """Append ``t``'s descriptor: data pointer, dtype, device (0 cpu, 1 cuda, 2 other), dim, sizes, strides.
+    (``is_cpu``/``is_cuda``: ``t.device.type`` would build a device object, ~5x the time.)"""
+    device = 0 if t.is_cpu else 1 if t.is_cuda else 2
+    args += (t.data_ptr(), _DTYPES.get(t.dtype, 99), device, t.dim(), *t.shape, *t.stride())
 
 
 def _call(entry: str, args: list, floats=None) -> None:
