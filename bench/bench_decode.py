@@ -375,9 +375,10 @@ def print_contended(c: dict) -> dict:
 def per_call_overhead(root: str, rounds: int = 7) -> dict:
     """Microseconds per call on inputs too small to cost anything but the fixed overhead (CPU):
     the kernel-form gather_rows_into op on one row of [4, 2, 8] per backend, and read_batch of 4 rows
-    of a small hot cache (the small-batch decode); median [min-max] of ``rounds`` samples of >= 0.2 s."""
+    of a small hot cache (the small-batch decode); thread CPU time (see cpu_us_per_call), median
+    [min-max] of ``rounds`` rounds. Single-threaded: the inputs are far below the kernels' thread threshold."""
     from latentfast import backends
-    from latentfast.bench.common import median_seconds
+    from latentfast.bench.common import cpu_us_per_call
 
     data = torch.randn(4 * 2 * 8 * 4).half()
     offsets, widths = torch.arange(4, dtype=torch.int64) * 64, torch.tensor([8, 5, 8, 3], dtype=torch.int32)
@@ -391,7 +392,7 @@ def per_call_overhead(root: str, rounds: int = 7) -> dict:
     calls["read_batch of 4 rows (4x8x32)"] = lambda: read_batch(cache, small)
     table = {}
     for name, call in calls.items():
-        samples = [median_seconds(call, repeat=1, warmup=200, min_time=0.2) * 1e6 for _ in range(rounds)]
+        samples = cpu_us_per_call(call, rounds=rounds)
         table[name] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
         print(f"{name}: {table[name]['us_median']:.2f} us per call [{table[name]['us_min']:.2f}-{table[name]['us_max']:.2f}]")
     return table

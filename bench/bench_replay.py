@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from latentfast import backends
-from latentfast.bench.common import best_seconds, format_table, line_plot, median_seconds, sync
+from latentfast.bench.common import best_seconds, cpu_us_per_call, format_table, line_plot, median_seconds, sync
 from latentfast.replay import scatter_cotangents
 from latentfast.replay.demo import build_toy_problem, generator_gradients, max_relative_error, plain_step, replay_step
 from latentfast.testing import teardown_process_group
@@ -344,15 +344,15 @@ def ddp_report(quick: bool) -> dict:
 # ---- per-call overhead ---------------------------------------------------------------------
 def per_call_report(rounds: int = 7) -> dict:
     """Microseconds per call of the kernel-form op on a tiny input (one [1, 2, 4] gradient, two copies:
-    no work to speak of), CPU: the fixed cost of the dispatch and of entering the compiled kernel,
-    median [min-max] of ``rounds`` samples of >= 0.2 s each."""
+    no work to speak of), CPU: the fixed cost of the dispatch and of entering the compiled kernel, in
+    thread CPU time (see cpu_us_per_call), median [min-max] of ``rounds`` rounds."""
     grads, arena = [torch.randn(1, 2, 4)], torch.empty(16)
     table = {}
     for backend, why in backends.availability("scatter_cotangents_into", "cpu").items():
         if why:
             continue
         call = lambda b=backend: torch.ops.latentfast.scatter_cotangents_into(grads, [1], [1.0, 2.0], arena, b)  # noqa: E731
-        samples = [median_seconds(call, repeat=1, warmup=200, min_time=0.2) * 1e6 for _ in range(rounds)]
+        samples = cpu_us_per_call(call, rounds=rounds)
         table[backend] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
         print(f"scatter_cotangents_into per call, backend={backend}: {table[backend]['us_median']:.2f} us "
               f"[{table[backend]['us_min']:.2f}-{table[backend]['us_max']:.2f}]")

@@ -43,7 +43,7 @@ def test_import_and_ops_work_without_compiled_library():
     )
     assert proc.returncode == 0, proc.stderr
     assert "ERR argument backend='cpp' cannot run latentfast::normalize_uint8_into on cpu tensors" in proc.stdout
-    assert "_C: NOT loaded" in proc.stdout
+    assert "native library: NOT loaded" in proc.stdout
 
 
 def test_describe_lists_every_op_and_device():
