@@ -19,7 +19,6 @@ import os
 import struct
 import sys
 import warnings
-from array import array
 
 import torch
 
@@ -101,7 +100,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
             getattr(lib, name).restype = ctypes.c_char_p
         for name in ENTRY_POINTS.values():
             fn = getattr(lib, name)
-            fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+            fn.argtypes = (ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64)  # packed int64s, doubles
             fn.restype = ctypes.c_int
     except AttributeError as exc:  # a library of another version of latentfast
         return None, f"{PATH} lacks a symbol ({exc})"
@@ -129,9 +128,6 @@ def cpu_paths() -> str:
 # ---------------------------------------------------------------------------------------------
 # calls: descriptors in, error code out
 # ---------------------------------------------------------------------------------------------
-_NO_FLOATS = array("d", [0.0])
-
-
 def _put(args: list, t: torch.Tensor) -> None:
     """Append ``t``'s descriptor: data pointer, dtype, device (0 cpu, 1 cuda, 2 other), dim, sizes, strides.
     (``is_cpu``/``is_cuda``: ``t.device.type`` would build a device object, ~5x the time.)"""
@@ -139,10 +135,12 @@ def _put(args: list, t: torch.Tensor) -> None:
     args += (t.data_ptr(), _DTYPES.get(t.dtype, 99), device, t.dim(), *t.shape, *t.stride())
 
 
-def _call(entry: str, args: list, floats=None) -> None:
-    ints = array("q", args)
-    reals = array("d", floats) if floats else _NO_FLOATS
-    code = getattr(LIB, entry)(ints.buffer_info()[0], len(ints), reals.buffer_info()[0], len(floats or ()))
+def _call(entry: str, args: list, floats=()) -> None:
+    """Run ``entry`` on ``args`` (int64s) and ``floats`` (doubles), packed with struct (twice as fast
+    as array.array here); ctypes passes the bytes' buffers without a copy."""
+    ints = struct.pack(f"{len(args)}q", *args)
+    reals = struct.pack(f"{len(floats)}d", *floats)
+    code = getattr(LIB, entry)(ints, len(args), reals, len(floats))
     if code:
         raise _ERRORS.get(code, RuntimeError)(LIB.latentfast_last_error().decode(errors="replace"))
 
