@@ -13,6 +13,7 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
@@ -27,9 +28,11 @@ SOURCES = ["csrc/library.cpp", "csrc/thread_pool.cpp"] + sorted(
     os.path.join("csrc", "cpu", name) for name in os.listdir(os.path.join(ROOT, "csrc", "cpu")) if name.endswith(".cpp")
 )
 # -fvisibility=hidden: only the latentfast_* entry points are exported; the C++ runtime is linked
-# statically, so the library needs nothing newer than the build host's glibc (see auditwheel in .ci/run)
+# statically on Linux, so the library needs only the build host's glibc (auditwheel: manylinux_<that glibc>)
 COMPILE = ["-std=c++17", "-O3", "-fvisibility=hidden", "-fno-math-errno", "-pthread"]
-LINK = ["-pthread", "-static-libstdc++", "-static-libgcc", "-s"]  # -s: no debug symbols (4 MB -> <1 MB)
+LINK = ["-pthread"]
+if sys.platform.startswith("linux"):  # GNU ld: the C++ runtime inside, no debug symbols (4 MB -> 1.5 MB)
+    LINK += ["-static-libstdc++", "-static-libgcc", "-s"]
 
 
 def _compiler_version(compiler: list[str]) -> str:
@@ -49,7 +52,7 @@ class BuildNative(build_ext):
     def build_extension(self, ext):
         extra = shlex.split(os.environ.get("LATENTFAST_NATIVE_FLAGS", ""))
         info = (
-            f"{_compiler_version(self.compiler.compiler_so[:1])}; {platform.machine()}; flags "
+            f"{_compiler_version(getattr(self.compiler, 'compiler_so', ['c++'])[:1])}; {platform.machine()}; flags "
             f"{' '.join(COMPILE + extra)}; CPU kernels only (GPU kernels: Triton)"
         )
         print(f"latentfast native build: {info}", flush=True)

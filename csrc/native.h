@@ -5,7 +5,7 @@
 // descriptor (data pointer, dtype, device, rank, sizes, strides), a scalar is one value -- and a double
 // list for float arguments. The kernel checks every argument before it touches memory; a failure is a
 // C++ exception caught at the C boundary (LATENTFAST_ENTRY), whose message Python reads back with
-// lf_last_error() and raises as ValueError / IndexError / RuntimeError. ctypes releases the GIL for
+// latentfast_last_error() and raises as ValueError / IndexError / RuntimeError. ctypes releases the GIL for
 // the whole call.
 #pragma once
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

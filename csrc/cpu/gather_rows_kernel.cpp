@@ -13,7 +13,7 @@
 // released (other Python threads, e.g. a training loop, keep running) on the native pool's threads.
 // Batches are small (64 rows of a few KiB are ~0.5 MiB), so fixed costs matter: a row's lines are
 // copied by inlined vector moves rather than a memcpy call per line, and a batch is split between
-// threads only in tasks of at least kMinTaskBytes.
+// threads only when each gets at least kMinThreadBytes.
 #include <algorithm>
 #include <cstring>
 #include <limits>

@@ -79,7 +79,14 @@ def _check_elf(path: str) -> str | None:
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    """``(library, None)``, or ``(None, why not)``."""
+    """``(library, None)``, or ``(None, why not)``; never raises, whatever the file holds."""
+    try:
+        return _open()
+    except Exception as exc:  # e.g. struct.error on a header of absurd sizes
+        return None, f"{PATH} could not be loaded ({type(exc).__name__}: {exc})"
+
+
+def _open() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("LATENTFAST_DISABLE_C") == "1":
         return None, "LATENTFAST_DISABLE_C=1"
     if not os.path.exists(PATH):
