@@ -188,9 +188,8 @@ def reused_output_reader(cache: LatentCache):
     return read
 
 
-def time_per_batch(fn, batches, repeats: int) -> float:
-    """Seconds per batch of the fastest of ``repeats`` passes over ``batches`` (after a warm-up): on a
-    shared machine the least-disturbed pass is the figure that repeats (as timeit advises)."""
+def pass_times(fn, batches, repeats: int) -> list[float]:
+    """Seconds per batch of each of ``repeats`` passes over ``batches`` (after a warm-up)."""
     for idx in batches[:3]:
         fn(idx)
     samples = []
@@ -199,7 +198,14 @@ def time_per_batch(fn, batches, repeats: int) -> float:
         for idx in batches:
             fn(idx)
         samples.append((time.perf_counter() - start) / len(batches))
-    return min(samples)
+    return samples
+
+
+def time_per_batch(fn, batches, repeats: int) -> float:
+    """Seconds per batch of the fastest of ``repeats`` passes: on a shared machine the least-disturbed
+    pass is the figure that repeats (as timeit advises). (Under contention the median of pass_times is
+    the figure instead: the fastest pass would hide exactly the stalls the contended section looks for.)"""
+    return min(pass_times(fn, batches, repeats))
 
 
 def python_progress_while(fn, batches, seconds: float = 0.2, rounds: int = 5) -> float:
@@ -306,20 +312,6 @@ def busy_processes(count: int) -> list:
     import subprocess
 
     return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
-
-
-def pass_times(fn, batches, repeats: int) -> list[float]:
-    """Seconds per batch of each of ``repeats`` passes (after a warm-up). Under contention the median
-    is the figure: the fastest pass would hide exactly the stalls this section looks for."""
-    for idx in batches[:3]:
-        fn(idx)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for idx in batches:
-            fn(idx)
-        samples.append((time.perf_counter() - start) / len(batches))
-    return samples
 
 
 def measure_contended(root: str, busy_counts=(0, 1), n_batches: int = 24, repeats: int = 7) -> dict:

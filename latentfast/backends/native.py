@@ -162,13 +162,19 @@ def normalize_uint8_into(x, out) -> None:
     _call("latentfast_normalize_uint8_into", args)
 
 
-def gather_rows_into(data, row_offsets, widths, pitch, indices, white, out) -> None:
+def _rows(data, row_offsets, widths, pitch, indices) -> list:
+    """The arguments both gathers start with."""
     args = []
     _put(args, data)
     _put(args, row_offsets)
     _put(args, widths)
     args.append(pitch)
     _put(args, indices)
+    return args
+
+
+def gather_rows_into(data, row_offsets, widths, pitch, indices, white, out) -> None:
+    args = _rows(data, row_offsets, widths, pitch, indices)
     if white is None:
         args.append(0)
     else:
@@ -180,12 +186,7 @@ def gather_rows_into(data, row_offsets, widths, pitch, indices, white, out) -> N
 
 
 def gather_rows_packed_into(data, row_offsets, widths, pitch, indices, channels, latent_h, out) -> None:
-    args = []
-    _put(args, data)
-    _put(args, row_offsets)
-    _put(args, widths)
-    args.append(pitch)
-    _put(args, indices)
+    args = _rows(data, row_offsets, widths, pitch, indices)
     args += (channels, latent_h)
     _put(args, out)
     args.append(torch.get_num_threads())
