@@ -662,7 +662,7 @@ def _home_swaps(a: _Assignment, scan: int = 64) -> _Assignment:
         visitors = a.visitors.get(h, ())
         if r == h or not visitors or len(visitors) > scan:
             continue
-        for v in sorted(visitors, key=lambda v: (home[v] != r, v)):  # a visitor from r first: both go home
+        for v in sorted(visitors) if len(visitors) > 1 else visitors:  # lowest unit first: deterministic
             d = c - cost[v]  # h gains d, r loses it
             if load[h] + d > limit or load[r] - d > limit:
                 continue
@@ -750,12 +750,23 @@ def _balanced(p: _Problem, lower: int, max_steps: int) -> _Assignment:
     best = _searched(anchor, goal, max_steps)
     if best.makespan() <= _count_bound(p):  # optimal: LPT cannot be ahead
         return best
-    bins, lpt_makespan = _lpt(p)
+    lpt_makespan = _lpt_makespan(p)
     if best.makespan() > lpt_makespan:  # on toward LPT, swaps tried with more ranks
         best = _searched(best, lpt_makespan, max_steps, partners=4 * SWAP_PARTNERS)
     if best.makespan() > lpt_makespan:
-        best = min(best, _searched(_lpt_start(p, bins), goal, max_steps), key=_key)
+        best = min(best, _searched(_lpt_start(p, _lpt(p)[0]), goal, max_steps), key=_key)
     return best
+
+
+def _lpt_makespan(p: _Problem) -> int:
+    """Plain LPT's makespan alone: a heap of loads (which of equally loaded ranks takes a unit
+    changes no load, so ties need no bookkeeping), a third of :func:`lpt_bins`' time."""
+    ordered = sorted(p.cost, reverse=True)
+    loads = ordered[: p.num_ranks] + [0] * (p.num_ranks - len(ordered))  # the dearest each open a rank
+    heapify(loads)
+    for c in itertools.islice(ordered, p.num_ranks, None):
+        heapreplace(loads, loads[0] + c)
+    return max(loads)
 
 
 def _count_bound(p: _Problem) -> int:
