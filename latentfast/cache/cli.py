@@ -191,7 +191,8 @@ def run_build(args) -> int:
                            vae_dtype=args.vae_dtype)
     from .durable import lock_path
 
-    lock, created = lock_path(args.out, args.split), _missing(args.out, lock_path(args.out, args.split))
+    lock = lock_path(args.out, args.split)
+    created = _missing(args.out, lock)
     try:
         path = _build(args, encoder)
     except BaseException:
