@@ -114,11 +114,12 @@ def philox4x32_10(counter: Sequence[torch.Tensor], key: Sequence[torch.Tensor]) 
     return c0, c1, c2, c3
 
 
-def philox_words(item_seeds_: torch.Tensor, n: int) -> torch.Tensor:
+def philox_words(item_seeds_: torch.Tensor, n: int, *, first_group: int = 0) -> torch.Tensor:
     """int64 ``[B, 4 * ceil(n / 4)]`` of uint32 values: the words ``x0..x3`` of every group of each item
-    (step 3), in element order. The integer stream every implementation must reproduce bit for bit."""
+    (step 3), in element order, from group ``first_group`` on. The integer stream every implementation
+    must reproduce bit for bit."""
     seeds = item_seeds_.to(torch.int64).reshape(-1, 1)
-    groups = torch.arange((n + 3) // 4, dtype=torch.int64, device=seeds.device).reshape(1, -1)
+    groups = torch.arange(first_group, first_group + (n + 3) // 4, dtype=torch.int64, device=seeds.device).reshape(1, -1)
     zero = torch.zeros((), dtype=torch.int64, device=seeds.device)
     words = philox4x32_10((groups & MASK32, groups >> 32, zero + STREAM_LATENT_EPS, zero),
                           (seeds & MASK32, (seeds >> 32) & MASK32))

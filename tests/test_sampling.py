@@ -145,14 +145,16 @@ def test_reference_words_equal_numpy_bit_for_bit():
         assert np.array_equal(got.numpy().astype(np.uint32), numpy_words(seeds, n)), n
 
 
-def test_counter_high_word_is_used():
-    # group 2**32 must not alias group 0 (the counter's second word carries q >> 32)
-    seed = torch.tensor(99)
-    low = sampling.philox4x32_10([torch.tensor(0), torch.tensor(0), torch.tensor(0), torch.tensor(0)], [seed, seed * 0])
-    high = sampling.philox4x32_10([torch.tensor(0), torch.tensor(1), torch.tensor(0), torch.tensor(0)], [seed, seed * 0])
-    assert [int(w) for w in low] != [int(w) for w in high]
-    ctr = np.array([0, 1, 0, 0], dtype=np.uint32)
-    assert numpy_philox(ctr, np.array([99, 0], dtype=np.uint32)).tolist() == [int(w) for w in high]
+def test_words_from_a_high_group_equal_numpy():
+    # groups 2**32 - 1 and 2**32: where the counter's high word starts to count
+    seeds = [12345678901234567, M64]
+    got = philox_words(torch.tensor([seeds[0], -1]), 8, first_group=2**32 - 1)
+    ctr = np.array([[0xFFFFFFFF, 0, 0, 0], [0, 1, 0, 0]], dtype=np.uint32)
+    for row, s in zip(got, seeds):
+        key = np.array([s & 0xFFFFFFFF, s >> 32], dtype=np.uint32)
+        want = np.concatenate([numpy_philox(c, key) for c in ctr])
+        assert np.array_equal(row.numpy().astype(np.uint32), want)
+    assert not torch.equal(got[:, 4:], philox_words(torch.tensor([seeds[0], -1]), 4))  # no aliasing of group 0
 
 
 # -- the normals ----------------------------------------------------------------------------------
@@ -252,3 +254,92 @@ def test_reference_errors(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         sample_latents_reference(args["mean"], args["std"], args["seeds"], out=args["out"])
+
+
+# -- the Triton kernel (``triton`` cases) -------------------------------------------------------------
+@pytest.fixture
+def triton_device():
+    """The device the Triton kernel runs on here: CPU under Triton's interpreter (TRITON_INTERPRET=1
+    before Triton is imported: test_triton_interpreter.py runs these cases so), else CUDA, else skip."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1")
+
+
+# output dtype -> relative tolerance: one rounding of the output (the float32 math differs from the
+# reference only in the transcendental functions' last bits and a fused multiply-add)
+ROUNDING = {torch.float32: 2**-21, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def assert_matches_reference(got, mean, std, seeds):
+    want = sample_latents_reference(mean, std, seeds, out=torch.empty(mean.shape, dtype=got.dtype, device=got.device))
+    atol = 2e-5 * float(std.abs().max()) + 1e-30
+    torch.testing.assert_close(got.double(), want.double(), rtol=ROUNDING[got.dtype], atol=atol)
+
+
+def test_triton_words_equal_the_reference_bit_for_bit(triton_device):
+    from latentfast.kernels import sample_latents as kernel
+
+    seeds = torch.cat([item_seeds([f"k{i}" for i in range(6)], 3, 1), torch.tensor([0, -1, -(2**63)])])
+    for n in (1, 5, 4 * kernel.BLOCK_SIZE + 3, 10_001):
+        got = kernel.philox_words(seeds.to(triton_device), n).cpu()
+        assert torch.equal(got, philox_words(seeds, n)), n
+    for first in (2**31 - 7, 2**32 - 3, 2**40 + 11):  # the counter's high word (items of more than 2**34 elements)
+        got = kernel.philox_words(seeds.to(triton_device), 64, first_group=first).cpu()
+        assert torch.equal(got, philox_words(seeds, 64, first_group=first)), first
+
+
+@pytest.mark.parametrize("dtype_in, dtype_out", [
+    (torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+])
+def test_triton_sample_latents_matches_reference(triton_device, dtype_in, dtype_out):
+    from latentfast.kernels import sample_latents as kernel
+
+    g = torch.Generator().manual_seed(5)
+    for shape in [(1, 1), (3, 5), (2, 4, 3, 7), (5, 3, 2, 9, 11), (2, 4, 33, 65), (7,)]:
+        mean = (torch.randn(shape, generator=g) * 3).to(dtype_in).to(triton_device)
+        std = torch.rand(shape, generator=g).to(dtype_in).to(triton_device)
+        seeds = item_seeds([f"img/{i}" for i in range(shape[0])], 17, 4).to(triton_device)
+        out = poisoned_like(shape, dtype_out, triton_device)
+        kernel.sample_latents_into(mean, std, seeds, out)
+        assert_matches_reference(out, mean, std, seeds)
+
+
+def test_triton_sample_latents_non_contiguous(triton_device):
+    from latentfast.kernels import sample_latents as kernel
+
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(4, 6, 10, 9, generator=g).to(triton_device)
+    cases = {
+        "permuted": (base.permute(0, 2, 1, 3), base.abs().permute(0, 2, 1, 3)),  # inner dims merge as a view
+        "sliced": (base[:, 1:5, :, ::2], base.abs()[:, 1:5, :, ::2]),
+        "batch-major transpose": (base.transpose(0, 1), base.abs().transpose(0, 1)),
+        "unmergeable": (base.permute(0, 3, 1, 2), base.abs().permute(0, 3, 1, 2)),  # copied to contiguous
+    }
+    for name, (mean, std) in cases.items():
+        seeds = item_seeds([str(i) for i in range(mean.shape[0])], 0, 9).to(triton_device)
+        out = poisoned_like(mean.shape, torch.float32, triton_device)
+        kernel.sample_latents_into(mean, std, seeds, out)
+        assert_matches_reference(out, mean, std, seeds)
+        wide = poisoned_like((*mean.shape[:-1], 2 * mean.shape[-1]), torch.float32, triton_device)
+        strided = wide[..., 1::2]  # a strided out, written in place; the other columns stay poisoned
+        kernel.sample_latents_into(mean, std, seeds, strided)
+        assert torch.equal(strided, out), name
+        assert bool(wide[..., 0::2].isnan().all()), name
+        odd = poisoned_like(mean.shape[::-1], torch.float32, triton_device).permute(*range(mean.ndim - 1, -1, -1))
+        kernel.sample_latents_into(mean, std, seeds, odd)  # an out whose strides do not merge
+        assert torch.equal(odd, out), name
+
+
+def test_triton_sample_latents_empty_and_errors(triton_device):
+    from latentfast.kernels import sample_latents as kernel
+
+    out = poisoned_like((0, 3), torch.float32, triton_device)
+    kernel.sample_latents_into(out.clone(), out.clone(), torch.zeros(0, dtype=torch.int64, device=triton_device), out)
+    mean = torch.zeros(2, 3, device=triton_device)
+    with pytest.raises(InvalidArgumentError, match=r"item_seeds must be int64 \[2\]"):
+        kernel.sample_latents_into(mean, mean, torch.zeros(2, dtype=torch.int32, device=triton_device), mean.clone())
