@@ -114,11 +114,11 @@ def philox4x32_10(counter: Sequence[torch.Tensor], key: Sequence[torch.Tensor]) 
     return c0, c1, c2, c3
 
 
-def philox_words(item_seeds_: torch.Tensor, n: int, *, first_group: int = 0) -> torch.Tensor:
+def philox_words(seeds: torch.Tensor, n: int, *, first_group: int = 0) -> torch.Tensor:
     """int64 ``[B, 4 * ceil(n / 4)]`` of uint32 values: the words ``x0..x3`` of every group of each item
     (step 3), in element order, from group ``first_group`` on. The integer stream every implementation
     must reproduce bit for bit."""
-    seeds = item_seeds_.to(torch.int64).reshape(-1, 1)
+    seeds = seeds.to(torch.int64).reshape(-1, 1)
     groups = torch.arange(first_group, first_group + (n + 3) // 4, dtype=torch.int64, device=seeds.device).reshape(1, -1)
     zero = torch.zeros((), dtype=torch.int64, device=seeds.device)
     words = philox4x32_10((groups & MASK32, groups >> 32, zero + STREAM_LATENT_EPS, zero),
@@ -135,18 +135,18 @@ def box_muller(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return r * torch.cos(t), r * torch.sin(t)
 
 
-def normal_eps(item_seeds_: torch.Tensor, n: int) -> torch.Tensor:
-    """float32 ``[B, n]``: the standard normal draws of elements ``0..n-1`` of each item."""
-    words = philox_words(item_seeds_, n)
+def normal_eps(seeds: torch.Tensor, n: int) -> torch.Tensor:
+    """float32 ``[B, n]``: the standard normal draws of elements ``0..n-1`` of each item (int64 ``seeds [B]``)."""
+    words = philox_words(seeds, n)
     z0, z1 = box_muller(words[:, 0::4], words[:, 1::4])
     z2, z3 = box_muller(words[:, 2::4], words[:, 3::4])
     return torch.stack((z0, z1, z2, z3), dim=-1).reshape(words.shape[0], words.shape[1])[:, :n]
 
 
 # -- the reference of the op -----------------------------------------------------------------------
-def check_sample_latents(mean: torch.Tensor, std: torch.Tensor, item_seeds_: torch.Tensor, out) -> None:
+def check_sample_latents(mean: torch.Tensor, std: torch.Tensor, item_seeds: torch.Tensor, out) -> None:
     """The argument checks every implementation of ``sample_latents`` shares."""
-    for name, x in (("mean", mean), ("std", std), ("item_seeds", item_seeds_)) + ((("out", out),) if out is not None else ()):
+    for name, x in (("mean", mean), ("std", std), ("item_seeds", item_seeds)) + ((("out", out),) if out is not None else ()):
         if not isinstance(x, torch.Tensor):
             raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     for name, x in (("mean", mean), ("std", std)) + ((("out", out),) if out is not None else ()):
@@ -157,9 +157,9 @@ def check_sample_latents(mean: torch.Tensor, std: torch.Tensor, item_seeds_: tor
                                        f"got {list(x.shape)} on {x.device}")
     if mean.ndim < 1:
         raise InvalidArgumentError("mean must be a [B, ...] batch (one item per row), got a 0-d tensor")
-    if item_seeds_.dtype != torch.int64 or item_seeds_.shape != (mean.shape[0],):
+    if item_seeds.dtype != torch.int64 or item_seeds.shape != (mean.shape[0],):
         raise InvalidArgumentError(f"item_seeds must be int64 [{mean.shape[0]}] (one per item, from item_seeds()), "
-                                   f"got {item_seeds_.dtype} {list(item_seeds_.shape)}")
+                                   f"got {item_seeds.dtype} {list(item_seeds.shape)}")
 
 
 def sample_latents_reference(mean: torch.Tensor, std: torch.Tensor, item_seeds: torch.Tensor,
