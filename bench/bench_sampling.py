@@ -20,7 +20,7 @@ GB/s counts the useful bytes alike for every provider: mean and std read, the ou
 per element). Samples are taken round-robin; each ratio is the median and range over ``--runs``
 repetitions of the whole measurement.
 
-    python bench/bench_sampling.py [--quick] [--runs 3]
+    python bench/bench_sampling.py [--quick] [--runs 3] [--threads N]
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import torch
 
 from latentfast.bench.common import format_table, interleaved_median_seconds
 from latentfast.sampling import item_seeds, sample_latents_reference
+from latentfast.testing import torch_threads
 
 BATCH = 64
 # latent shapes per item: SD 512px (4x64x64), Flux/SD3 512px (16x64x64)
@@ -94,12 +95,16 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} [{min(values):.3g}-{max(values):.3g}]"
 
 
-def run_report(quick: bool = False, runs: int = 3, device: str | None = None) -> dict:
+def run_report(quick: bool = False, runs: int = 3, device: str | None = None, threads: int | None = None) -> dict:
+    """``threads``: torch's CPU threads during the measurement (default: as set); on a shared machine one
+    thread per provider avoids measuring oversubscription instead of the work."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     shapes = QUICK_ITEM_SHAPES if quick else ITEM_SHAPES
     table = providers(device)
-    rows = {shape: [measure(shape, device, quick) for _ in range(runs)] for shape in shapes}
-    title = f"sample_latents (float32, batch {BATCH}, {device}, {torch.get_num_threads()} threads, {runs} runs)"
+    with torch_threads(threads or torch.get_num_threads()):
+        threads = torch.get_num_threads()
+        rows = {shape: [measure(shape, device, quick) for _ in range(runs)] for shape in shapes}
+    title = f"sample_latents (float32, batch {BATCH}, {device}, {threads} threads, {runs} runs)"
     for setting, names in table.items():
         others = [n for n in names if n != "torch"]
         header = ["item shape", "M elements"] + [f"{n} GB/s" for n in names] + [f"{n}/torch x" for n in others]
@@ -117,6 +122,9 @@ def run_report(quick: bool = False, runs: int = 3, device: str | None = None) ->
     return {"device": device, "rows": {"x".join(map(str, s)): r for s, r in rows.items()}}
 
 
+def _option(name: str, default):
+    return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
 if __name__ == "__main__":
-    runs = int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else 3
-    run_report(quick="--quick" in sys.argv, runs=runs)
+    run_report(quick="--quick" in sys.argv, runs=_option("--runs", 3), threads=_option("--threads", None))
