@@ -271,6 +271,11 @@ class TextEncoder:
             for T5: 512 for Flux, 256 for SD3).
         pass_attention_mask: give the model the attention mask (the pipelines do not for CLIP, Flux's or
             SD3's T5; their pad tokens take part).
+        cut_to_mask: return each caption's ``L_i`` rows (default) or all ``max_length`` rows.
+        truncate: cut captions longer than ``max_length`` tokens (default, as the pipelines do, which
+            only log a warning) or raise ``InvalidArgumentError`` naming the first such caption.
+
+    The outputs are on the model's device; ``lengths`` counts each caption's tokens in the mask.
 
     Per pipeline: SD 1.x/2.x ``TextEncoder(clip, tok)``; SDXL ``TextEncoder(clip_l, tok, hidden_state=-2)``
     and ``TextEncoder(clip_g_with_projection, tok_2, hidden_state=-2)`` (the pooled embedding is the
