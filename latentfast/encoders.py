@@ -13,7 +13,7 @@ transformer sees them:
   CogVideoX; SD3 and Flux set it).
 
 :class:`TextEncoder` wraps a transformers ``CLIPTextModel`` / ``CLIPTextModelWithProjection`` /
-``T5EncoderModel`` and its tokenizer: ``encode(captions)`` gives each caption's prompt embedding
+``T5EncoderModel`` / ``Gemma2Model`` and its tokenizer: ``encode(captions)`` gives each caption's prompt embedding
 ``[L_i, D]`` (computed as the diffusers pipelines compute it, then cut to its attention mask) and the
 pooled embedding where the model has one.
 
@@ -237,7 +237,8 @@ def load_diffusers_vae(spec: str, *, sample: str = "mode", seed: int = 0, dtype:
 
 # -- text encoders ------------------------------------------------------------------------------------
 # transformers class -> the output field of its pooled embedding (None: the model has none)
-TEXT_MODELS = {"CLIPTextModel": "pooler_output", "CLIPTextModelWithProjection": "text_embeds", "T5EncoderModel": None}
+TEXT_MODELS = {"CLIPTextModel": "pooler_output", "CLIPTextModelWithProjection": "text_embeds", "T5EncoderModel": None,
+               "Gemma2Model": None}
 _TEXT_CONFIG_NOISE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
                       "_commit_hash")
 
@@ -261,8 +262,8 @@ class TextEncoder:
     unpadded rows do not depend on them, so cutting only drops the pad rows).
 
     Args:
-        model: a ``CLIPTextModel``, ``CLIPTextModelWithProjection`` or ``T5EncoderModel`` (eval mode,
-            never trained here). Its device and dtype are the outputs' (bfloat16 stays bfloat16).
+        model: a ``CLIPTextModel``, ``CLIPTextModelWithProjection``, ``T5EncoderModel`` or ``Gemma2Model``
+            (eval mode, never trained here). Its device and dtype are the outputs' (bfloat16 stays bfloat16).
         tokenizer: its tokenizer (a ``PreTrainedTokenizer(Fast)``).
         hidden_state: ``-1`` for ``last_hidden_state`` (SD 1.x/2.x, Flux's and SD3's T5), else the index
             into ``hidden_states`` as the model returns them (``-2``, the penultimate layer without the
@@ -274,6 +275,7 @@ class TextEncoder:
         cut_to_mask: return each caption's ``L_i`` rows (default) or all ``max_length`` rows.
         truncate: cut captions longer than ``max_length`` tokens (default, as the pipelines do, which
             only log a warning) or raise ``InvalidArgumentError`` naming the first such caption.
+        prefix: text put before every caption (a pipeline's prompt template), part of the embedding.
 
     The outputs are on the model's device; ``lengths`` counts each caption's tokens in the mask.
 
@@ -281,12 +283,13 @@ class TextEncoder:
     and ``TextEncoder(clip_g_with_projection, tok_2, hidden_state=-2)`` (the pooled embedding is the
     second's ``text_embeds``); SD3 the two CLIPs with projection at ``hidden_state=-2`` plus
     ``TextEncoder(t5, tok_3, max_length=256)``; Flux ``TextEncoder(clip_l, tok)`` (its ``pooler_output``)
-    plus ``TextEncoder(t5, tok_2, max_length=512)``. The Qwen2.5-VL and Gemma text paths of Qwen-Image and
-    Lumina 2 (prompt templates, dropped prefix tokens) are not wrapped.
+    plus ``TextEncoder(t5, tok_2, max_length=512)``; Lumina 2 ``TextEncoder(gemma2, tok, hidden_state=-2,
+    max_length=256, pass_attention_mask=True, prefix=pipe.system_prompt + " <Prompt Start> ")``. Qwen-Image's
+    Qwen2.5-VL path (a chat template whose first 34 tokens are dropped) is not wrapped.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, hidden_state: int = -1, max_length: int | None = None,
-                 pass_attention_mask: bool = False, cut_to_mask: bool = True, truncate: bool = True):
+                 pass_attention_mask: bool = False, cut_to_mask: bool = True, truncate: bool = True, prefix: str = ""):
         name = type(model).__name__
         if name not in TEXT_MODELS:
             raise ArgumentTypeError(f"model must be a transformers {' / '.join(TEXT_MODELS)}, got {type(model).__qualname__}")
@@ -297,6 +300,9 @@ class TextEncoder:
         self.hidden_state = _text_layer(model, hidden_state)
         self.max_length = _max_length(tokenizer, max_length)
         self.pass_attention_mask, self.cut_to_mask, self.truncate = bool(pass_attention_mask), bool(cut_to_mask), bool(truncate)
+        if not isinstance(prefix, str):
+            raise ArgumentTypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        self.prefix = prefix
         self._weights_hash: str | None = None
 
     def to(self, device) -> "TextEncoder":
@@ -314,7 +320,7 @@ class TextEncoder:
     @torch.no_grad()
     def encode(self, captions) -> TextEncoding:
         """B captions (str) -> per-caption ``[L_i, D]`` embeddings, the pooled ``[B, P]`` (or None), the lengths."""
-        tokens = self._tokenize(_check_captions(captions))
+        tokens = self._tokenize([self.prefix + c for c in _check_captions(captions)])
         ids, mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask if self.pass_attention_mask else None,
                          output_hidden_states=self.hidden_state != -1, return_dict=True)
@@ -348,6 +354,7 @@ class TextEncoder:
             "pass_attention_mask": self.pass_attention_mask,
             "cut_to_mask": self.cut_to_mask,
             "truncate": self.truncate,
+            "prefix": self.prefix,
             "pooled": self.pooled_field,
         }
 

@@ -120,6 +120,26 @@ def test_flux_clip_pooled_and_t5_sequence():
     assert not torch.allclose(masked.embeds[0], got.embeds[0])
 
 
+def test_lumina2_gemma2_penultimate_with_the_mask_and_the_system_prompt():
+    from diffusers import Lumina2Pipeline
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=60, hidden_size=32, intermediate_size=37, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                                       pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model, tok = transformers.Gemma2Model(config).eval(), t5_tokenizer()
+    prefix = "system prompt <Prompt Start> "
+    got = TextEncoder(model, tok, hidden_state=-2, max_length=24, pass_attention_mask=True, prefix=prefix).encode(CAPTIONS)
+    owner = pipeline_self(tokenizer=tok, text_encoder=model)
+    want, mask = Lumina2Pipeline._get_gemma_prompt_embeds(owner, [prefix + c for c in CAPTIONS], torch.device("cpu"), 24)
+    assert got.pooled is None and got.lengths == mask.sum(1).tolist()
+    for e, w, m in zip(got.embeds, want, mask.bool()):
+        assert torch.equal(e, w[m])
+    plain = TextEncoder(model, tok, hidden_state=-2, max_length=24, pass_attention_mask=True)
+    assert plain.encode(CAPTIONS).lengths[0] < got.lengths[0] and plain.identity() != TextEncoder(
+        model, tok, hidden_state=-2, max_length=24, pass_attention_mask=True, prefix=prefix).identity()
+
+
 # -- behaviour ------------------------------------------------------------------------------------
 def test_bfloat16_stays_bfloat16_and_matches_the_model():
     model, tok = tiny_clip().to(torch.bfloat16), clip_tokenizer()
