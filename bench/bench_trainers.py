@@ -1,0 +1,112 @@
+"""Import throughput of the trainer-cache readers (records/s) vs the trainer's own bare per-file reads.
+
+Run: ``python bench/bench_trainers.py [--items N]``. Each trainer's fixture (latentfast.cache.trainers.
+fixtures, the fixtures' small tensors: the figures measure per-item overhead, not bandwidth) is written
+once to a temp folder; then, median of 5 runs (after 1 warm-up, files in the page cache), we time
+
+- ``records``: ``open_source(folder, fmt)`` and iterating every record (scan + all reads, text included);
+- ``trainer reads``: only the bare per-file load call the trainer makes for the same files
+  (``np.load`` + every array, ``safetensors.torch.load_file``, ``torch.load``, gzip + ``torch.load``,
+  sqlite + seek + ``torch.load``), with none of the pairing, key parsing or dequantizing.
+
+Both sides read the same bytes and build new tensors (neither reuses buffers).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import io
+import os
+import sqlite3
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from latentfast.cache.trainers import fixtures as fx
+from latentfast.cache.trainers import open_source
+from latentfast.testing import torch_threads
+
+
+def _npz_reads(folder):
+    for path in sorted(glob.glob(os.path.join(folder, "*.npz"))):
+        with np.load(path) as npz:
+            [npz[k] for k in npz.files]
+
+
+def _safetensors_reads(folder):
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True)):
+        load_file(path)
+
+
+def _pt_reads(folder):
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.pt"), recursive=True)):
+        with open(path, "rb") as fh:
+            torch.load(io.BytesIO(gzip.decompress(fh.read())), map_location="cpu")
+
+
+def _shard_reads(folder):
+    for db in sorted(glob.glob(os.path.join(folder, "**", "metadata.db"), recursive=True)):
+        con = sqlite3.connect(db)
+        items = con.execute("SELECT shard, shard_index FROM items").fetchall()
+        tables = {s: con.execute(f"SELECT offset, size FROM shard_{s}").fetchall() for s in {s for s, _ in items}}
+        con.close()
+        for shard, index in items:
+            offset, size = tables[shard][index]
+            with open(os.path.join(os.path.dirname(db), f"shard_{shard}.bin"), "rb") as fh:
+                fh.seek(offset)
+                torch.load(io.BytesIO(fh.read(size)), map_location="cpu")
+
+
+CASES = {  # format: (writer(folder, n), bare reads, reader options)
+    "kohya": (lambda d, n: fx.write_kohya(d, arch="flux", n=n), _npz_reads, {}),
+    "musubi-tuner": (lambda d, n: fx.write_musubi(d, kind="wan_i2v", n=n), _safetensors_reads, {}),
+    "ai-toolkit": (lambda d, n: fx.write_ai_toolkit(d, n=n, uint8=True), _safetensors_reads, {}),
+    "simpletuner": (lambda d, n: fx.write_simpletuner(os.path.join(d, "c"), os.path.join(d, "i"), n=n), _pt_reads,
+                    {"images": "i"}),
+    "diffusion-pipe": (lambda d, n: fx.write_diffusion_pipe(d, n=n, shard_size_bytes=1 << 20), _shard_reads, {}),
+}
+
+
+def _median(fn, repeat=5):
+    fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def run(items: int) -> list[tuple]:
+    rows = []
+    for fmt, (write, bare, options) in CASES.items():
+        with tempfile.TemporaryDirectory() as d:
+            write(d, items)
+            folder = os.path.join(d, "c") if fmt == "simpletuner" else d
+            opts = {k: os.path.join(d, v) for k, v in options.items()}
+            count = len(open_source(folder, fmt, **opts))
+            ours = _median(lambda: sum(1 for _ in open_source(folder, fmt, **opts)))
+            theirs = _median(lambda: bare(folder))
+            rows.append((fmt, count, count / ours[0], ours, theirs, ours[0] / theirs[0]))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=100, help="images per trainer fixture")
+    args = parser.parse_args()
+    print(f"{'format':>15} {'records':>8} {'records/s':>10} {'records s (min-max)':>24} {'trainer reads s (min-max)':>26} {'ratio':>6}")
+    with torch_threads(1):
+        rows = run(args.items)
+    for fmt, count, rate, ours, theirs, ratio in rows:
+        print(f"{fmt:>15} {count:>8} {rate:>10.0f} {ours[0]:>8.3f} ({ours[1]:.3f}-{ours[2]:.3f}) "
+              f"{theirs[0]:>10.3f} ({theirs[1]:.3f}-{theirs[2]:.3f}) {ratio:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""What every trainer reader shares: the record and source types, item keys, size limits, file reads.
+
+A reader first *scans* a folder (file names, headers, zip directories, sqlite tables, the pickles of
+diffusion-pipe's records, whose keys are inside them) into a :class:`Source`: the items it will yield, each
+with the bytes it will read, and every file or entry it will not import, with the reason. Iterating
+the source then reads one item at a time. Hidden files and folders (``.name``) are not looked at.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import struct
+import zipfile
+from collections import Counter
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+import torch
+
+from ...errors import CacheError
+
+# An item whose tensors take more than this many bytes is refused before anything is read: reading
+# one holds its tensors in memory -- twice, briefly, for a gzip'd .pt and a diffusion-pipe shard record
+# (the bytes read, then the tensors torch.load makes of them); .npz, .safetensors and plain .pt hold them once.
+DEFAULT_MAX_ITEM_BYTES = 2 << 30
+
+
+class TrainerCacheError(CacheError, ValueError):
+    """A trainer's cache file is missing, truncated, or holds something other than its trainer writes."""
+
+
+class Record(NamedTuple):
+    """One item: ``fields`` maps a field name to its tensor (own dtype, own shape); ``info`` is JSON-able."""
+
+    key: str
+    fields: dict[str, torch.Tensor]
+    info: dict
+
+
+class Skipped(NamedTuple):
+    """A file (or an entry, ``path#entry``) that is not imported, and why."""
+
+    path: str
+    reason: str
+
+
+class ItemPlan(NamedTuple):
+    base: str  # the source image's stem, relative to the source folder
+    variant: str  # tells items of one stem apart (latent size, frame window); "" if none
+    nbytes: int  # tensor bytes the item will read
+    load: Callable[[], tuple[dict, dict]]  # -> (fields, info)
+
+
+class Source:
+    """A trainer's cache folder as records; iterate it for :class:`Record` s.
+
+    ``format`` and ``evidence`` say what was read and why it was taken for that trainer;
+    ``convention`` describes the latents (``{"latent_convention": "scaled" | "raw" | "pixels" |
+    "unknown", "scaling_factor": f | None, "shift_factor": f | None}``) and is stamped into every
+    record's info too; ``skipped`` lists what is not imported; :meth:`summary` says it in one line.
+    """
+
+    def __init__(self, format: str, root: str, plans: list[ItemPlan], skipped: list[Skipped],
+                 convention: dict, evidence: str = "", notes: list[str] | None = None,
+                 max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES):
+        self.format, self.root, self.evidence = format, root, evidence
+        self.convention, self.skipped, self.notes = dict(convention), list(skipped), list(notes or [])
+        self.max_item_bytes = int(max_item_bytes)
+        self.keys = unique_keys([(p.base, p.variant) for p in plans])
+        self._plans = plans
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __iter__(self) -> Iterator[Record]:
+        for key, plan in zip(self.keys, self._plans):
+            if plan.nbytes > self.max_item_bytes:
+                raise TrainerCacheError(
+                    f"item {key!r} of {self.root} holds {plan.nbytes} bytes of tensors, above the limit of "
+                    f"{self.max_item_bytes} bytes (max_item_bytes=); raise the limit if the memory is there")
+            fields, info = plan.load()
+            info = {**info, **{k: v for k, v in self.convention.items() if k not in info}}
+            if plan.variant:
+                info.setdefault("variant", plan.variant)
+            yield Record(key, fields, info)
+
+    def summary(self) -> str:
+        """``"kohya: 12 items; skipped 3 files: 2 text-encoder outputs without a latent, 1 ..."``."""
+        text = f"{self.format}: {len(self)} items"
+        if self.skipped:
+            reasons = Counter(s.reason for s in self.skipped)
+            text += f"; skipped {len(self.skipped)} files: " + ", ".join(f"{n} {r}" for r, n in reasons.most_common())
+        for note in self.notes:
+            text += f"; {note}"
+        return text
+
+
+def unique_keys(bases_and_variants: list[tuple[str, str]]) -> list[str]:
+    """Item keys: the stem alone when it names one item, else ``stem@variant`` for each of its items.
+
+    A variant seen twice for one stem gets ``-2``, ``-3``, ... in order of appearance.
+    """
+    per_base = Counter(base for base, _ in bases_and_variants)
+    keys, seen = [], Counter()
+    for base, variant in bases_and_variants:
+        key = base if per_base[base] == 1 else f"{base}@{variant or 'item'}"
+        seen[key] += 1
+        keys.append(key if seen[key] == 1 else f"{key}-{seen[key]}")
+    return keys
+
+
+def rel_key(root: str, folder: str, stem: str) -> str:
+    """``stem`` prefixed with ``folder``'s path below ``root``, ``/``-separated."""
+    rel = os.path.relpath(folder, root)
+    return stem if rel == "." else f"{rel.replace(os.sep, '/')}/{stem}"
+
+
+def walk_files(root: str) -> Iterator[tuple[str, str]]:
+    """``(folder, name)`` of every file under ``root`` in sorted order, hidden entries left out."""
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if not name.startswith("."):
+                yield folder, name
+
+
+def check_root(folder) -> str:
+    root = os.path.abspath(os.fspath(folder))
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"source folder {folder} is not a folder")
+    return root
+
+
+def fail(path: str, expected: str, found: str) -> TrainerCacheError:
+    return TrainerCacheError(f"{path}: expected {expected}, found {found}")
+
+
+# ---------------------------------------------------------------- numpy arrays
+
+def array_to_tensor(array: np.ndarray, path: str, name: str) -> torch.Tensor:
+    """A tensor of ``array``'s dtype; 2-byte void arrays (bfloat16 bits saved by numpy) become bfloat16."""
+    if array.dtype.kind == "V" and array.dtype.itemsize == 2 and array.dtype.fields is None:
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    if array.dtype.kind not in "biuf":
+        raise fail(f"{path}#{name}", "a numeric array", f"dtype {array.dtype.str}")
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def npz_member_bytes(path: str) -> dict[str, int]:
+    """Uncompressed size of each array of an ``.npz`` (from the zip directory; nothing is read)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return {info.filename[:-4]: info.file_size for info in archive.infolist() if info.filename.endswith(".npy")}
+    except zipfile.BadZipFile:
+        raise fail(path, "an .npz (zip) archive", truncated_or(path, "not a zip archive")) from None
+
+
+def truncated_or(path: str, what: str) -> str:
+    """``"a truncated file (N bytes)"`` if ``path`` starts as a zip but has no zip end record, else ``what``."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+        fh.seek(max(0, size - 65557))
+        tail = fh.read()
+    if head == b"PK\x03\x04" and b"PK\x05\x06" not in tail:
+        return f"a truncated file ({size} bytes: the zip directory at its end is missing)"
+    return what
+
+
+# ---------------------------------------------------------------- safetensors
+
+def safetensors_header(path: str) -> tuple[dict[str, tuple[str, list[int], int]], dict]:
+    """``({name: (dtype, shape, nbytes)}, metadata)`` from a ``.safetensors`` header, no tensor read."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise fail(path, "a safetensors file", f"a truncated file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise fail(path, f"a safetensors header of {n} bytes", f"a truncated file ({size} bytes)")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError:
+            raise fail(path, "a safetensors file (JSON header)", "bytes that are not JSON") from None
+    metadata = header.pop("__metadata__", None) or {}
+    entries, end = {}, 0
+    try:
+        for name, spec in header.items():
+            start, stop = spec["data_offsets"]
+            entries[name] = (spec["dtype"], list(spec["shape"]), stop - start)
+            end = max(end, stop)
+    except (KeyError, TypeError, ValueError):
+        raise fail(path, "a safetensors header (dtype, shape, data_offsets per tensor)", f"entry {name!r}: {spec!r}") from None
+    if 8 + n + end > size:
+        raise fail(path, f"{8 + n + end} bytes (header and tensors)", f"a truncated file ({size} bytes)")
+    return entries, metadata
+
+
+def load_safetensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except Exception as exc:  # noqa: BLE001 - named by file
+        safetensors_header(path)  # a truncated file is named as such, not as a parse error
+        raise fail(path, "a safetensors file", f"{type(exc).__name__}: {exc}") from None
+
+
+# ---------------------------------------------------------------- torch.save files
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def pt_nbytes(path: str) -> int:
+    """The bytes a ``.pt`` takes once read: its size, or its uncompressed size if gzip'd (mod 4 GiB: at least that)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        if fh.read(2) != GZIP_MAGIC or size < 18:
+            return size
+        fh.seek(size - 4)
+        (isize,) = struct.unpack("<I", fh.read(4))
+    return max(isize, size)
+
+
+def load_pt_bytes(data: bytes | memoryview, where: str) -> Any:
+    """``torch.load`` of a whole ``torch.save`` payload with ``weights_only=True`` (no code runs)."""
+    if bytes(data[:4]) == b"PK\x03\x04" and b"PK\x05\x06" not in bytes(data[-65557:]):
+        raise fail(where, "a torch.save file", f"a truncated one ({len(data)} bytes: the zip directory at its end is missing)")
+    return _torch_load(io.BytesIO(data), where)
+
+
+def _torch_load(file, where: str, mmap: bool = False) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # noqa: BLE001 - named by file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "Weights only load failed" in str(exc):
+            first = "objects other than tensors, dicts, lists and plain values (refused: loading them would run code)"
+        raise fail(where, "a torch.save file of tensors", first) from None
+
+
+def load_pt(path: str) -> Any:
+    """A ``.pt`` written by ``torch.save``, gzip'd or not (SimpleTuner's ``compress_disk_cache`` keeps ``.pt``).
+
+    A plain (zip) file is memory-mapped, so reading it holds its tensors once; a gzip'd one is
+    decompressed in memory first (its bytes, then its tensors)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    if not head:
+        raise fail(path, "a torch.save file", "an empty file")
+    if head[:2] != GZIP_MAGIC:
+        truncated = truncated_or(path, "")
+        if truncated:
+            raise fail(path, "a torch.save file", truncated.replace("a truncated file", "a truncated one"))
+        return _torch_load(path, path, mmap=head == b"PK\x03\x04")
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        data = gzip.decompress(data)
+    except EOFError:
+        raise fail(path, "a gzip'd torch.save file", f"a truncated one ({len(data)} bytes: the gzip stream ends early)") from None
+    except (OSError, gzip.BadGzipFile) as exc:
+        raise fail(path, "a gzip'd torch.save file", f"a corrupt gzip stream ({exc})") from None
+    return load_pt_bytes(data, path)
+
+
+def split_tensors(obj: dict, where: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, plain values)`` of a loaded dict; 0-d tensors count as plain values (their Python scalar)."""
+    tensors, plain = {}, {}
+    for name, value in obj.items():
+        if not isinstance(name, str):
+            raise fail(where, "a dict with string keys", f"key {name!r}")
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0:
+                plain[name] = value.item()
+            else:
+                tensors[name] = value
+        else:
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise fail(f"{where}#{name}", "a tensor or a JSON-able value", f"a {type(value).__name__}") from None
+            plain[name] = value
+    return tensors, plain
