@@ -36,6 +36,14 @@ _loop_state = {"pid": None, "loop": None}
 _loop_guard = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _loop_guard
+    _loop_guard = threading.Lock()  # a fork taken while another thread held it would deadlock here
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _loop() -> asyncio.AbstractEventLoop:
     """This process's background event loop (a fork gets its own)."""
     with _loop_guard:
@@ -285,7 +293,7 @@ class RemoteReader:
                 continue
             if self.cache is not None:
                 obj = self._chunks(name)
-                obj.present[int(s) // obj.chunk_bytes: (int(e) - 1) // obj.chunk_bytes + 1] = 0
+                obj.drop(int(s) // obj.chunk_bytes, (int(e) - 1) // obj.chunk_bytes + 1)
             for _ in range(self.read_attempts):
                 data = await self._fetch(name, int(s), int(e))
                 if zlib.crc32(data) == int(crc):
