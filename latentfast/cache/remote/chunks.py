@@ -3,8 +3,8 @@
 Layout under ``directory``, per remote object version (``key`` = a hash of URL, name, size, ETag):
 
 - ``key.data``    a sparse file the size of the object; chunk ``c`` sits at its own offset, so a warm
-                  read is one ``preadv`` per run straight into the caller's array (as fast as a local
-                  cache file);
+                  read is one copy per span out of its memory map straight into the caller's array
+                  (as fast as reading a local cache file);
 - ``key.present`` one byte per chunk, memory-mapped by every process: 1 once the chunk's bytes are
                   written (into the node's page cache, which every process reads), so a reader never
                   sees a torn or missing chunk; a folder from an earlier boot (where marks may have
@@ -125,6 +125,15 @@ class ObjectChunks:
         self._maps = [_shared_map(base + ".present"), _shared_map(base + ".atime")]
         self.present = np.frombuffer(self._maps[0], dtype=np.uint8, count=self.n_chunks)  # plain views:
         self.atime = np.frombuffer(self._maps[1], dtype=np.int64, count=self.n_chunks)  # np.memmap slices slowly
+        self._data = None
+
+    @property
+    def data(self) -> np.ndarray:
+        """The local copy, memory-mapped read-only (uint8): read only chunks marked present, under
+        :meth:`reading` (a punched hole reads as zeros, never faults: the file keeps its size)."""
+        if self._data is None:
+            self._data = np.zeros(0, np.uint8) if self.size == 0 else np.frombuffer(mmap.mmap(self.data_fd, self.size, prot=mmap.PROT_READ), dtype=np.uint8)
+        return self._data
 
     @contextlib.contextmanager
     def reading(self):

@@ -6,8 +6,8 @@ offset in ``out`` and optionally the span's expected CRC-32. Spans close in one 
 ``coalesce_bytes``) become one ranged GET; all GETs of a call run concurrently (at most
 ``max_concurrency`` in flight) on one background asyncio loop per process. With ``local_cache`` the
 unit fetched is a run of adjacent missing chunks instead (its claim must not cover chunks another
-download of this process holds), and a warm read is a ``preadv`` per span from the
-node's local copy.
+download of this process holds), and a warm read is one copy per span out of a memory map of
+the node's local copy.
 
 Failures: the client retries 5xx / 503 SlowDown / 429 / dropped connections / timeouts (see
 :mod:`.storage`); on top, a run that comes back short, fails mid-body, or fails its CRC-32 is
@@ -310,19 +310,20 @@ class RemoteReader:
         return self.cache.object(f"{self.folder.url}/{name}\0{version}", size)
 
     def _read_local(self, obj: ObjectChunks, starts, ends, dests, out) -> np.ndarray:
-        """``preadv`` each span from the local copy; returns which spans had a chunk missing."""
+        """Copy each span out of the local copy's memory map; returns which spans had a chunk missing.
+        (A map, not a ``preadv`` per span: once its pages are mapped a copy is a plain memcpy, no
+        page-cache lookup per 4 KiB page; bench_remote measured preadv at 0.7x a local file.)"""
         c0s, c1s = starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes + 1
-        chunks = chunk_indices(c0s, c1s)
+        grid = np.minimum(c0s[:, None] + np.arange(int((c1s - c0s).max())), c1s[:, None] - 1)  # a row of chunks per span
+        dst = np.frombuffer(out, dtype=np.uint8)
         with obj.reading():  # the evictor waits until we are done
-            missing = obj.missing(chunks)
-            missed = np.searchsorted(missing, c1s) > np.searchsorted(missing, c0s)
-            for s, e, d in zip(starts[~missed].tolist(), ends[~missed].tolist(), dests[~missed].tolist()):
-                done = os.preadv(obj.data_fd, [out[d: d + e - s]], s)
-                while done < e - s:  # a short read of a regular file: rare, finish it
-                    done += os.preadv(obj.data_fd, [out[d + done: d + e - s]], s + done)
-            obj.atime[chunks] = now_ns()
-        self.stats["bytes_local"] += int((ends - starts)[~missed].sum())
-        return missed
+            have = obj.present[grid].all(axis=1)
+            data = obj.data
+            for s, e, d in zip(starts[have].tolist(), ends[have].tolist(), dests[have].tolist()):
+                dst[d: d + e - s] = data[s: e]
+            obj.atime[grid[have]] = now_ns()
+        self.stats["bytes_local"] += int((ends - starts)[have].sum())
+        return ~have
 
     async def _ensure_local(self, name: str, starts, ends) -> None:
         """Every chunk under these spans present locally: each downloaded once per node."""
