@@ -67,7 +67,7 @@ def coalesce(starts: np.ndarray, ends: np.ndarray, gap: int) -> tuple[np.ndarray
 
 def _as_int64(name: str, values, n: int | None = None) -> np.ndarray:
     arr = np.asarray(values)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidArgumentError(f"{name} must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
     if n is not None and len(arr) != n:
         raise InvalidArgumentError(f"{name} must have one entry per span ({n}), got {len(arr)}")
@@ -175,10 +175,10 @@ class RemoteReader:
             self._fresh()
         ends = offsets + lengths
         missed = self._read_local(self._chunks(name), offsets, ends, dests, out)
-        for i in np.flatnonzero(~missed):
+        for i in np.flatnonzero(~missed) if crcs is not None else ():
             if crcs[i] is not None and zlib.crc32(out[dests[i]: dests[i] + lengths[i]]) != int(crcs[i]):
                 missed[i] = True  # the event loop's path drops these chunks and fetches the span again
-        return offsets[missed], lengths[missed], dests[missed], [c for c, m in zip(crcs, missed) if m]
+        return offsets[missed], lengths[missed], dests[missed], None if crcs is None else [c for c, m in zip(crcs, missed) if m]
 
     def prefetch(self, name: str, offsets, lengths) -> concurrent.futures.Future:
         """Start fetching these spans of ``name`` into the local chunk cache; returns at once with a
@@ -222,8 +222,8 @@ class RemoteReader:
         n = len(np.atleast_1d(lengths)) if isinstance(names, str) else len(names)
         offsets, lengths = _as_int64("offsets", offsets, n), _as_int64("lengths", lengths, n)
         dests = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if dest_offsets is None else _as_int64("dest_offsets", dest_offsets, n)
-        crcs = [None] * n if crc32 is None else list(crc32)
-        if len(crcs) != n:
+        crcs = None if crc32 is None else list(crc32)  # None: no span has one (the common case, no per-span work)
+        if crcs is not None and len(crcs) != n:
             raise InvalidArgumentError(f"crc32 must have one entry per span ({n}), got {len(crcs)}")
         capacity = _byte_view(out).nbytes
         if n and (dests + lengths).max() > capacity:
@@ -233,7 +233,7 @@ class RemoteReader:
         for name, idx in _group(names, n).items():
             idx = idx[lengths[idx] > 0]
             self._check_bounds(name, offsets[idx], lengths[idx])
-            by_name[name] = (offsets[idx], lengths[idx], dests[idx], [crcs[i] for i in idx])
+            by_name[name] = (offsets[idx], lengths[idx], dests[idx], None if crcs is None else [crcs[i] for i in idx])
         return by_name
 
     # ---- fetching -----------------------------------------------------------------------------
@@ -288,6 +288,8 @@ class RemoteReader:
     async def _verify(self, name, starts, ends, dests, crcs, out) -> None:
         """Check each span with an expected CRC-32; a failing one is fetched again (never from the
         local cache, whose chunks of it are dropped) until it passes or the attempts run out."""
+        if crcs is None:
+            return
         for s, e, d, crc in zip(starts, ends, dests, crcs):
             if crc is None or zlib.crc32(out[int(d): int(d + e - s)]) == int(crc):
                 continue
