@@ -1,6 +1,7 @@
 """The node-shared local chunk cache: warm reads make no requests, several processes share one
 cache with one download per chunk (counted at a loopback proxy), LRU eviction keeps the byte
-budget (on disk too), prefetch, and a corrupt local chunk is caught and fetched again."""
+budget (on disk too) by a shared counter, prefetch, a corrupt local chunk is caught and fetched again,
+and DataLoader workers read through it, spawned or forked after the parent used the client."""
 from __future__ import annotations
 
 import multiprocessing
