@@ -205,6 +205,11 @@ def _forked_child_reads(reader, queue) -> None:
 
     try:
         ok = np.array_equal(read(reader, [3], [9000]), PAYLOAD[3:9003])
+        first = client.helper().proc
+        first.kill()  # a helper that dies is replaced: the reader's retry goes to a new one
+        first.wait()
+        ok = ok and np.array_equal(read(reader, [50 * CHUNK + 1], [9000]), PAYLOAD[50 * CHUNK + 1:50 * CHUNK + 9001])
+        ok = ok and client.helper().proc.pid != first.pid
         try:
             reader.size("no-such-object")
             missing = "no error"
@@ -216,7 +221,7 @@ def _forked_child_reads(reader, queue) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_forked_child_gets_errors_that_name_the_object_and_its_helper_exits_with_it(server, tmp_path):
+def test_a_forked_child_gets_errors_that_name_the_object_and_a_new_helper_if_one_dies(server, tmp_path):
     reader = cached_reader(server, tmp_path)
     read(reader, [0], [10])
     ctx = multiprocessing.get_context("fork")

@@ -169,9 +169,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def helper() -> Helper:
-    """This process's helper, started on first use (a fork of a fork starts its own)."""
+    """This process's helper, started on first use (a fork of a fork starts its own; one that died is
+    replaced: the calls it had in flight failed, and the reader's retries go to the new one)."""
     with _helper_guard:
-        if _helper_state["pid"] != os.getpid():
+        if _helper_state["pid"] != os.getpid() or _helper_state["helper"].proc.poll() is not None:
             _helper_state.update(pid=os.getpid(), helper=Helper())
         return _helper_state["helper"]
 
