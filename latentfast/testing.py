@@ -190,3 +190,175 @@ def spawn_gloo(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
             with open(os.path.join(folder, f"result{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
     return results
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def s3_options(endpoint: str) -> dict:
+    """``storage_options`` for a loopback test server: its endpoint and dummy keys (no credentials)."""
+    return {"endpoint_url": endpoint, "access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
+
+
+def create_bucket(endpoint: str, bucket: str) -> None:
+    """Create ``bucket`` on the S3-compatible server at ``endpoint`` (boto3, which moto brings along)."""
+    import boto3
+
+    opts = s3_options(endpoint)
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=opts["access_key_id"],
+                 aws_secret_access_key=opts["secret_access_key"], region_name=opts["region"]).create_bucket(Bucket=bucket)
+
+
+@contextlib.contextmanager
+def s3_server():
+    """Start moto's S3 server on 127.0.0.1 (a free port) in this process; yields its endpoint URL.
+    Needs ``moto[server]`` (in the ``test`` extra). Nothing leaves the loopback interface."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+class FaultProxy:
+    """An HTTP proxy on 127.0.0.1 in front of an S3 endpoint that injects faults into ranged GETs.
+
+    ``faults``: a list consumed one per ranged GET, each ``None`` (pass), ``"500"``, ``"503"``
+    (SlowDown), ``"drop"`` (half the body, then the connection is cut), ``"slow:SECONDS"`` (wait
+    before answering) or ``"flip"`` (one bit of the body flipped); ``fault_all`` (same values)
+    applies to every ranged GET once the list is empty. ``gets`` records ``(path, range)`` of every
+    ranged GET. A context manager; it also stops by itself after ``lifetime_s``.
+    """
+
+    def __init__(self, upstream: str, faults=(), fault_all=None, lifetime_s: float = 300.0):
+        import threading
+        import urllib.parse
+
+        self.upstream = urllib.parse.urlsplit(upstream)
+        self.faults, self.fault_all = list(faults), fault_all
+        self.gets: list[tuple[str, str]] = []
+        self._guard = threading.Lock()
+        self._server = self._make_server()
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._timer = threading.Timer(lifetime_s, self.stop)
+        self._timer.daemon = True
+
+    def __enter__(self):
+        self._thread.start()
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _next_fault(self, path: str, byte_range: str):
+        with self._guard:
+            self.gets.append((path, byte_range))
+            return self.faults.pop(0) if self.faults else self.fault_all
+
+    def _make_server(self):
+        import http.client
+        import http.server
+        import time
+
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+                    resp = conn.getresponse()
+                    return resp.status, resp.getheaders(), resp.read()
+                finally:
+                    conn.close()
+
+            def _reply(self, status, headers, data):
+                self.send_response(status)
+                for k, v in headers:
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                        self.send_header(k, v)
+                if self.command == "HEAD":  # no body: the upstream's length is the object's size
+                    self.send_header("Content-Length", dict((k.lower(), v) for k, v in headers).get("content-length", "0"))
+                    self.end_headers()
+                    return
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _error(self, status, code):
+                xml = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._reply(status, [("Content-Type", "application/xml")], xml)
+
+            def _handle(self):
+                byte_range = self.headers.get("Range")
+                fault = proxy._next_fault(self.path, byte_range) if self.command == "GET" and byte_range else None
+                if fault == "500":
+                    return self._error(500, "InternalError")
+                if fault == "503":
+                    return self._error(503, "SlowDown")
+                if fault and fault.startswith("slow:"):
+                    time.sleep(float(fault.split(":", 1)[1]))
+                try:
+                    status, headers, data = self._forward()
+                except OSError:  # the upstream went away (a test ended while we slept): drop the client
+                    self.close_connection = True
+                    return
+                if fault == "flip" and data:
+                    data = bytearray(data)
+                    data[len(data) // 2] ^= 0x10
+                    data = bytes(data)
+                if fault == "drop":
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                self._reply(status, headers, data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.daemon_threads = True
+        return server
+
+
+@contextlib.contextmanager
+def s3_with_objects(folder: str, url: str, files: dict):
+    """:func:`s3_server` holding ``files`` (name -> bytes) under ``url`` (``s3://bucket/prefix``),
+    written to ``folder`` and pushed there; yields the endpoint."""
+    from .cache.remote import push
+
+    for name, data in files.items():
+        with open(os.path.join(folder, name), "wb") as fh:
+            fh.write(data)
+    with s3_server() as endpoint:
+        create_bucket(endpoint, url[len("s3://"):].split("/")[0])
+        push(folder, url, s3_options(endpoint))
+        yield endpoint

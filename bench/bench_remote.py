@@ -1,0 +1,253 @@
+"""Object storage: random batches from a latent cache pushed to a loopback S3 server.
+
+A padded cache of ``--items`` rows of ``--item-kib`` KiB (default 2,048 x 128 KiB = 256 MiB, float16
+``[16, 32, 128]`` latents) is pushed to `s3rver <https://github.com/jamhall/s3rver>`_ (npm,
+filesystem-backed, serves a Range GET by seeking: stock moto copies the whole object per range, see
+issue 25) on 127.0.0.1, then read back in ``--batches`` random batches of ``--batch`` items (the first
+batches of an epoch's permutation: no item twice). Per configuration, ``--runs`` runs (median, range):
+
+- ceiling: one ``obstore.get_range_async`` per item, all of a batch's at once, each copied into the
+  batch buffer -- exactly the batch's bytes with the same client;
+- remote: :class:`RemoteReader` without a local cache (coalesced ranged GETs);
+- cold: with an empty local chunk cache (fresh folder per run);
+- cold + prefetch: the same, ``prefetch`` of batch k+1 issued before reading batch k (a lookahead of 1);
+- cold, spans 1000 B off the chunks: the same, every span shifted (ragged rows do not start on a
+  chunk): what the 16 KiB chunk granularity costs in bytes;
+- warm: the same batches again from the filled local chunk cache;
+- local file: ``preadv`` of the same rows from the cache's own data file (page cache hot), the
+  target a warm chunk cache should reach. Warm and local: the median of 5 interleaved passes per run.
+
+items/s over all batches, time to first batch (client creation and HEAD included), MiB fetched over
+the network and its ratio to the bytes the batches use. mosaic streaming and litdata: not measured
+here yet.
+
+    python bench/bench_remote.py [--quick] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
+
+``run_report(quick)`` is the ``latentfast bench`` suite interface (not yet in its SUITES list).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+from latentfast.bench.common import format_table
+from latentfast.cache.remote import RemoteReader, push
+from latentfast.testing import free_port, write_random_cache
+
+BUCKET, PREFIX, DATA = "bench", "cache", "train.latents.f16.dat"
+PASSES = 5  # warm and local passes per run (their median), interleaved
+
+
+def start_s3rver(binary: str, directory: str):
+    """s3rver on 127.0.0.1 with the bucket made; returns (process, endpoint, options)."""
+    port = free_port()
+    proc = subprocess.Popen([binary, "-d", directory, "-a", "127.0.0.1", "-p", str(port), "-s", "--configure-bucket", BUCKET],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        raise RuntimeError(f"s3rver did not start on 127.0.0.1:{port}")
+    endpoint = f"http://127.0.0.1:{port}"
+    return proc, endpoint, {"endpoint_url": endpoint, "access_key_id": "S3RVER", "secret_access_key": "S3RVER", "region": "us-east-1"}
+
+
+def make_cache(folder: str, n: int, item_kib: int) -> tuple[str, int]:
+    """A padded cache of ``n`` full-width rows of ``item_kib`` KiB; returns (its folder, row bytes)."""
+    channels, latent_h = 16, 32
+    w_max = item_kib * 1024 // (2 * channels * latent_h)
+    path = write_random_cache(folder, n, channels, latent_h, w_max, min_width=w_max, layouts=("padded",))["padded"]
+    return path, channels * latent_h * w_max * 2
+
+
+def epoch_batches(n: int, batch: int, count: int, seed: int) -> list[np.ndarray]:
+    order = np.random.default_rng(seed).permutation(n)
+    return [np.sort(order[i * batch:(i + 1) * batch]) for i in range(count)]
+
+
+def timed(read_batch, batches) -> tuple[float, float]:
+    """(seconds for all batches, seconds to the first); ``read_batch(k)`` reads batch k."""
+    start = time.perf_counter()
+    read_batch(0)
+    first = time.perf_counter() - start
+    for k in range(1, len(batches)):
+        read_batch(k)
+    return time.perf_counter() - start, first
+
+
+def run_ceiling(url: str, options: dict, batches, row: int, out: np.ndarray):
+    import obstore
+    from obstore.store import S3Store
+
+    async def one_batch(store, rows):
+        datas = await asyncio.gather(*(obstore.get_range_async(store, f"{PREFIX}/{DATA}", start=int(r) * row, length=row) for r in rows))
+        for i, d in enumerate(datas):
+            out[i * row:(i + 1) * row] = np.frombuffer(d, dtype=np.uint8)
+        return sum(len(d) for d in datas)
+
+    loop = asyncio.new_event_loop()
+    fetched = []
+    try:
+        def read_batch(k):
+            if k == 0:
+                read_batch.store = S3Store(BUCKET, endpoint=options["endpoint_url"], access_key_id=options["access_key_id"],
+                                           secret_access_key=options["secret_access_key"], region=options["region"],
+                                           client_options={"allow_http": True})
+            fetched.append(loop.run_until_complete(one_batch(read_batch.store, batches[k])))
+        total, first = timed(read_batch, batches)
+    finally:
+        loop.close()
+    return total, first, sum(fetched)
+
+
+def run_reader(url, options, batches, row, out, cache_dir=None, budget=None, prefetch=False, reader=None, shift=0):
+    """``shift``: every span starts that many bytes after its row (unaligned to the chunks)."""
+    lengths = np.full(len(batches[0]), row)
+
+    def read_batch(k):
+        nonlocal reader
+        if reader is None:
+            reader = RemoteReader(url, options, local_cache=cache_dir, local_cache_bytes=budget)
+        if prefetch and k + 1 < len(batches):
+            reader.prefetch(DATA, batches[k + 1] * row + shift, lengths)
+        reader.read_ranges(DATA, batches[k] * row + shift, lengths, out)
+
+    before = 0 if reader is None else reader.stats["bytes_fetched"]
+    total, first = timed(read_batch, batches)
+    return total, first, reader.stats["bytes_fetched"] - before, reader
+
+
+def run_local(path: str, batches, row: int, out: np.ndarray):
+    fd = os.open(path, os.O_RDONLY)
+    view = memoryview(out)
+    try:
+        def read_batch(k):
+            for i, r in enumerate(batches[k]):
+                os.preadv(fd, [view[i * row:(i + 1) * row]], int(r) * row)
+        for k in range(len(batches)):  # page cache hot
+            read_batch(k)
+        total, first = timed(read_batch, batches)
+    finally:
+        os.close(fd)
+    return total, first, 0
+
+
+def one_run(url, options, path, batches, row, scratch):
+    """{config: (seconds, first batch seconds, bytes fetched)} for one run; checks the bytes read."""
+    out = np.empty(len(batches[0]) * row, dtype=np.uint8)
+    local = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def check(tag):
+        want = np.concatenate([local[int(r) * row:(int(r) + 1) * row] for r in batches[-1]])
+        if not np.array_equal(out, want):
+            bad = [i for i in range(len(batches[-1])) if not np.array_equal(out[i * row:(i + 1) * row], want[i * row:(i + 1) * row])]
+            raise AssertionError(f"{tag}: items {bad} of the last batch (rows {batches[-1][bad].tolist()}) differ from the local file")
+
+    results = {}
+    results["ceiling"] = run_ceiling(url, options, batches, row, out)
+    check("ceiling")
+    results["remote"] = run_reader(url, options, batches, row, out)[:3]
+    check("remote")
+    budget = 4 * len(batches) * len(batches[0]) * row
+    cold = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget)
+    results["cold"] = cold[:3]
+    check("cold")
+    results["cold + prefetch"] = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget, prefetch=True)[:3]
+    check("cold + prefetch")
+    shifted = [np.minimum(b, len(local) // row - 2) for b in batches]  # room for the shift after the last row
+    results["cold, spans 1000 B off the chunks"] = run_reader(url, options, shifted, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget, shift=1000)[:3]
+    warm, plain = [], []
+    for _ in range(PASSES):  # interleaved, so both see the same load on a shared machine
+        warm.append(run_reader(url, options, batches, row, out, reader=cold[3])[:3])
+        check("warm")
+        plain.append(run_local(path, batches, row, out))
+        check("local file")
+    results["warm"] = tuple(statistics.median(x) for x in zip(*warm))
+    results["local file"] = tuple(statistics.median(x) for x in zip(*plain))
+    return results
+
+
+def summarize(runs: list[dict], n_items: int, used: int) -> str:
+    def fmt(values, scale=1.0):
+        values = [v * scale for v in values]
+        return f"{statistics.median(values):.4g} [{min(values):.4g}, {max(values):.4g}]"
+
+    ceiling = [n_items / r["ceiling"][0] for r in runs]
+    rows = []
+    for config in runs[0]:
+        rate = [n_items / r[config][0] for r in runs]
+        ratio = [a / b for a, b in zip(rate, ceiling)]
+        first = [r[config][1] for r in runs]
+        fetched = [r[config][2] for r in runs]
+        rows.append([config, fmt(rate), fmt(ratio), fmt(first, 1000), f"{statistics.median(fetched) / 2**20:.1f}", f"{statistics.median(fetched) / used:.3f}"])
+    header = ["config", "items/s median [range]", "x ceiling", "first batch ms", "MiB fetched", "fetched / used"]
+    warm_vs_local = [r["local file"][0] / r["warm"][0] for r in runs]
+    return format_table(f"random batches, {len(runs)} runs", header, rows) + f"\nwarm chunk cache / local file (items/s, per run): {fmt(warm_vs_local)}"
+
+
+def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, batch: int = 64, batches: int = 16,
+               runs: int = 3, s3rver: str | None = None, endpoint: str | None = None, access_key: str = "S3RVER",
+               secret_key: str = "S3RVER") -> dict:
+    """The side-by-side report (the ``latentfast bench`` suite interface): ``{"table", "runs", ...}``."""
+    if quick:
+        items, batches = 256, 4
+    s3rver = s3rver or shutil.which("s3rver") or "node_modules/.bin/s3rver"
+    with tempfile.TemporaryDirectory(prefix="bench_remote_") as scratch:
+        proc = None
+        if endpoint:
+            options = {"endpoint_url": endpoint, "access_key_id": access_key, "secret_access_key": secret_key, "region": "us-east-1"}
+        elif not os.path.exists(s3rver):
+            raise SystemExit(f"s3rver not found at {s3rver!r}: npm install s3rver (node >= 14), or pass --s3rver / --endpoint")
+        else:
+            proc, endpoint, options = start_s3rver(s3rver, os.path.join(scratch, "s3rver"))
+        try:
+            path, row = make_cache(os.path.join(scratch, "local"), items, item_kib)
+            url = f"s3://{BUCKET}/{PREFIX}"
+            start = time.perf_counter()
+            push(path, url, options)
+            pushed_s = time.perf_counter() - start
+            results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch)
+                       for seed in range(runs)]
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    n_items = batch * batches
+    return {"server": "s3rver (loopback)" if proc is not None else endpoint, "items": items, "item_bytes": row,
+            "push_s": pushed_s, "runs": results, "table": summarize(results, n_items, n_items * row)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--items", type=int, default=2048)
+    parser.add_argument("--item-kib", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="256 items, 4 batches, 3 runs")
+    parser.add_argument("--s3rver", help="the s3rver executable (default: on PATH, else ./node_modules/.bin/s3rver)")
+    parser.add_argument("--endpoint", help="an S3 endpoint already running (bucket 'bench' must exist) instead of s3rver")
+    parser.add_argument("--access-key", default="S3RVER")
+    parser.add_argument("--secret-key", default="S3RVER")
+    a = parser.parse_args(argv)
+    report = run_report(a.quick, items=a.items, item_kib=a.item_kib, batch=a.batch, batches=a.batches, runs=a.runs,
+                        s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key)
+    print(f"pushed {report['items']} x {report['item_bytes'] // 1024} KiB to {report['server']} in {report['push_s']:.1f} s")
+    print(report["table"])
+
+
+if __name__ == "__main__":
+    main()
