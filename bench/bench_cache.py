@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from latentfast.cache import LatentCache, build_latent_cache, verify_cache
-from latentfast.cache import format as fmt
+from latentfast.cache.store import format as fmt
 from latentfast.synthetic import render_text_lines
 from latentfast.testing import torch_threads
 from latentfast.toy import ToyVAE
@@ -234,7 +234,7 @@ def _naive_build(encoder, images: list[str], buckets, out: str) -> None:
     from PIL import Image
     from safetensors.torch import save_file
 
-    from latentfast.cache import media
+    from latentfast.cache.build import media
 
     os.makedirs(out, exist_ok=True)
     for path in images:
@@ -254,7 +254,7 @@ def shaped_build_report(quick: bool = False) -> dict:
         return {"skipped": str(exc)}
     from PIL import Image
 
-    from latentfast.cache.images import build_image_cache
+    from latentfast.cache.build.images import build_image_cache
     from latentfast.encoders import DiffusersVAE
 
     torch.manual_seed(0)

@@ -53,10 +53,10 @@ import numpy as np
 import torch
 
 from latentfast import ops
-from latentfast.cache import LatentCache, WidthBucketBatchSampler, cache_path
-from latentfast.cache import prefetch as pf
-from latentfast.cache.decode import read_batch
-from latentfast.cache.loader import DevicePrefetcher
+from latentfast.cache import LatentCache, LookaheadSampler, WidthBucketBatchSampler, cache_path
+from latentfast.cache.feed import coldread as pf
+from latentfast.cache.feed.gather import read_batch
+from latentfast.cache import DevicePrefetcher
 from latentfast.testing import torch_threads, write_random_cache
 
 BATCH = 64
@@ -480,7 +480,7 @@ def lookahead_loop(folder: str, lookahead: int, steps: int, seed: int) -> dict:
     resident = evicted([data_file(folder)])
     cache = LatentCache(folder)
     sampler = WidthBucketBatchSampler(cache.widths, BATCH, seed=seed)
-    batches = (read_batch(cache, b) for b in pf.LookaheadSampler(sampler, cache, lookahead))
+    batches = (read_batch(cache, b) for b in LookaheadSampler(sampler, cache, lookahead))
     loop = iter(DevicePrefetcher(batches, "cpu", lookahead=lookahead))
     waits, batch = [], None
     for _ in range(steps):

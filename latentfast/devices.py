@@ -6,8 +6,6 @@ argument goes through :func:`as_device`, which gives CUDA devices their index.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .errors import ArgumentTypeError, InvalidArgumentError
@@ -37,11 +35,6 @@ def as_device(device, *, name: str = "device") -> torch.device:
     return resolved
 
 
-def same_device(a, b) -> bool:
-    """Whether two device arguments name the same device (``"cuda"`` equals ``"cuda:<current>"``)."""
-    return as_device(a) == as_device(b)
-
-
 def map_tensors(fn, value):
     """``value`` with every tensor ``t`` in it (nested dicts, lists, tuples and namedtuples) replaced by
     ``fn(t)``; other values are kept. The one tree walk for moving batches or results between devices."""
@@ -53,41 +46,3 @@ def map_tensors(fn, value):
         mapped = [map_tensors(fn, item) for item in value]
         return type(value)(*mapped) if hasattr(value, "_fields") else type(value)(mapped)
     return value
-
-
-# ---- packed messages: many tensors, one transfer --------------------------------------------------
-PACK_ALIGN = 16  # bytes; segment alignment inside a packed message, so views of any dtype are legal
-
-
-def _segment_bytes(spec: tuple[torch.dtype, tuple[int, ...]]) -> int:
-    """Bytes a tensor takes in a packed message, rounded up so every segment starts aligned."""
-    dtype, shape = spec
-    return -(-math.prod(shape) * dtype.itemsize // PACK_ALIGN) * PACK_ALIGN
-
-
-def packed_size(specs) -> int:
-    """Bytes of the message :func:`pack` makes of tensors with these ``(dtype, shape)`` specs."""
-    return sum(_segment_bytes(spec) for spec in specs)
-
-
-def pack(tensors, device) -> torch.Tensor:
-    """Several tensors (any dtypes, shapes and strides) as one uint8 buffer on ``device``, each
-    segment aligned: one transfer or message instead of one per tensor."""
-    specs = [(t.dtype, tuple(t.shape)) for t in tensors]
-    buffer = torch.empty(packed_size(specs), dtype=torch.uint8, device=device)
-    offset = 0
-    for tensor, spec in zip(tensors, specs):
-        size = tensor.numel() * tensor.dtype.itemsize
-        buffer[offset : offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        offset += _segment_bytes(spec)
-    return buffer
-
-
-def unpack(buffer: torch.Tensor, specs) -> list[torch.Tensor]:
-    """The tensors of a packed message, as views into ``buffer``."""
-    out, offset = [], 0
-    for dtype, shape in specs:
-        size = math.prod(shape) * dtype.itemsize
-        out.append(buffer[offset : offset + size].view(dtype).reshape(shape))
-        offset += _segment_bytes((dtype, shape))
-    return out

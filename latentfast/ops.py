@@ -10,7 +10,6 @@ int64 range the ops' schemas hold; outputs too large for int64 sizes are refused
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,38 +17,11 @@ import torch
 
 from . import _ops  # noqa: F401  (defines torch.ops.latentfast.*)
 from . import backends  # noqa: F401  (registers their kernels)
-from .errors import ArgumentTypeError, IndexOutOfRangeError, InvalidArgumentError
+from .checks import FLOAT_DTYPES, INT64_MAX, as_int, as_row_indices, batch_width, check_out_tensor, int_array
+from .checks import as_size as _as_size
+from .errors import ArgumentTypeError, InvalidArgumentError
 
-NORMALIZE_DTYPES = _ops.FLOAT_OUT_DTYPES
-INT64_MAX = _ops.INT64_MAX  # the largest value an ``int`` argument of an op's schema holds
-
-
-def as_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a Python int (numpy and torch integers included, bools refused), in ``[minimum, maximum]``."""
-    if isinstance(value, bool):
-        raise ArgumentTypeError(f"{name} must be an int, got bool {value!r}")
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if minimum is not None and result < minimum:
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {result}")
-    if maximum is not None and result > maximum:
-        raise InvalidArgumentError(f"{name} must be an int <= {maximum}, got {result}")
-    return result
-
-
-def _as_size(name: str, value) -> int:
-    """A size or pitch argument of an op: an int in ``[0, 2**63 - 1]``."""
-    return as_int(name, value, minimum=0, maximum=INT64_MAX)
-
-
-def _int_array(name: str, values) -> np.ndarray:
-    """``values`` (ints, numpy array or tensor) as a 1-D numpy array of an integer dtype, kept as given."""
-    array = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise ArgumentTypeError(f"{name} must be a 1-D sequence of ints, got {array.dtype} {array.shape}")
-    return array
+__all__ = ["normalize_uint8", "gather_rows", "gather_rows_packed", "expand_rows", "read_spans"]
 
 
 def _prefix_out(out, dtype: torch.dtype, needed: int, unit: str) -> torch.Tensor:
@@ -78,20 +50,6 @@ def _check_host_tensor(name: str, tensor) -> None:
         raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         raise InvalidArgumentError(f"{name} must be a CPU tensor (its values are read on the host), got {tensor.device}")
-
-
-def check_out_tensor(name: str, tensor, shape, dtype: torch.dtype, device: torch.device) -> None:
-    """Raise a clear error unless ``tensor`` is a contiguous tensor of exactly this shape/dtype/device."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tuple(tensor.shape) != tuple(shape):
-        raise InvalidArgumentError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
-    if tensor.dtype != dtype:
-        raise InvalidArgumentError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
-    if tensor.device != device:
-        raise InvalidArgumentError(f"{name} must be on {device}, got {tensor.device}")
-    if not tensor.is_contiguous():
-        raise InvalidArgumentError(f"{name} must be contiguous, got strides {tuple(tensor.stride())}")
 
 
 def normalize_uint8(
@@ -126,8 +84,8 @@ def normalize_uint8(
     frames_total = int(x.shape[-3])
     if frames_total % num_views != 0:
         raise InvalidArgumentError(f"T={frames_total} (x.shape[-3]) is not divisible by num_views={num_views}")
-    if dtype not in NORMALIZE_DTYPES:
-        raise InvalidArgumentError(f"dtype must be one of {NORMALIZE_DTYPES}, got {dtype}")
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
     view_shape = (*x.shape[:-3], frames_total // num_views, *x.shape[-2:])
 
     if out is None:
@@ -148,47 +106,6 @@ def normalize_uint8(
 
 
 # ---- cache decode: gather rows out of the cache's flat data, expand packed rows on the device ----
-GATHER_DTYPES = _ops.FLOAT_OUT_DTYPES
-
-
-def as_row_indices(indices, n_rows: int) -> torch.Tensor:
-    """``indices`` (ints, numpy array or tensor) as a contiguous int64 CPU tensor, every one in ``[0, n_rows)``.
-
-    Raises IndexOutOfRangeError naming the first bad position and value. (numpy: this runs once per
-    batch and must cost microseconds.) Under ``torch.compile`` a tensor's values are unknown at trace
-    time: it is only converted, and the kernels check every index before copying anything.
-    """
-    if isinstance(indices, torch.Tensor):
-        if indices.dim() != 1 or indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
-            raise ArgumentTypeError(f"indices must be a 1-D tensor of ints, got {indices.dtype} {tuple(indices.shape)}")
-        if indices.device.type == "meta":
-            raise InvalidArgumentError("indices is a meta tensor: the rows to read are its values, which it has none of")
-        if torch.compiler.is_compiling():
-            return indices.to("cpu", torch.int64).contiguous()
-    array = _int_array("indices", indices)
-    # range-check in the array's own dtype: a uint64 index above 2**63 must be reported as itself,
-    # not as the negative int64 it would wrap to
-    if array.size and (array.min() < 0 or array.max() >= n_rows):
-        position = int(np.flatnonzero((array < 0) | (array >= n_rows))[0])
-        raise IndexOutOfRangeError(f"indices[{position}] = {int(array[position])} is out of range for a cache of {n_rows} rows")
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-
-
-def batch_width(selected_widths, width) -> int:
-    """W of a batch: ``width`` (an int >= the widest selected row) or, when None, that widest row.
-
-    ``selected_widths``: the batch's row widths (numpy array or tensor). Without ``width``, the
-    widest row is read back (a device sync for a CUDA tensor; callers that know W pass it).
-    """
-    widest = int(selected_widths.max()) if len(selected_widths) else 0
-    if width is None:
-        return widest
-    width = _as_size("width", width)
-    if width < widest:
-        raise InvalidArgumentError(f"width must be an int >= the batch's widest row ({widest}), got {width}")
-    return width
-
-
 def flat_white(white, channels: int, latent_h: int, device=None):
     """``white`` ([C, h, 1] or C*h values) as a contiguous float16 vector on ``device``, or None."""
     if white is None:
@@ -223,8 +140,8 @@ def gather_rows(
     when no row needs padding. Duplicates and any order are fine; an index outside ``[0, N)`` raises
     IndexOutOfRangeError naming it.
     """
-    if dtype not in GATHER_DTYPES:
-        raise InvalidArgumentError(f"dtype must be one of {GATHER_DTYPES}, got {dtype}")
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
     for name, tensor in (("data", data), ("row_offsets", row_offsets), ("widths", widths)):
         _check_host_tensor(name, tensor)
     pitch, channels, latent_h = _as_size("pitch", pitch), _as_size("channels", channels), _as_size("latent_h", latent_h)
@@ -295,8 +212,8 @@ def expand_rows(
         if not isinstance(tensor, torch.Tensor):
             raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     device = packed.device
-    if dtype not in GATHER_DTYPES:
-        raise InvalidArgumentError(f"dtype must be one of {GATHER_DTYPES}, got {dtype}")
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
     channels, latent_h = _as_size("channels", channels), _as_size("latent_h", latent_h)
     if width is None and widths.device.type == "meta":
         raise InvalidArgumentError("width must be given when widths is a meta tensor (W is its largest value)")
@@ -319,7 +236,7 @@ def _int64_vector(name: str, values) -> torch.Tensor:
     if isinstance(values, torch.Tensor) and not (values.is_floating_point() or values.is_complex()
                                                  or values.dtype == torch.bool) and values.dim() == 1:
         return values.to("cpu", torch.int64).contiguous()
-    return torch.from_numpy(np.ascontiguousarray(_int_array(name, values), dtype=np.int64))
+    return torch.from_numpy(np.ascontiguousarray(int_array(name, values), dtype=np.int64))
 
 
 def read_spans(fd: int, offsets, lengths, *, threads: int = 16, out: torch.Tensor | None = None,

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from latentfast.testing import spawn_gloo
 from latentfast.toy import ToyVAE
 from latentfast.vision import BalanceGroup, EncodeCostModel, VisionEncoder, measure_link_bandwidth, offload_encode
-from latentfast.vision.balance import _Group, check_collective_device
+from latentfast.distributed import check_collective_device
+from latentfast.vision.balance import _Group
 from latentfast.vision.demo import demo_balanced_encode, skewed_items
 
 SIZE = 16
@@ -367,7 +368,7 @@ def test_collective_device_must_be_the_current_cuda_device_under_nccl():
 
 
 def test_packed_message_round_trips_mixed_dtypes_and_odd_sizes():
-    from latentfast.devices import pack as _pack, unpack as _unpack
+    from latentfast.distributed import pack as _pack, unpack as _unpack
 
     g = torch.Generator().manual_seed(0)
     tensors = [

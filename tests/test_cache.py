@@ -20,9 +20,9 @@ from latentfast.cache import (
     build_latent_cache,
     cache_meta_for,
     cache_path,
-    format as fmt,
     verify_cache,
 )
+from latentfast.cache.store import format as fmt
 from latentfast.toy import ToyVAE
 
 LINE_HEIGHT = 16
@@ -420,7 +420,7 @@ def test_pickle_carries_no_data(manifest, tmp_path):
         data_bytes = os.path.getsize(cache_path(folder, "train", "data"))
         assert len(blob) < cache.widths.nbytes + 4096 < data_bytes / 3
         clone = pickle.loads(blob)
-        assert clone._mm is None and clone._data is None
+        assert clone.items._mm is None and clone.items._data is None
         assert all(torch.equal(clone[i], cache[i]) for i in range(len(cache)))
 
 

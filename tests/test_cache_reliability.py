@@ -19,7 +19,7 @@ from PIL import Image
 
 from latentfast.cache import LatentCache, cache_path, read_batch, verify_cache
 from latentfast.cache.cli import add_cache_subparsers
-from latentfast.cache.durable import BuildLock
+from latentfast.cache.store.durable import BuildLock
 from latentfast.errors import CacheCorruptError, CacheLockedError
 from latentfast.testing import random_rows, write_cache
 from latentfast.toy import ToyVAE
@@ -91,7 +91,7 @@ def test_disk_full_fails_then_the_rerun_finishes_with_the_right_bytes(lines, ref
 def test_rows_that_read_back_wrong_are_encoded_again(lines, reference, tmp_path, monkeypatch):
     """A write the kernel acknowledged but the disk lost (simulated: the row is zeroed right after its
     batch is logged) is caught by the read-back check and encoded again before the cache is complete."""
-    from latentfast.cache import builder
+    from latentfast.cache.build import lines as builder
 
     real_mark, spoiled = builder._Progress.mark, []
 

@@ -12,8 +12,8 @@ from latentfast.testing import random_rows, write_cache
 from latentfast.testing import poisoned_like, runnable_backends, torch_threads
 
 from latentfast import ops, reference
-from latentfast.cache import decode
-from latentfast.cache.decode import read_batch
+from latentfast.cache.feed import device as device_path
+from latentfast.cache.feed.gather import read_batch
 from latentfast.errors import IndexOutOfRangeError, InvalidArgumentError
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -254,7 +254,7 @@ def test_staging_math_matches_the_reference(sample, backend):
     selected = source[2][index]
     slot = (poisoned_like((50_000,), torch.float16), torch.full((64,), -7, dtype=torch.int64),
             torch.full((64,), -7, dtype=torch.int32))  # larger than needed, like a ring slot
-    packed, offsets, widths = decode.stage_rows(source, index, selected, channels, latent_h, *slot, backend=backend)
+    packed, offsets, widths = device_path.stage_rows(source, index, selected, channels, latent_h, *slot, backend=backend)
     sizes = np.array([rows[i].size for i in index_list], dtype=np.int64)
     assert offsets.tolist() == np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
     assert widths.tolist() == [rows[i].shape[-1] for i in index_list]
@@ -274,10 +274,10 @@ def test_ring_grows_once_when_caches_of_different_row_sizes_alternate():
     for step in range(40):
         lines, w_max, B = ((64, 512, 16), (4, 24, 200))[step % 2]  # one needs more elements, the other more rows
         widths = np.random.default_rng(step).integers(1, w_max + 1, size=B)
-        requests.append((lines * int(widths.sum()), B, lines * w_max * max(B, decode.DEFAULT_RING_ROWS)))
+        requests.append((lines * int(widths.sum()), B, lines * w_max * max(B, device_path.DEFAULT_RING_ROWS)))
     ring, allocations = None, 0
     for elements, rows, worst in requests:
-        size = decode.ring_size(ring, elements, rows, worst)
+        size = device_path.ring_size(ring, elements, rows, worst)
         if size is not None:
             assert ring is None or (size[0] >= ring[0] and size[1] >= ring[1]), "a ring shrank"
             ring, allocations = size, allocations + 1
@@ -472,7 +472,7 @@ def test_ring_is_not_reallocated_when_caches_alternate_on_cuda(tmp_path):
         cache = caches[step % 2]
         got, _ = read_batch(cache, np.arange(10 + step), device="cuda")
         assert torch.equal(got.cpu(), read_batch(cache, np.arange(10 + step))[0])
-        rings.add(id(decode._RINGS[(os.getpid(), str(torch.device("cuda", torch.cuda.current_device())))]))
+        rings.add(id(device_path._RINGS[(os.getpid(), str(torch.device("cuda", torch.cuda.current_device())))]))
     assert len(rings) <= 2
 
 

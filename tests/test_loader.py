@@ -10,8 +10,8 @@ import torch
 from latentfast.testing import random_rows, write_cache
 from torch.utils.data import DataLoader
 
-from latentfast.cache.decode import read_batch
-from latentfast.cache.loader import (
+from latentfast.cache.feed.gather import read_batch
+from latentfast.cache import (
     CacheBatchDataset,
     DevicePrefetcher,
     WidthBucketBatchSampler,

@@ -1,4 +1,4 @@
-"""Out-of-core reads (latentfast.cache.prefetch): byte spans against a page-by-page count, residency
+"""Out-of-core reads (latentfast.cache.feed.coldread): byte spans against a page-by-page count, residency
 probes against reads made here, prefetch (same bytes as a hot read, the right pages, in DataLoader
 workers under fork and spawn, bad indices), read_batch's cold path (advice issued, the auto switch),
 MADV_RANDOM on the map, the lookahead sampler and the `cache inspect` residency line.
@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from latentfast.cache import LatentCache, WidthBucketBatchSampler, batch_loader, cache_path, read_batch
-from latentfast.cache import prefetch as pf
+from latentfast.cache import LatentCache, LookaheadSampler, WidthBucketBatchSampler, batch_loader, cache_path, read_batch
+from latentfast.cache.feed import coldread as pf
 from latentfast.testing import random_rows, write_cache
 
 pytestmark = pytest.mark.skipif(not pf.SUPPORTED, reason="the cold-read path needs Linux (posix_fadvise)")
@@ -330,7 +330,7 @@ def test_lookahead_peeks_the_sampler_without_consuming(cache_dir, monkeypatch):
     plain = WidthBucketBatchSampler(cache.widths, 16, seed=4, bucket_batches=2)
     expected = list(plain)
     sampler = WidthBucketBatchSampler(cache.widths, 16, seed=4, bucket_batches=2)
-    wrapped = pf.LookaheadSampler(sampler, cache, lookahead=3)
+    wrapped = LookaheadSampler(sampler, cache, lookahead=3)
     iterator = iter(wrapped)
     for step in range(5):
         assert next(iterator) == expected[step]
@@ -352,14 +352,14 @@ def test_lookahead_over_a_plain_iterable(monkeypatch):
             pulled.append(batch)
             yield batch
 
-    iterator = iter(pf.LookaheadSampler(source(), cache=None, lookahead=2))
+    iterator = iter(LookaheadSampler(source(), cache=None, lookahead=2))
     assert next(iterator) == batches[0] and pulled == batches[:3] and spy.batches == batches[:3]
     assert list(iterator) == batches[1:] and spy.batches == batches
-    assert list(pf.LookaheadSampler(batches, cache=None, lookahead=0)) == batches
+    assert list(LookaheadSampler(batches, cache=None, lookahead=0)) == batches
     with pytest.raises(ValueError, match="lookahead must be an int >= 0"):
-        pf.LookaheadSampler(batches, None, lookahead=-1)
+        LookaheadSampler(batches, None, lookahead=-1)
     with pytest.raises(TypeError, match="lookahead must be an int"):
-        pf.LookaheadSampler(batches, None, lookahead=1.5)
+        LookaheadSampler(batches, None, lookahead=1.5)
 
 
 def test_batch_loader_reads_ahead_by_default(cache_dir, monkeypatch):
@@ -420,7 +420,7 @@ def test_cold_batch_is_asked_for_after_a_short_probe_and_a_warm_one_row_by_row(c
 def test_shaped_caches_take_the_same_cold_path(tmp_path, monkeypatch):
     """Image-bucket / video caches: spans come from row_starts, so a one-shape batch is asked for page by
     page like a line batch, prefetch reads exactly its items, and the bytes equal a hot read."""
-    from latentfast.cache.writer import LatentCacheWriter
+    from latentfast.cache.store.writer import LatentCacheWriter
 
     rng = np.random.default_rng(4)
     shapes = [(4, 2, 24, 32), (4, 3, 16, 16)]  # [C, T, h, w] clips of two sizes, 12 and 6 KiB
@@ -444,3 +444,47 @@ def test_shaped_caches_take_the_same_cold_path(tmp_path, monkeypatch):
         assert handle.missing(*pf.row_spans(cache.row_starts, np.arange(42, 60, 4))).all()
     finally:
         handle.close()
+
+
+# ---- how cold spans are brought in, and on what filesystem ------------------------------------------
+def test_filesystem_type_reads_the_longest_mount_point_above_a_path(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/sda1 / ext4 rw 0 0\n"
+        "server:/export /mnt/data nfs4 rw 0 0\n"
+        "src /mnt/data/fused fuse.bindfs rw 0 0\n"
+        "src2 /mnt/data/fused fuse rw 0 0\n"  # mounted over the previous one: the last listed wins
+        "tmpfs /mnt/my\\040space tmpfs rw 0 0\n"
+        "short line\n"
+    )
+    assert pf.filesystem_type("/mnt/data/fused/cache/x.dat", str(mounts)) == "fuse"
+    assert pf.filesystem_type("/mnt/data/other", str(mounts)) == "nfs4"
+    assert pf.filesystem_type("/mnt/datax/file", str(mounts)) == "ext4", "a longer name is not a mount point above"
+    assert pf.filesystem_type("/mnt/my space/f", str(mounts)) == "tmpfs"
+    assert pf.filesystem_type("/etc", str(tmp_path / "absent")) is None
+    assert pf.filesystem_type("/proc/self") == "proc"  # the real table
+
+
+def test_slow_advice_tries_the_pread_pool_and_keeps_the_faster_way(cache_dir, monkeypatch):
+    """Where advice reads inside the call (FUSE), the next cold batch is read by the pool; the way with
+    the better rate then stays. Advice that returns at once chooses nothing."""
+    cache = LatentCache(str(cache_dir / "padded"))
+    state = pf.cold_reads(cache)
+    pooled = []
+    from latentfast import ops
+
+    real_read_spans = ops.read_spans
+    monkeypatch.setattr(ops, "read_spans", lambda fd, o, n, **kw: pooled.append(len(o)) or real_read_spans(fd, o, n, **kw))
+    offsets, lengths = pf.row_spans(cache.row_starts, np.arange(0, 40, 4))
+    state.bring_in(offsets, lengths)
+    assert state.way == "advise" and state.rates == {} and pooled == [], "fast advice must choose nothing"
+    monkeypatch.setattr(pf.DataFile, "advise", lambda self, o, n: __import__("time").sleep(0.05))
+    state.bring_in(offsets, lengths)
+    assert state.way == "pool" and set(state.rates) == {"advise"}
+    state.bring_in(offsets, lengths)  # read by the pool: far faster than 50 ms of advice
+    assert pooled == [len(offsets)] and set(state.rates) == {"advise", "pool"} and state.way == "pool"
+    state.rates["pool"] = state.rates["advise"] / 2  # had the pool been slower, advice is back
+    state.way = "pool"
+    state.bring_in(offsets, lengths)
+    assert len(pooled) == 2
+    assert state.way == max(state.rates, key=state.rates.get)

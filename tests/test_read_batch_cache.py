@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from latentfast.cache import LatentCache, build_latent_cache
-from latentfast.cache.loader import CacheBatchDataset, DevicePrefetcher, WidthBucketBatchSampler, batch_loader, collate
+from latentfast.cache import CacheBatchDataset, DevicePrefetcher, WidthBucketBatchSampler, batch_loader, collate
 from latentfast.synthetic import render_text_lines
 from latentfast.toy import ToyVAE
 

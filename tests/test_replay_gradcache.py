@@ -11,8 +11,6 @@ from latentfast.replay import (
     FeatureGradientReplay,
     FeatureGradientReplayResult,
     MultiEncoderMMD,
-    MultiRepresentationFreshVideoGradCache,
-    MultiRepresentationFreshVideoGradCacheResult,
     selection_correction_factor,
 )
 
@@ -43,8 +41,13 @@ def _ids(rows, start=0):
 
 # ---- constructor ---------------------------------------------------------------------------
 def test_alias_names():
+    import latentfast.replay
+
+    with pytest.warns(DeprecationWarning, match="FeatureGradientReplay"):
+        from latentfast.compat import MultiRepresentationFreshVideoGradCache, MultiRepresentationFreshVideoGradCacheResult
     assert MultiRepresentationFreshVideoGradCache is FeatureGradientReplay
     assert MultiRepresentationFreshVideoGradCacheResult is FeatureGradientReplayResult
+    assert not hasattr(latentfast.replay, "MultiRepresentationFreshVideoGradCache")
 
 
 @pytest.mark.parametrize(

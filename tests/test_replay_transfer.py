@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from latentfast.errors import InvalidArgumentError
-from latentfast.replay.transfer import _packed_copy, collective_device, copy_tensors
+from latentfast.distributed import collective_device
+from latentfast.replay.transfer import _packed_copy, copy_tensors
 
 
 def _mixed_tensors():

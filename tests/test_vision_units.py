@@ -248,22 +248,30 @@ def test_reference_matches_fused_op_used_here():
 
 
 def test_clean_keyword_names_and_the_specifications_aliases():
+    from latentfast import compat
+
     vae, table = ToyVAE(), EncodeCostModel({(4, 8, 8): 0.1})
     clean = VisionEncoder(cost_model=table, parallel_dims=None, encode_fn=vae.encode_video, device="cpu", dtype=torch.bfloat16)
-    spec = VisionEncoder(tokenizer=table, parallel_dims=None, encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu", "dtype": torch.bfloat16})
+    with pytest.warns(DeprecationWarning) as caught:
+        spec = compat.VisionEncoder(tokenizer=table, parallel_dims=None, encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu", "dtype": torch.bfloat16})
+    assert [str(w.message).split(" is ")[0] for w in caught] == ["VisionEncoder(tokenizer=)", "VisionEncoder(fp32_kwargs=)"]
+    assert clean.cost_model is table and spec.cost_model is table and spec.tokenizer is table
     for encoder in (clean, spec):
-        assert encoder.cost_model is table and encoder.tokenizer is table
         assert encoder.device == torch.device("cpu") and encoder.dtype == torch.bfloat16
+    assert not hasattr(clean, "tokenizer"), "the specification's names live in latentfast.compat only"
+    with pytest.raises(TypeError):
+        VisionEncoder(tokenizer=table, encode_fn=vae.encode_video, device="cpu")
     assert VisionEncoder(encode_fn=vae.encode_video, device="cpu").dtype == torch.float32
-    assert VisionEncoder(encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu"}).dtype == torch.float32
-    with pytest.raises(InvalidArgumentError, match="cost_model= or its alias tokenizer=, not both"):
-        VisionEncoder(cost_model=table, tokenizer=table, encode_fn=vae.encode_video, device="cpu")
-    with pytest.raises(InvalidArgumentError, match="device=/dtype= or their alias fp32_kwargs=, not both"):
-        VisionEncoder(encode_fn=vae.encode_video, device="cpu", fp32_kwargs={"device": "cpu"})
+    with pytest.warns(DeprecationWarning, match="fp32_kwargs="):
+        assert compat.VisionEncoder(encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu"}).dtype == torch.float32
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError, match="cost_model= or its alias tokenizer=, not both"):
+        compat.VisionEncoder(cost_model=table, tokenizer=table, encode_fn=vae.encode_video, device="cpu")
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError, match="device=/dtype= or their alias fp32_kwargs=, not both"):
+        compat.VisionEncoder(encode_fn=vae.encode_video, device="cpu", fp32_kwargs={"device": "cpu"})
     with pytest.raises(InvalidArgumentError, match="device is required"):
         VisionEncoder(encode_fn=vae.encode_video)
-    with pytest.raises(InvalidArgumentError, match="fp32_kwargs must be a dict"):
-        VisionEncoder(encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu", "layout": None})
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError, match="fp32_kwargs must be a dict"):
+        compat.VisionEncoder(encode_fn=vae.encode_video, fp32_kwargs={"device": "cpu", "layout": None})
     with pytest.raises(ArgumentTypeError, match="dtype must be a floating torch.dtype"):
         VisionEncoder(encode_fn=vae.encode_video, device="cpu", dtype=torch.uint8)
     with pytest.raises(InvalidArgumentError, match="link_bandwidth must be finite and > 0"):
@@ -278,7 +286,10 @@ def test_cuda_without_an_index_is_the_current_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     encoder = VisionEncoder(encode_fn=torch.neg, device="cuda")
     assert encoder.device == torch.device("cuda", 1)
-    assert VisionEncoder(encode_fn=torch.neg, fp32_kwargs={"device": "cuda"}).device == torch.device("cuda", 1)
+    from latentfast import compat
+
+    with pytest.warns(DeprecationWarning):
+        assert compat.VisionEncoder(encode_fn=torch.neg, fp32_kwargs={"device": "cuda"}).device == torch.device("cuda", 1)
     assert VisionEncoder(encode_fn=torch.neg, device=torch.device("cuda", 0)).device == torch.device("cuda", 0)
 
 
@@ -322,13 +333,22 @@ def test_importing_the_package_loads_neither_the_demo_nor_the_toys():
 
 
 def test_the_specifications_module_names_still_work():
-    from latentfast.vision import get_vae_pixel_shapes, regroup_vision_latents
+    import latentfast.vision
+    from latentfast import compat
 
+    with pytest.warns(DeprecationWarning, match="vae_pixel_shapes"):
+        from latentfast.compat import get_vae_pixel_shapes
+    with pytest.warns(DeprecationWarning, match="regroup_latents"):
+        from latentfast.compat import regroup_vision_latents
+    assert not hasattr(latentfast.vision, "get_vae_pixel_shapes") and not hasattr(latentfast.vision, "regroup_vision_latents")
     items = [torch.zeros(3, 5, 16, 24), None]
     assert get_vae_pixel_shapes(items) == vae_pixel_shapes(items) == [(5, 16, 24)]
     assert regroup_vision_latents is regroup_latents
     x = pixels(3, 4, 8, 8)
-    spec = normalize_uint8_item(x, {"device": "cpu", "dtype": torch.bfloat16})
+    with pytest.warns(DeprecationWarning, match="fp32_kwargs"):
+        spec = compat.normalize_uint8_item(x, {"device": "cpu", "dtype": torch.bfloat16})
     assert spec.dtype == torch.bfloat16 and torch.equal(spec, normalize_uint8_item(x, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="fp32_kwargs must be a dict"):
-        normalize_uint8_item(x, {"layout": None})
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="fp32_kwargs must be a dict"):
+        compat.normalize_uint8_item(x, {"layout": None})
+    with pytest.raises(TypeError):
+        normalize_uint8_item(x, {"device": "cpu"})

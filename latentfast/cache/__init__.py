@@ -1,8 +1,8 @@
 """Offline VAE latent cache: format, builders, writer, importers, reader, the fast batch path and DataLoader pieces."""
 from __future__ import annotations
 
-from .builder import ImageError, build_latent_cache, cache_meta_for, list_source
-from .format import (
+from .build.lines import ImageError, build_latent_cache, cache_meta_for, list_source
+from .store.format import (
     FORMAT_VERSION,
     LAYOUTS,
     SEED_FIELDS,
@@ -12,14 +12,14 @@ from .format import (
     read_meta,
     stamp_differences,
 )
-from .decode import read_batch
-from .loader import CacheBatchDataset, DevicePrefetcher, WidthBucketBatchSampler, batch_loader, collate
-from .prefetch import LookaheadSampler
-from .reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
-from .images import build_image_cache, build_video_cache
-from .importers import import_latents
-from .sampler import ShapeBucketBatchSampler
-from .writer import LatentCacheWriter
+from .feed.gather import read_batch
+from .feed.device import DevicePrefetcher
+from .feed.loader import CacheBatchDataset, batch_loader, collate
+from .store.reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
+from .build.images import build_image_cache, build_video_cache
+from .build.importers import import_latents
+from .feed.sampler import LookaheadSampler, ShapeBucketBatchSampler, WidthBucketBatchSampler
+from .store.writer import LatentCacheWriter
 from ..errors import CacheLockedError
 
 __all__ = [

@@ -189,7 +189,7 @@ def run_build(args) -> int:
         raise CliError("--lines builds a text-line cache of one --line-height; --buckets is for image or video caches")
     encoder = make_encoder(args.encoder, toy_seed=args.toy_seed, toy_channels=args.toy_channels, sample=args.sample,
                            vae_dtype=args.vae_dtype)
-    from .durable import lock_path
+    from .store.durable import lock_path
 
     lock = lock_path(args.out, args.split)
     created = _missing(args.out, lock)
@@ -212,12 +212,12 @@ def _build(args, encoder) -> str:
                   autocast_dtype=getattr(torch, autocast) if autocast else None, lock_timeout=args.lock_timeout)
     source = args.manifest or args.images
     if args.lines:
-        from .builder import build_latent_cache
+        from .build.lines import build_latent_cache
 
         return build_latent_cache(encoder, source, args.out, args.split, line_height=args.line_height,
                                   max_line_width=args.max_line_width, layout=args.layout,
                                   skip_bad_images=args.skip_bad_images, **common)
-    from .images import build_image_cache, build_video_cache
+    from .build.images import build_image_cache, build_video_cache
 
     if args.video:
         return build_video_cache(encoder, source, args.out, args.split, buckets=parse_buckets(args.buckets, video=True),
@@ -225,7 +225,7 @@ def _build(args, encoder) -> str:
     if args.buckets:
         buckets = parse_buckets(args.buckets, video=False)
     else:
-        from .media import resolution_buckets
+        from .build.media import resolution_buckets
 
         buckets = resolution_buckets(args.resolution, args.min_bucket, args.max_bucket, args.bucket_step)
     return build_image_cache(encoder, source, args.out, args.split, buckets=buckets, no_upscale=args.no_upscale,
@@ -258,7 +258,7 @@ def _remove_new_lock(lock: str, created: tuple[bool, bool]) -> None:
 
 
 def run_import(args) -> int:
-    from .importers import import_latents
+    from .build.importers import import_latents
 
     stats: dict = {}
     path = import_latents(args.source_dir, args.out, args.split, format=args.format, key=args.key, quiet=args.quiet,
@@ -270,7 +270,7 @@ def run_import(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from .reader import inspect_cache
+    from .store.reader import inspect_cache
 
     info = inspect_cache(args.cache_dir, args.split)
     if args.json:
@@ -304,7 +304,7 @@ def run_inspect(args) -> int:
 
 
 def run_verify(args) -> int:
-    from .reader import verify_cache
+    from .store.reader import verify_cache
 
     try:
         result = verify_cache(args.cache_dir, args.split)

@@ -2,9 +2,7 @@
 replay only those through the generator.
 
 * :class:`FeatureGradientReplay` / :class:`FeatureGradientReplayResult` -- the cache and what
-  ``finalize`` returns. Aliases kept from the original training code:
-  ``MultiRepresentationFreshVideoGradCache`` = ``FeatureGradientReplay`` and
-  ``MultiRepresentationFreshVideoGradCacheResult`` = ``FeatureGradientReplayResult``;
+  ``finalize`` returns (the original training code's names for them are in :mod:`latentfast.compat`);
 * :class:`MultiEncoderMMD` -- the multi-encoder mixed-RBF MMD loss (exact or Nyström);
 * :func:`scatter_cotangents` -- the batched, compiled split of leaf gradients into cotangents;
 * :class:`ReplayRNG`, :func:`replay_backward`, :func:`selection_correction_factor` -- what a
@@ -18,8 +16,6 @@ from __future__ import annotations
 from .gradcache import (
     FeatureGradientReplay,
     FeatureGradientReplayResult,
-    MultiRepresentationFreshVideoGradCache,
-    MultiRepresentationFreshVideoGradCacheResult,
 )
 from .mmd import MultiEncoderMMD
 from .rng import ReplayRNG, replay_backward, selection_correction_factor
@@ -30,8 +26,6 @@ __all__ = [
     "FeatureGradientReplay",
     "FeatureGradientReplayResult",
     "MultiEncoderMMD",
-    "MultiRepresentationFreshVideoGradCache",
-    "MultiRepresentationFreshVideoGradCacheResult",
     "ReplayRNG",
     "ScatteredCotangents",
     "gradient_sync",

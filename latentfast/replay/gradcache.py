@@ -28,7 +28,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, NonFiniteReplayError, ReplayError
 from .scatter import ScatteredCotangents, arena_size, scatter_cotangents
-from .transfer import collective_device, copy_tensors
+from ..distributed import all_gather_rows, collective_device
+from .transfer import copy_tensors
 
 FINITE_CHECKS = ("auto", "add", "finalize")
 
@@ -415,10 +416,7 @@ class FeatureGradientReplay:
         world = self._world_size()
         if world == 1:
             return [status.tolist()]
-        status = status.to(self._collective_device())
-        gathered = [torch.empty_like(status) for _ in range(world)]
-        dist.all_gather(gathered, status)
-        return torch.stack(gathered).tolist()
+        return all_gather_rows(status.to(self._collective_device()))
 
     def _settings(self) -> str:
         """What must be equal on every rank for the gathered stores to line up: branch names in
@@ -729,8 +727,3 @@ def _nonfinite_terms(metadata, branch_names) -> str:
         return "no per-branch term of the loss metadata names a branch"
     first = bad[0].split("=")[0].rsplit("/", 1)[-1]
     return f"branch {first!r} ({', '.join(bad)}); features of very large magnitude overflow the kernel"
-
-
-# Names the original training code used; kept so old imports and pickled references still resolve.
-MultiRepresentationFreshVideoGradCache = FeatureGradientReplay
-MultiRepresentationFreshVideoGradCacheResult = FeatureGradientReplayResult

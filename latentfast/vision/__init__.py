@@ -3,8 +3,8 @@
 units: items -> encode calls (fused normalize + multiview split) -> one latent per item;
 plan: the deterministic step-time planner; balance: offload_encode over torch.distributed;
 encoder: VisionEncoder (local or balanced); cost: EncodeCostModel (measured seconds per shape).
-The specification's names ``get_vae_pixel_shapes`` and ``regroup_vision_latents`` are aliases of
-``vae_pixel_shapes`` and ``regroup_latents``. The spawned-group demo lives in :mod:`latentfast.vision.demo` (imported on its own, so importing
+The specification's names (``get_vae_pixel_shapes``, ``regroup_vision_latents``, ``tokenizer=``,
+``fp32_kwargs=``) live in :mod:`latentfast.compat`. The spawned-group demo lives in :mod:`latentfast.vision.demo` (imported on its own, so importing
 this package stays light).
 """
 from .balance import OffloadEncodeError, measure_link_bandwidth, offload_encode
@@ -14,10 +14,8 @@ from .plan import Plan, lpt_makespan, plan_assignment
 from .units import (
     VisionEncodeUnit,
     build_units,
-    get_vae_pixel_shapes,
     normalize_uint8_item,
     regroup_latents,
-    regroup_vision_latents,
     vae_pixel_shapes,
     validate_multiview_length,
 )
@@ -30,14 +28,12 @@ __all__ = [
     "VisionEncodeUnit",
     "VisionEncoder",
     "build_units",
-    "get_vae_pixel_shapes",
     "lpt_makespan",
     "measure_link_bandwidth",
     "normalize_uint8_item",
     "offload_encode",
     "plan_assignment",
     "regroup_latents",
-    "regroup_vision_latents",
     "vae_pixel_shapes",
     "validate_multiview_length",
 ]

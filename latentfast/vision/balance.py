@@ -34,8 +34,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..devices import as_device, pack, packed_size, unpack
-from ..ops import as_int
+from ..devices import as_device
+from ..distributed import (all_gather_rows, check_collective_device, failed_ranks, pack, packed_size, status_row,
+                           status_text, unpack)
+from ..checks import as_int
 from ..errors import ArgumentTypeError, InvalidArgumentError, OffloadEncodeError
 from .plan import Plan, as_bandwidth, plan_assignment
 
@@ -48,7 +50,6 @@ WIRE_DTYPES = (
 )  # fmt: skip
 UNIT_ROW = 4 + MAX_NDIM  # seconds, latent bytes, dtype code, ndim, shape
 LATENT_ROW = 2 + MAX_NDIM  # dtype code, ndim, shape
-OK, FAILED = 0.0, 1.0
 
 Spec = tuple[torch.dtype, tuple[int, ...]]
 
@@ -74,27 +75,11 @@ def _undescribe(row: list[float]) -> Spec:
 
 
 def _status(errors: list[BaseException]) -> list[float]:
-    """``[flag, *error text as code points padded to MESSAGE_CHARS]``: the head of every status row."""
-    message = f"{type(errors[0]).__name__}: {errors[0]}" if errors else ""
-    codes = [float(ord(ch)) for ch in message[:MESSAGE_CHARS]]
-    return [FAILED if errors else OK] + codes + [0.0] * (MESSAGE_CHARS - len(codes))
-
-
-def _decode_text(codes: list[float]) -> str:
-    return "".join(chr(int(c)) for c in codes if c > 0)
+    """The head of every status row: the flag and this rank's first error (:func:`latentfast.distributed.status_row`)."""
+    return status_row(errors, MESSAGE_CHARS)
 
 
 # ---- the group ----------------------------------------------------------------------------------
-
-
-def check_collective_device(device: torch.device, backend: str, current_cuda_index: int | None) -> None:
-    """Raise :class:`InvalidArgumentError` unless ``device`` can carry this group's collectives:
-    under NCCL it must be this process's current CUDA device (NCCL communicators are bound to it)."""
-    if backend == "nccl" and (device.type != "cuda" or device.index != current_cuda_index):
-        raise InvalidArgumentError(
-            f"device must be this process's current CUDA device (cuda:{current_cuda_index}) for an NCCL group, got "
-            f"{device}; call torch.cuda.set_device(local_rank) first, or pass device='cuda'"
-        )
 
 
 @dataclasses.dataclass
@@ -115,10 +100,8 @@ class _Group:
 
     def all_gather(self, row: list[float], stage: str) -> list[list[float]]:
         """Every rank's ``row`` (same length on every rank), back on the host in one copy."""
-        out = torch.empty(self.size, len(row), dtype=torch.float64, device=self.device)
         mine = torch.tensor(row, dtype=torch.float64, device=self.device)
-        self.wait(dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True), stage)
-        return out.cpu().tolist()
+        return all_gather_rows(mine, group=self.group, wait=lambda work: self.wait(work, stage))
 
     def exchange(self, ops: list[dist.P2POp], stage: str) -> None:
         for work in dist.batch_isend_irecv(ops) if ops else []:
@@ -149,10 +132,10 @@ def _raise_if_failed(rows: list[list[float]], group_rank: int, stage: str, local
     The error is popped out of ``local_errors`` so the raising frame does not keep it: a frame
     that references its own exception forms a cycle, and a process group reachable from such a
     cycle may only be freed after ``destroy_process_group``, which aborts the process."""
-    failed = [r for r, row in enumerate(rows) if row[0] != OK]
+    failed = failed_ranks(rows)
     if not failed:
         return
-    details = "; ".join(f"rank {r}: {_decode_text(rows[r][1 : 1 + MESSAGE_CHARS])}" for r in failed)
+    details = "; ".join(f"rank {r}: {status_text(rows[r][1 : 1 + MESSAGE_CHARS])}" for r in failed)
     where = "this rank" if group_rank in failed else f"rank(s) {failed}"
     cause = local_errors.pop() if local_errors else None
     raise OffloadEncodeError(f"offload_encode failed at {stage} on {where} ({details})", failed) from cause

@@ -17,7 +17,7 @@ from ..devices import as_device
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from .balance import offload_encode
 from .plan import Plan, as_bandwidth
-from .units import VisionEncodeUnit, build_units, check_fp32_kwargs, check_item_layout, check_item_lists, item_views, normalize_uint8_item, regroup_latents
+from .units import VisionEncodeUnit, build_units, check_item_layout, check_item_lists, item_views, normalize_uint8_item, regroup_latents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,26 +48,13 @@ class BalanceGroup:
         return dist.get_world_size(self.group)
 
 
-_UNSET = object()
-
-
-def _resolve_aliases(cost_model, tokenizer, device, dtype, fp32_kwargs) -> tuple[Any, torch.device, torch.dtype]:
-    """The clean keywords, or the specification's ``tokenizer=`` / ``fp32_kwargs=`` aliases (not both)."""
-    if tokenizer is not _UNSET:
-        if cost_model is not _UNSET:
-            raise InvalidArgumentError("pass cost_model= or its alias tokenizer=, not both")
-        cost_model = tokenizer
-    if fp32_kwargs is not None:
-        check_fp32_kwargs(fp32_kwargs)
-        if device is not None or dtype is not None:
-            raise InvalidArgumentError("pass device=/dtype= or their alias fp32_kwargs=, not both")
-        device, dtype = fp32_kwargs.get("device"), fp32_kwargs.get("dtype")
+def _device_and_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
     if device is None:
         raise InvalidArgumentError("device is required (where normalized views and received units live), e.g. device='cuda'")
     dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ArgumentTypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    return (None if cost_model is _UNSET else cost_model), as_device(device), dtype
+    return as_device(device), dtype
 
 
 class VisionEncoder:
@@ -77,7 +64,8 @@ class VisionEncoder:
         cost_model: the cost source, read for ``encode_seconds_benchmarked`` and
             ``predicted_encode_seconds(t, h, w)`` (an :class:`EncodeCostModel` has both, and
             ``predicted_latent_bytes`` for transfer-aware plans). ``None`` or an object without
-            them makes balancing unavailable. Alias: ``tokenizer=`` (the specification's name).
+            them makes balancing unavailable. (The specification's ``tokenizer=`` and
+            ``fp32_kwargs=`` are taken by :class:`latentfast.compat.VisionEncoder`.)
         parallel_dims: the balancing group (``lb_enabled``, ``lb_rank``, ``lb_size`` and
             ``lb_group`` or ``lb_mesh.get_group()``), e.g. :class:`BalanceGroup`; ``None`` = none.
         encode_fn: encodes one prepared tensor. Stored as the public attribute ``encode_fn`` and
@@ -90,31 +78,24 @@ class VisionEncoder:
         link_bandwidth: bytes per second of each rank's link, the same on every rank (e.g. from
             :func:`~latentfast.vision.balance.measure_link_bandwidth`). When given, the plan
             counts the transfers (pixels out, latents back) and minimizes the predicted step time.
-        fp32_kwargs: alias of ``device=`` / ``dtype=`` (the specification's ``{"device": ..., "dtype": ...}``).
     """
 
     def __init__(
         self,
         *,
-        cost_model: Any = _UNSET,
+        cost_model: Any = None,
         parallel_dims: Any = None,
         encode_fn: Callable[[torch.Tensor], torch.Tensor],
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         link_bandwidth: float | None = None,
-        tokenizer: Any = _UNSET,
-        fp32_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        self.cost_model, self.device, self.dtype = _resolve_aliases(cost_model, tokenizer, device, dtype, fp32_kwargs)
+        self.cost_model = cost_model
+        self.device, self.dtype = _device_and_dtype(device, dtype)
         self.parallel_dims = parallel_dims
         self.encode_fn = encode_fn
         self.link_bandwidth = as_bandwidth(link_bandwidth, "link_bandwidth")
         self.last_plan: Plan | None = None  # the plan of the latest balanced step (step time, bytes moved)
-
-    @property
-    def tokenizer(self) -> Any:
-        """Alias of :attr:`cost_model` (the specification's name)."""
-        return self.cost_model
 
     def balancing_available(self) -> bool:
         """Whether this step may balance encode across the group.

@@ -54,7 +54,7 @@ from heapq import heapify, heappop, heappush, heapreplace, nsmallest
 import numpy as np
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..ops import as_int
+from ..checks import as_int
 
 NS_PER_SECOND = 1_000_000_000
 # Loads are exact integer nanoseconds; a step longer than this (about 146 years) is refused rather

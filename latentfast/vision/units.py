@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import ops
-from ..ops import as_int
+from ..checks import as_int
 from ..devices import as_device
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
@@ -48,22 +48,8 @@ def vae_pixel_shapes(items: Sequence[torch.Tensor | None] | None) -> list[tuple[
     return shapes
 
 
-def check_fp32_kwargs(fp32_kwargs) -> None:
-    """The specification's ``fp32_kwargs``: a dict of ``device`` and/or ``dtype``."""
-    if not isinstance(fp32_kwargs, dict) or set(fp32_kwargs) - {"device", "dtype"}:
-        raise InvalidArgumentError(f"fp32_kwargs must be a dict with 'device' and/or 'dtype', got {fp32_kwargs!r}")
-
-
-def normalize_uint8_item(x: torch.Tensor, fp32_kwargs: dict | None = None, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 pixels -> ``x / 127.5 - 1`` in ``dtype`` (the fused op; non-uint8 input is an error).
-
-    ``fp32_kwargs`` is the specification's form, ``{"device": ..., "dtype": ...}``: the item is
-    moved to that device first (at 1 byte per element) and normalized to that dtype."""
-    if fp32_kwargs is not None:
-        check_fp32_kwargs(fp32_kwargs)
-        if "device" in fp32_kwargs:
-            x = x.to(as_device(fp32_kwargs["device"]))
-        dtype = fp32_kwargs.get("dtype", dtype)
+def normalize_uint8_item(x: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 pixels -> ``x / 127.5 - 1`` in ``dtype`` (the fused op; non-uint8 input is an error)."""
     return ops.normalize_uint8(x, dtype=dtype)
 
 
@@ -164,8 +150,3 @@ def regroup_latents(
             raise InvalidArgumentError(f"items[{index}] has no encoded unit")
         regrouped.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=item.ndim - 3))
     return regrouped
-
-
-# The specification's names (aliases, kept working).
-get_vae_pixel_shapes = vae_pixel_shapes
-regroup_vision_latents = regroup_latents

@@ -14,7 +14,7 @@ A cache for ``split`` in ``cache_dir`` is these files:
 - ``{split}.latents.keys.json``    the source name of each row (a JSON list of strings).
 - ``{split}.latents.hashes.npy``   uint8 ``[N, 16]``: BLAKE2b-128 of each row's source bytes.
 
-A ``shaped`` cache (from :class:`~latentfast.cache.writer.LatentCacheWriter`: image buckets,
+A ``shaped`` cache (from :class:`~latentfast.cache.LatentCacheWriter`: image buckets,
 video clips, imported per-item latents) holds items of any shape, ``[C, h, w]`` or ``[C, T, h, w]``,
 back to back, C-contiguous, and instead of the widths file:
 
@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import ArgumentTypeError, CacheCorruptError, InvalidArgumentError
+from ...errors import ArgumentTypeError, CacheCorruptError, InvalidArgumentError
 
 FORMAT_VERSION = 2  # 2: the shaped layout, keys and content hashes (version-1 caches open unchanged)
 LAYOUTS = ("padded", "ragged", "shaped")
@@ -267,3 +267,21 @@ def rebuild_command(cache_dir: str, split: str, meta: Mapping[str, Any], expecte
         f"--line-height {want.get('line_height')} --max-line-width {want.get('max_line_width')} "
         f"--layout {meta.get('layout', 'padded')} --encoder <the expected encoder>"
     )
+
+
+def load_npy(path: str, what: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"latent cache {what} file {path} does not exist") from None
+    except (ValueError, EOFError, OSError, MemoryError) as exc:
+        raise CacheCorruptError(f"latent cache {what} file {path} is not a valid .npy array: {exc}") from None
+
+
+def load_checksums(cache_dir: str, split: str, n: int, block_rows: int) -> np.ndarray:
+    spath = cache_path(cache_dir, split, "checksums")
+    sums = load_npy(spath, "checksums")
+    blocks = -(-n // block_rows)
+    if sums.shape != (blocks,):
+        raise CacheCorruptError(f"latent cache checksums {spath} must hold {blocks} entries, got shape {list(sums.shape)}")
+    return sums

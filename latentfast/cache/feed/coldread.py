@@ -1,4 +1,4 @@
-"""Out-of-core reads: bring a batch's rows into the page cache with parallel I/O before copying them.
+"""Cold reads: bring a batch's rows into the page cache with parallel I/O before copying them (page-cache advice, residency, eviction).
 
 A latent cache larger than RAM is read from disk. Copying rows straight out of the memory map
 faults their pages in one at a time, each fault a synchronous disk read (plus up to the device's
@@ -25,35 +25,39 @@ Pieces:
   (so every cache kind is served: padded, ragged and shaped).
 - :class:`DataFile` -- one process's handle on a data file: WILLNEED advice, residency
   (``cachestat(2)`` where the kernel has it, else ``mincore(2)`` over a private map), eviction.
-- :class:`ColdReads` -- the per-cache switch read_batch consults: while batches are found cold it
+- :class:`ColdReads` -- the per-cache switch read_batch consults (it also picks how spans are
+  brought in: advice, or a pool of ``pread`` workers where advice reads synchronously, see
+  :meth:`ColdReads.bring_in` and ``bench/bench_cold_fs.py``): while batches are found cold it
   checks each batch's residency and advises what is missing; after :data:`HOT_AFTER` fully resident
   batches it stops checking (a hot batch then pays two clock reads), and one batch that copies at
   page-fault speed turns the checks back on (off again at once if the next batch is resident).
 - :func:`prefetch` -- start reading rows in the background and return at once (a daemon thread
   per process issues the advice; pages read for one process serve every process).
-- :class:`LookaheadSampler` -- wraps a batch sampler and prefetches the next ``k`` batches.
+
+:class:`~latentfast.cache.feed.sampler.LookaheadSampler` wraps a batch sampler and calls
+:func:`prefetch` on the next ``k`` batches.
 
 Linux only (``posix_fadvise``); elsewhere every function here is a no-op and reads fault pages in.
 """
 from __future__ import annotations
 
-import collections
 import ctypes
 import mmap
 import os
 import queue
 import sys
 import threading
+import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
-from . import format as fmt
+from ...checks import as_row_indices
+from ...errors import InvalidArgumentError
+from ..store import format as fmt
+from ..store.layout import ELEMENT_BYTES
 
-ELEMENT_BYTES = 2  # float16
 PAGE = mmap.PAGESIZE
 # The kernel honours one WILLNEED request only up to max(read_ahead_kb, max_sectors_kb) of the
 # device (128 KiB by default), so longer spans are advised in pieces of this size.
@@ -65,6 +69,7 @@ PROBE_SPANS = 4  # spans checked first: all missing means a cold batch, advised 
 # a copy that faults pages in from any disk at well under this.
 SLOW_FLOOR_S = 1e-3
 SLOW_BYTES_PER_S = 0.5e9
+POOL_THREADS = 16  # pread workers of the pool, where advice reads synchronously
 DEFAULT_LOOKAHEAD = 2  # batches read ahead by batch_loader, DevicePrefetcher and LookaheadSampler
 
 SUPPORTED = hasattr(os, "posix_fadvise") and sys.platform.startswith("linux")
@@ -75,8 +80,8 @@ def row_spans(row_starts: np.ndarray, index: np.ndarray, element_bytes: int = EL
     """``(offsets, lengths)`` int64: the bytes of rows ``index`` (element offsets ``row_starts[i]`` to
     ``row_starts[i + 1]``), widened to whole pages, sorted, overlapping or touching spans merged, and
     cut into pieces of at most :data:`CHUNK_BYTES`. ``index`` must already be in range."""
-    index = np.asarray(index, dtype=np.int64)
-    first_byte, end_byte = row_starts[index] * element_bytes, row_starts[index + 1] * element_bytes
+    starts, index = np.asarray(row_starts, dtype=np.int64), np.asarray(index, dtype=np.int64)
+    first_byte, end_byte = starts[index] * element_bytes, starts[index + 1] * element_bytes
     nonempty = end_byte > first_byte
     if not nonempty.any():
         empty = np.zeros(0, dtype=np.int64)
@@ -240,6 +245,27 @@ def evict(path: str) -> int | None:
         handle.close()
 
 
+# ---- filesystem type --------------------------------------------------------------------------------
+def filesystem_type(path: str, mounts: str = "/proc/self/mounts") -> str | None:
+    """The type of the filesystem holding ``path`` ("ext4", "fuse.bindfs", "nfs4", ...): the last
+    listed mount of the longest mount point above it in ``mounts``; None where that cannot be read."""
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    real, best, kind = os.path.realpath(path), None, None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].encode().decode("unicode_escape")  # "\040" stands for a space
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best)):
+            best, kind = point, fields[2]
+    return kind
+
+
 # ---- per-process state ---------------------------------------------------------------------------
 # Everything below belongs to one process: a forked child (a DataLoader worker) starts afresh, and
 # never touches a lock or a thread of its parent.
@@ -280,6 +306,8 @@ class ColdReads:
         self.hot = False  # start by checking: the first batches say whether the file is in RAM
         self.streak = 0  # consecutive batches found fully resident
         self.advised_map = None  # address of the memory map last marked MADV_RANDOM
+        self.way = "advise"  # how missing spans are brought in: WILLNEED advice, or the "pool" of preads
+        self.rates: dict[str, float] = {}  # way -> bytes per second of the last slow batch brought in that way
 
     def advise_map(self, data: torch.Tensor) -> None:
         """Mark the cache's memory map MADV_RANDOM, once per map (small rows get nothing from readahead)."""
@@ -287,24 +315,45 @@ class ColdReads:
             advise_random(data)
             self.advised_map = data.data_ptr()
 
-    def before_copy(self, row_starts: np.ndarray, index: np.ndarray, always: bool) -> None:
-        """Advise the pages of rows ``index`` (element offsets ``row_starts``) that are not resident
-        (all of them when ``always``). Indices out of range are left to the copy, which reports them."""
+    def before_copy(self, table, always: bool) -> None:
+        """Advise the pages of the span table's items that are not resident (all of them when
+        ``always``). Indices out of range are left to the copy, which reports them."""
+        index, row_starts = table.index_np, table.row_starts
         if index.size == 0 or int(index.min()) < 0 or int(index.max()) >= len(row_starts) - 1:
             return
-        offsets, lengths = row_spans(np.asarray(row_starts, dtype=np.int64), index)
+        offsets, lengths = row_spans(row_starts, index)
         head = self.file.missing(offsets[:PROBE_SPANS], lengths[:PROBE_SPANS]) if not always else None
         if always or (head.all() and len(offsets) > PROBE_SPANS):  # a cold batch: ask for all, unchecked
             self.streak = 0 if not always else self.streak
-            self.file.advise(offsets, lengths)
+            self.bring_in(offsets, lengths)
             return
         missing = np.concatenate([head, self.file.missing(offsets[PROBE_SPANS:], lengths[PROBE_SPANS:])])
         if missing.any():
             self.streak = 0
-            self.file.advise(offsets[missing], lengths[missing])
+            self.bring_in(offsets[missing], lengths[missing])
         else:
             self.streak += 1
             self.hot = self.streak >= HOT_AFTER
+
+    def bring_in(self, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Bring these spans into the page cache the way that has been fastest for this file.
+
+        Advice that returns at once has queued the reads (a local disk): nothing to choose. Advice
+        that takes long reads inside the call, one span after another (measured on a FUSE
+        passthrough: the calls took the whole read time), so the pool of preads is tried on the
+        next such batch, and from then on the way with the better rate is kept."""
+        start = time.perf_counter()
+        if self.way == "pool":
+            from ... import ops  # the op layer only where the pool is used (the samplers import this module)
+
+            ops.read_spans(self.file.fd, offsets, lengths, threads=POOL_THREADS)
+        else:
+            self.file.advise(offsets, lengths)
+        seconds = time.perf_counter() - start
+        if self.way == "advise" and seconds <= SLOW_FLOOR_S:
+            return
+        self.rates[self.way] = int(lengths.sum()) / max(seconds, 1e-9)
+        self.way = "pool" if "pool" not in self.rates else max(self.rates, key=self.rates.get)
 
     def after_copy(self, seconds: float, nbytes) -> None:
         """A copy that ran at page-fault speed while the checks were off turns them back on, on
@@ -392,9 +441,7 @@ def prefetch(cache, indices) -> None:
     ``indices`` are checked like read_batch checks them (IndexError naming the first bad one) before
     anything is queued. The pages serve every process that maps the file, so a prefetch from the
     main process helps DataLoader workers. A no-op where the OS cannot do it (see the module)."""
-    from .. import ops
-
-    index = ops.as_row_indices(indices, len(cache)).numpy()
+    index = as_row_indices(indices, len(cache)).numpy()
     state = cold_reads(cache)
     if state is None or index.size == 0:
         return
@@ -407,63 +454,3 @@ def wait_for_prefetches() -> None:
     (not necessarily read: the reads themselves run in the kernel)."""
     if _prefetcher is not None:
         _prefetcher.jobs.join()
-
-
-# ---- lookahead -----------------------------------------------------------------------------------
-def _check_lookahead(lookahead) -> int:
-    from .. import ops
-
-    return ops.as_int("lookahead", lookahead, minimum=0)
-
-
-class LookaheadSampler:
-    """``batch_sampler``'s batches, unchanged, while the rows of the next ``lookahead`` batches are
-    read into the page cache in the background (:func:`prefetch`), so disk time hides behind the
-    training step.
-
-    A sampler with ``upcoming(k)`` (as :class:`~latentfast.cache.loader.WidthBucketBatchSampler`)
-    is peeked, not advanced, so its ``state_dict()`` still counts the batches handed out. Any other
-    iterable of batches is read ``lookahead`` batches ahead of the loop. Other attributes
-    (``set_epoch``, ``state_dict``, ...) are the wrapped sampler's."""
-
-    def __init__(self, batch_sampler: Iterable, cache, lookahead: int = DEFAULT_LOOKAHEAD):
-        self.batch_sampler, self.cache = batch_sampler, cache
-        self.lookahead = _check_lookahead(lookahead)
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("batch_sampler", "cache", "lookahead"):
-            raise AttributeError(name)
-        return getattr(self.batch_sampler, name)
-
-    def __iter__(self) -> Iterator:
-        if self.lookahead == 0:
-            return iter(self.batch_sampler)
-        if hasattr(self.batch_sampler, "upcoming"):
-            return self._peeking()
-        return self._reading_ahead()
-
-    def _peeking(self) -> Iterator:
-        ahead = 0  # batches after the current one already prefetched
-        for batch in self.batch_sampler:
-            if ahead == 0:
-                prefetch(self.cache, batch)
-            else:
-                ahead -= 1
-            upcoming = list(self.batch_sampler.upcoming(self.lookahead))
-            for later in upcoming[ahead:]:
-                prefetch(self.cache, later)
-            ahead = len(upcoming)
-            yield batch
-
-    def _reading_ahead(self) -> Iterator:
-        window: collections.deque = collections.deque()
-        source = iter(self.batch_sampler)
-        for batch in source:
-            prefetch(self.cache, batch)
-            window.append(batch)
-            if len(window) > self.lookahead:
-                yield window.popleft()
-        yield from window

@@ -6,7 +6,7 @@ name starts with ``latent``, e.g. ``latents_1x64x64_bfloat16``) and ``"pt"`` (Si
 ``torch.save`` of a tensor, or of a dict holding it). Files are taken in sorted order of their
 path relative to ``source_dir`` (walked recursively); an item's key is that path without its
 extension. Latents of any float dtype are stored as float16 (values beyond float16's range
-raise, naming the file). Everything goes through :class:`~latentfast.cache.writer.LatentCacheWriter`:
+raise, naming the file). Everything goes through :class:`~latentfast.cache.LatentCacheWriter`:
 an import is crash-safe and resumable, and rerunning it over unchanged files writes nothing.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CacheError, InvalidArgumentError
-from . import format as fmt
-from .durable import BuildLock, content_hash
-from .writer import encoder_identity, open_for_sources
+from ...errors import CacheError, InvalidArgumentError
+from ..store import format as fmt
+from ..store.durable import BuildLock, content_hash
+from ..store.writer import encoder_identity, open_for_sources
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
 INFO_MAX_ELEMENTS = 8  # small arrays beside the latents (sizes, crops) are kept as item info
@@ -142,7 +142,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
 
 def _unchanged(out_dir, split, identity, meta, files, digests) -> bool:
     """A complete cache of exactly these files (same order, same bytes), imported the same way, intact."""
-    from .reader import LatentCache, bad_blocks
+    from ..store.reader import LatentCache, bad_blocks
 
     try:
         cache = LatentCache(out_dir, split)

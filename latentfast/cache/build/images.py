@@ -5,7 +5,7 @@ bytes); give each item its bucket; plan batches of one bucket (buckets in the or
 sorted within a bucket); then per batch either copy an item's latents from the cache already in
 the folder (same encoder and settings, same content hash, checksum intact) or decode it (Pillow /
 PyAV on a thread pool, two batches ahead) and encode it. Everything goes through
-:class:`~latentfast.cache.writer.LatentCacheWriter`, and each batch is made durable before the
+:class:`~latentfast.cache.LatentCacheWriter`, and each batch is made durable before the
 next, so a build is crash-safe (a crash loses at most the batch in flight) and resumable (rerun
 the same call), and a rerun after editing images re-encodes only the edited ones. A rerun over a
 complete, intact cache with unchanged sources writes nothing; one over a damaged cache re-encodes
@@ -25,12 +25,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..devices import as_device
-from ..errors import CacheError, ImageError, InvalidArgumentError
-from . import format as fmt
+from ...errors import CacheError, ImageError, InvalidArgumentError
+from ..store import format as fmt
 from . import media
-from .durable import BuildLock
-from .writer import encoder_identity, open_for_sources
+from .encode import encode, prepare
+from ..store.durable import BuildLock
+from ..store.writer import encoder_identity, open_for_sources
 
 
 @dataclass
@@ -142,12 +142,8 @@ def _summary(kind: str, counts: dict, items: int, skipped: list[dict]) -> str:
 def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, device, autocast_dtype,
            num_workers, skip_bad, quiet, lock_timeout, stats) -> str:
     """The shared steps: plan, then (under the build lock) skip, copy or encode each batch, finish."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
+    encoder, device = prepare(encoder, device, batch_size)
     wall = time.perf_counter()
-    device = as_device(device)
-    if hasattr(encoder, "to"):
-        encoder = encoder.to(device)
     out_dir = os.fspath(out_dir)
     counts = {"decode_s": 0.0, "encode_s": 0.0, "write_s": 0.0, "encoded": 0, "copied": 0, "resumed": 0}
     with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
@@ -214,7 +210,7 @@ def _batches(items: list[media.Item], batch_size: int) -> list[list[media.Item]]
 
 def _previous_cache(out_dir, split, identity, meta):
     """The complete shaped cache already in the folder, if built with this encoder and settings."""
-    from .reader import LatentCache
+    from ..store.reader import LatentCache
 
     try:
         cache = LatentCache(out_dir, split)
@@ -228,7 +224,7 @@ def _previous_cache(out_dir, split, identity, meta):
 
 def _unchanged(cache, items: list[media.Item]) -> bool:
     """Same keys, content hashes and shapes in the plan's order, and every checksum intact."""
-    from .reader import bad_blocks
+    from ..store.reader import bad_blocks
 
     hashes = cache.content_hashes()
     order = [item for batch in _batches(items, len(items)) for item in batch]
@@ -328,10 +324,7 @@ class _Runner:
         t0 = time.perf_counter()
         batch = torch.stack(pixels).to(self.device)
         kwargs = {"seeds": [_item_seed(item.key) for item in items]} if self.seeded else {}
-        with torch.no_grad(), (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
-                               else contextlib.nullcontext()):
-            z = self.job.encode(batch, **kwargs)
-        z = z.float().cpu()
+        z = encode(self.job.encode, batch, self.device, self.autocast_dtype, **kwargs)
         if z.shape[0] != len(items):
             raise InvalidArgumentError(f"the encoder returned {z.shape[0]} latents for a batch of {len(items)}")
         self.counts["encode_s"] += time.perf_counter() - t0
@@ -346,9 +339,7 @@ def _old_rows(cache) -> dict[str, tuple[int, bytes]]:
 
 
 def _stored_checksums(cache):
-    from .reader import _checksums
-
-    return _checksums(cache.cache_dir, cache.split, len(cache), 1)
+    return fmt.load_checksums(cache.cache_dir, cache.split, len(cache), 1)
 
 
 def _item_seed(key: str) -> int:

@@ -11,7 +11,6 @@ bucket, then centre-cropped to it. Each item records ``original_size`` ``[h, w]`
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -19,8 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import ImageError, InvalidArgumentError
-from .durable import content_hash
+from ...errors import ImageError, InvalidArgumentError
+from ..store.durable import content_hash
+from . import manifest
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
@@ -81,18 +81,9 @@ def _walk(root: str, video: bool) -> list[tuple[str, str]]:
 def _read_manifest(path: str) -> list[tuple[str, str]]:
     root = os.path.dirname(os.path.abspath(path))
     entries = []
-    with open(path, encoding="utf-8") as fh:
-        for number, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-                name = next(record[k] for k in ("image", "video", "frames") if k in record)
-                key = record.get("key")
-            except (json.JSONDecodeError, TypeError, StopIteration, AttributeError):
-                raise InvalidArgumentError(f"manifest {path} line {number}: expected a JSON object with an 'image', 'video' or 'frames' path, got {text.strip()[:200]!r}") from None
-            full = name if os.path.isabs(name) else os.path.join(root, name)
-            entries.append((str(key) if key is not None else _key_of(os.path.normpath(name), os.path.isdir(full)), full))
+    for _, name, record in manifest.read_manifest(path, ("image", "video", "frames")):
+        full, key = manifest.resolve(name, root), record.get("key")
+        entries.append((str(key) if key is not None else _key_of(os.path.normpath(name), os.path.isdir(full)), full))
     return entries
 
 

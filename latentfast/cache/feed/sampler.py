@@ -1,16 +1,20 @@
 """Batch samplers over a latent cache: batches of rows of similar width (line caches) or of one shape
 (aspect buckets, video sizes), seeded, sharded by rank with the same number of batches on every rank,
-resumable mid-epoch, and able to show the next batches to a reader that reads ahead."""
+resumable mid-epoch, and able to show the next batches to a reader that reads ahead; and
+:class:`LookaheadSampler`, which has the next batches' rows read into the page cache while the loop runs."""
 from __future__ import annotations
 
+import collections
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from .. import ops
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ...checks import as_int
+from ...errors import ArgumentTypeError, InvalidArgumentError
+from . import coldread
+from .coldread import DEFAULT_LOOKAHEAD
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -24,11 +28,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
     ``state_dict()`` records the epoch and how many of this rank's batches were handed out (or pass
     ``consumed``, what the training loop really used); ``load_state_dict()`` continues from exactly
     there. :meth:`upcoming` lets a reader look ahead
-    (:class:`~latentfast.cache.prefetch.LookaheadSampler`) without consuming anything.
+    (:class:`LookaheadSampler`) without consuming anything.
     """
 
     def __init__(self, n_items: int, batch_size: int, *, seed: int, rank: int, world_size: int, drop_last: bool):
-        values = {name: ops.as_int(name, value, minimum=low) for name, value, low in (
+        values = {name: as_int(name, value, minimum=low) for name, value, low in (
             ("batch_size", batch_size, 1), ("world_size", world_size, 1), ("rank", rank, 0), ("seed", seed, 0))}
         if values["rank"] >= values["world_size"]:
             raise InvalidArgumentError(f"rank must be < world_size={values['world_size']}, got {values['rank']}")
@@ -68,7 +72,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def upcoming(self, count: int) -> list[list[int]]:
         """The next ``count`` (or fewer, at the epoch's end) batches the iteration will hand out,
         without handing them out (``consumed`` is unchanged)."""
-        count = ops.as_int("count", count, minimum=0)
+        count = as_int("count", count, minimum=0)
         if self._epoch_batches is None:
             self._epoch_batches = self.rank_batches()
         return self._epoch_batches[self.consumed : self.consumed + count]
@@ -78,7 +82,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return total // self.world_size if self.drop_last else -(-total // self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = ops.as_int("epoch", epoch, minimum=0)
+        self.epoch = as_int("epoch", epoch, minimum=0)
         self.consumed = 0
         self._epoch_batches = None
 
@@ -116,7 +120,7 @@ class WidthBucketBatchSampler(ShardedBatchSampler):
         if self.widths.size and self.widths.dtype.kind not in "iu":
             raise ArgumentTypeError(f"widths must be integers, got {self.widths.dtype}")
         super().__init__(len(self.widths), batch_size, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
-        self.bucket_batches = ops.as_int("bucket_batches", bucket_batches, minimum=1)
+        self.bucket_batches = as_int("bucket_batches", bucket_batches, minimum=1)
 
     def _all_batches(self) -> list[list[int]]:
         rng = np.random.default_rng([self.seed, self.epoch])
@@ -209,3 +213,56 @@ def _row_ids(rows: np.ndarray) -> np.ndarray:
         present[keys] = True
         return (np.cumsum(present) - 1)[keys]
     return np.unique(keys, return_inverse=True)[1]
+
+
+class LookaheadSampler:
+    """``batch_sampler``'s batches, unchanged, while the rows of the next ``lookahead`` batches are
+    read into the page cache in the background (:func:`prefetch`), so disk time hides behind the
+    training step.
+
+    A sampler with ``upcoming(k)`` (as :class:`WidthBucketBatchSampler`)
+    is peeked, not advanced, so its ``state_dict()`` still counts the batches handed out. Any other
+    iterable of batches is read ``lookahead`` batches ahead of the loop. Other attributes
+    (``set_epoch``, ``state_dict``, ...) are the wrapped sampler's."""
+
+    def __init__(self, batch_sampler: Iterable, cache, lookahead: int = DEFAULT_LOOKAHEAD):
+        self.batch_sampler, self.cache = batch_sampler, cache
+        self.lookahead = as_int("lookahead", lookahead, minimum=0)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("batch_sampler", "cache", "lookahead"):
+            raise AttributeError(name)
+        return getattr(self.batch_sampler, name)
+
+    def __iter__(self) -> Iterator:
+        if self.lookahead == 0:
+            return iter(self.batch_sampler)
+        if hasattr(self.batch_sampler, "upcoming"):
+            return self._peeking()
+        return self._reading_ahead()
+
+    def _peeking(self) -> Iterator:
+        ahead = 0  # batches after the current one already prefetched
+        for batch in self.batch_sampler:
+            if ahead == 0:
+                coldread.prefetch(self.cache, batch)
+            else:
+                ahead -= 1
+            upcoming = list(self.batch_sampler.upcoming(self.lookahead))
+            for later in upcoming[ahead:]:
+                coldread.prefetch(self.cache, later)
+            ahead = len(upcoming)
+            yield batch
+
+    def _reading_ahead(self) -> Iterator:
+        window: collections.deque = collections.deque()
+        source = iter(self.batch_sampler)
+        for batch in source:
+            coldread.prefetch(self.cache, batch)
+            window.append(batch)
+            if len(window) > self.lookahead:
+                yield window.popleft()
+        yield from window

@@ -19,7 +19,7 @@ identity and ``meta``) resumes after the last logged item, truncating any unlogg
 different header starts over. :meth:`finish` reads the data back and checks every item's CRC
 (``verify=True``), writes the index files, renames the data into place and writes the meta (the
 completion mark) last, each step durable. An exclusive lock on the split
-(:class:`~latentfast.cache.durable.BuildLock`) keeps a second writer out for the whole time.
+(:class:`~latentfast.cache.store.durable.BuildLock`) keeps a second writer out for the whole time.
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
+from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
-from .durable import HASH_BYTES, BuildLock, pwrite_all
+from .durable import HASH_BYTES, BuildLock, append_log, file_size, publish, pwrite_all, read_log, rewrite_log
 
 _LOG_VERSION = 1
 
@@ -84,7 +84,7 @@ class LatentCacheWriter:
         flush_every: items between durability points (a crash loses at most these).
         lock_timeout: seconds to wait for another writer of this split before
             :class:`~latentfast.errors.CacheLockedError`.
-        lock: a :class:`~latentfast.cache.durable.BuildLock` the caller already holds on this split
+        lock: a :class:`~latentfast.cache.store.durable.BuildLock` the caller already holds on this split
             (the writer releases it when done) instead of taking one.
         restart: discard an interrupted run's progress instead of resuming it.
 
@@ -140,7 +140,7 @@ class LatentCacheWriter:
             with contextlib.suppress(FileNotFoundError):
                 os.replace(self._paths["data"], self._partial)
         needed = sum(2 * int(np.prod(r["s"])) for r in records or [])
-        if records is None or _size(self._partial) < needed:
+        if records is None or file_size(self._partial) < needed:
             self._start_over()
             return False
         self._fd = os.open(self._partial, os.O_RDWR)
@@ -153,27 +153,11 @@ class LatentCacheWriter:
 
     def _read_log(self) -> list[dict] | None:
         """The logged records if the progress log exists with this writer's header, else None."""
-        try:
-            with open(self._paths["progress"], "rb") as fh:
-                text = fh.read()
-        except FileNotFoundError:
-            return None
-        header = self._header()
-        complete = text[: text.rfind(b"\n") + 1]  # a torn last line is dropped
-        if not complete.startswith(header):
-            return None
-        records = []
-        for line in complete[len(header):].splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                return None
-        os.truncate(self._paths["progress"], len(complete))
-        return records
+        return read_log(self._paths["progress"], self._header())
 
     def _start_over(self) -> None:
         """A fresh log (durably first), then an empty data file."""
-        fmt.write_bytes_durably(self._paths["progress"], self._header())
+        rewrite_log(self._paths["progress"], self._header())
         self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         fmt.fsync_dir(self.out_dir)
         self._log = open(self._paths["progress"], "ab")
@@ -243,10 +227,7 @@ class LatentCacheWriter:
         if self._logged == len(self._records):
             return
         os.fdatasync(self._fd)
-        lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in self._records[self._logged:])
-        self._log.write(lines)
-        self._log.flush()
-        os.fsync(self._log.fileno())
+        append_log(self._log, self._records[self._logged:])
         self._logged = len(self._records)
 
     # -- finishing ----------------------------------------------------------------------------
@@ -264,12 +245,9 @@ class LatentCacheWriter:
             self._verify_written(offsets, sums)
         os.close(self._fd)
         self._fd = -1
-        self._write_index(shapes, offsets, sums)
         self._log.close()
         self._log = None
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self._paths["progress"])
-        fmt.fsync_dir(self.out_dir)
+        self._write_index(shapes, offsets, sums)
         self.finished = True
         self._lock.release()
         return self._paths["data"]
@@ -293,8 +271,7 @@ class LatentCacheWriter:
         """Forget every item from ``keep`` on (its data starts at byte ``end``), durably (log first,
         then data), so that appending resumes there."""
         self._log.close()
-        lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in self._records[:keep])
-        fmt.write_bytes_durably(self._paths["progress"], self._header() + lines)
+        rewrite_log(self._paths["progress"], self._header(), self._records[:keep])
         self._log = open(self._paths["progress"], "ab")
         for record in self._records[keep:]:
             del self._index[record["k"]]
@@ -324,27 +301,15 @@ class LatentCacheWriter:
         }
 
     def _write_index(self, shapes: np.ndarray, offsets: np.ndarray, sums: np.ndarray) -> None:
-        """Old meta out, index files in, data renamed, new meta (the completion mark) last."""
-        paths = self._paths
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(paths["meta"])
-        fmt.fsync_dir(self.out_dir)
+        """The index files, then the data renamed and the meta last (:func:`~.durable.publish`)."""
         hashes = [r.get("h") for r in self._records]
         info = [r.get("i", {}) for r in self._records]
-        for kind, payload in (("shapes", fmt.npy_bytes(shapes)), ("offsets", fmt.npy_bytes(offsets)),
-                              ("checksums", fmt.npy_bytes(sums)), ("keys", _json_bytes(self.keys))):
-            fmt.write_bytes_durably(paths[kind], payload)
-        optional = {"hashes": fmt.npy_bytes(_hash_array(hashes)) if any(hashes) else None,
-                    "info": _json_bytes(info) if any(info) else None, "widths": None, "white": None}
-        for kind, payload in optional.items():  # a line cache's leftovers would contradict this one
-            if payload is None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(paths[kind])
-            else:
-                fmt.write_bytes_durably(paths[kind], payload)
-        os.replace(self._partial, paths["data"])
-        fmt.fsync_dir(self.out_dir)
-        fmt.write_meta(paths["meta"], self._meta(shapes))
+        files = {"shapes": fmt.npy_bytes(shapes), "offsets": fmt.npy_bytes(offsets), "checksums": fmt.npy_bytes(sums),
+                 "keys": _json_bytes(self.keys),
+                 "hashes": fmt.npy_bytes(_hash_array(hashes)) if any(hashes) else None,
+                 "info": _json_bytes(info) if any(info) else None,
+                 "widths": None, "white": None}  # a line cache's leftovers would contradict this one
+        publish(self._paths, self._partial, files, self._meta(shapes))
 
     # -- closing ------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -393,13 +358,6 @@ def open_for_sources(out_dir, split: str, *, encoder: Any, meta: dict, lock: Bui
         writer.close()
         raise
     return writer
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return -1
 
 
 def _json_bytes(value) -> bytes:

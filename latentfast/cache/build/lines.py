@@ -15,7 +15,7 @@ crash loses at most the batch in flight, and the finished cache is byte-identica
 without interruption. Before the cache is marked complete every row is read back and checked
 against its logged CRC (a batch that fails is encoded again, once); the index files are written
 next and the meta file last, with atomic renames, so a cache never opens as complete before it is.
-An exclusive lock on the split (:class:`~latentfast.cache.durable.BuildLock`) keeps a second build out.
+An exclusive lock on the split (:class:`~latentfast.cache.store.durable.BuildLock`) keeps a second build out.
 
 Reruns: a build is identified by its geometry, encoder, white column and the list of images (keys
 relative to the source, so ``imgs``, ``./imgs`` and an absolute path are the same build) with
@@ -41,10 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..devices import as_device
-from ..errors import ArgumentTypeError, CacheCorruptError, CacheError, ImageError, InvalidArgumentError
-from . import format as fmt
-from .durable import BuildLock, content_hash, pwrite_all
+from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, ImageError, InvalidArgumentError
+from ..store import format as fmt
+from ..store.durable import BuildLock, append_log, content_hash, file_size, publish, pwrite_all, read_log, rewrite_log
+from . import manifest
+from .encode import encode, prepare
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -68,18 +69,8 @@ def list_source(source: str | os.PathLike) -> list[tuple[int, str]]:
     if not os.path.isfile(source):
         raise FileNotFoundError(f"source must be a JSONL manifest or a folder of images, and {source} is neither")
     root = os.path.dirname(source)
-    entries = []
-    with open(source, encoding="utf-8") as fh:
-        for number, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-                image = record["image"]
-            except (json.JSONDecodeError, TypeError, KeyError):
-                raise InvalidArgumentError(f"manifest {source} line {number}: expected a JSON object with an 'image' path, got {text.strip()[:200]!r}") from None
-            entries.append((number, os.path.normpath(image if os.path.isabs(image) else os.path.join(root, image))))
-    return entries
+    return [(number, os.path.normpath(manifest.resolve(image, root)))
+            for number, image, _ in manifest.read_manifest(source, ("image",))]
 
 
 def _key(path: str, root: str) -> str:
@@ -147,11 +138,7 @@ def _check_geometry(line_height: int, max_line_width: int, factor: int) -> None:
 
 
 def _encode(encoder: Any, images: torch.Tensor, device: torch.device, autocast_dtype: torch.dtype | None) -> np.ndarray:
-    with torch.no_grad():
-        ctx = torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with ctx:
-            z = encoder.encode(images.to(device))
-    return z.float().cpu().numpy().astype(np.float16)
+    return encode(encoder.encode, images, device, autocast_dtype).numpy().astype(np.float16)
 
 
 def _white_column(encoder, line_height, factor, device, autocast_dtype) -> np.ndarray:
@@ -207,6 +194,11 @@ def _plan_batches(lines: list[_Line], batch_size: int, factor: int, w_max: int) 
     return batches
 
 
+def header_for(fingerprint: str) -> bytes:
+    """The progress log's first line: the build's fingerprint (a log of another build is not resumed)."""
+    return (json.dumps({"fingerprint": fingerprint}) + "\n").encode()
+
+
 class _Progress:
     """Append-only log of finished batches: a header line (the build's fingerprint), then one JSON
     record per batch: ``{"b": batch, "crc": [CRC-32 of each row as meant to be written, or null for a
@@ -215,43 +207,29 @@ class _Progress:
 
     def __init__(self, path: str, fingerprint: str):
         self.path = path
-        self.header = (json.dumps({"fingerprint": fingerprint}) + "\n").encode()
+        self.header = header_for(fingerprint)
         self.records: dict[int, dict] = {}
         self.resumed = False
-        if os.path.exists(path):
-            with open(path, "rb") as fh:
-                text = fh.read()
-            text = text[: text.rfind(b"\n") + 1]
-            records = self._parse(text)
-            if records is not None:
-                self.records, self.resumed = records, True
-                os.truncate(path, len(text))  # drop a torn tail before appending
+        records = read_log(path, self.header)
+        try:
+            self.records = {int(r["b"]): r for r in records} if records is not None else {}
+            self.resumed = records is not None
+        except (ValueError, KeyError, TypeError):  # not a batch record: the log is untrusted
+            self.records = {}
         if not self.resumed:
             self._rewrite()
         self._fh = open(path, "ab")
-
-    def _parse(self, text: bytes) -> dict[int, dict] | None:
-        if not text.startswith(self.header):
-            return None
-        records = {}
-        for line in text[len(self.header):].splitlines():
-            try:
-                record = json.loads(line)
-                records[int(record["b"])] = record
-            except (ValueError, KeyError, TypeError):
-                return None
-        return records
 
     @property
     def done(self) -> set[int]:
         return set(self.records)
 
     def _rewrite(self) -> None:
-        """The log as it stands, durably: in place when empty (a torn header just fails to match),
-        else through an atomic rename (a torn rewrite must not lose the kept records)."""
-        lines = b"".join(json.dumps(r).encode() + b"\n" for r in self.records.values())
-        if lines:
-            fmt.write_bytes_durably(self.path, self.header + lines)
+        """The log as it stands, durably: in place when empty (a torn header just fails to match, and
+        the log exists from the first step, so an interrupted build is always seen as one), else
+        through an atomic rename (a torn rewrite must not lose the kept records)."""
+        if self.records:
+            rewrite_log(self.path, self.header, self.records.values())
             return
         with open(self.path, "wb") as fh:
             fh.write(self.header)
@@ -278,9 +256,7 @@ class _Progress:
 
     def mark(self, batch: int, crcs: list[int], src: str) -> None:
         record = {"b": batch, "crc": crcs, "src": src}
-        self._fh.write(json.dumps(record).encode() + b"\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        append_log(self._fh, [record])
         self.records[batch] = record
 
     def close(self) -> None:
@@ -354,12 +330,8 @@ def build_latent_cache(
     """
     if layout not in fmt.LINE_LAYOUTS:
         raise InvalidArgumentError(f"layout must be one of {fmt.LINE_LAYOUTS}, got {layout!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+    encoder, device = prepare(encoder, device, batch_size)
     wall_start = time.perf_counter()
-    device = as_device(device)
-    if hasattr(encoder, "to"):
-        encoder = encoder.to(device)
     stamp = cache_meta_for(encoder, line_height=line_height, max_line_width=max_line_width, downscale_factor=downscale_factor)
     out_dir = os.fspath(out_dir)
     paths = {kind: fmt.cache_path(out_dir, split, kind) for kind in _FILES}
@@ -420,13 +392,6 @@ def _plan(encoder, source, pool, stamp, layout, batch_size, device, autocast_dty
     return _Plan(lines, batches, widths, row_starts, white, meta)
 
 
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return -1
-
-
 def _plan_lines(pool, entries, root, line_height, max_line_width, skip_bad_images, chunk=4096):
     """Probe every image on the pool, a chunk at a time (bounded memory for huge manifests)."""
     lines, skipped = [], []
@@ -456,9 +421,8 @@ def _open_progress(paths, plan: _Plan) -> _Progress | None:
             if not redo:
                 return None
             keep = [{"b": b, "crc": None, "src": plan.batch_digest(b)} for b in range(len(plan.batches)) if b not in redo]
-            header = (json.dumps({"fingerprint": plan.fingerprint}) + "\n").encode()
-            fmt.write_bytes_durably(paths["progress"], header + b"".join(json.dumps(r).encode() + b"\n" for r in keep))
-    if os.path.exists(paths["progress"]) and not os.path.exists(partial) and _size(paths["data"]) == data_bytes:
+            rewrite_log(paths["progress"], header_for(plan.fingerprint), keep)
+    if os.path.exists(paths["progress"]) and not os.path.exists(partial) and file_size(paths["data"]) == data_bytes:
         # finished data not yet stamped (a crash inside _finalize) or a finished cache being repaired
         with contextlib.suppress(FileNotFoundError):
             os.remove(paths["meta"])
@@ -468,7 +432,7 @@ def _open_progress(paths, plan: _Plan) -> _Progress | None:
     stale = [b for b, r in progress.records.items() if b >= len(plan.batches) or r.get("src") != plan.batch_digest(b)]
     if stale:
         progress.forget(stale)  # their images changed since they were encoded
-    if not progress.resumed or _size(partial) != data_bytes:
+    if not progress.resumed or file_size(partial) != data_bytes:
         progress.restart()  # nothing to resume: the log forgets first, then the data starts over
         with open(partial, "wb") as fh:
             fh.truncate(data_bytes)
@@ -477,7 +441,7 @@ def _open_progress(paths, plan: _Plan) -> _Progress | None:
 
 def _finished_cache(paths, plan: _Plan):
     """The complete cache in the folder if it was built with this fingerprint, else None."""
-    from .reader import LatentCache
+    from ..store.reader import LatentCache
 
     try:
         meta = fmt.read_meta(paths["meta"])
@@ -490,7 +454,7 @@ def _finished_cache(paths, plan: _Plan):
 
 def _batches_to_redo(cache, plan: _Plan) -> set[int]:
     """Batches holding an image whose content hash changed, or a row of a block that fails verify."""
-    from .reader import bad_blocks
+    from ..store.reader import bad_blocks
 
     owner = plan.batch_of_rows()
     hashes = cache.content_hashes()
@@ -607,27 +571,16 @@ def _write_rows(fd: int, z: np.ndarray, batch, plan: _Plan) -> list[int]:
 
 
 def _finalize(paths, data_src: str, plan: _Plan) -> None:
-    """Checksums, index files, data rename, then the meta (the completion mark), then drop the log."""
-    meta, folder = plan.meta, os.path.dirname(paths["meta"]) or "."
+    """Checksums, then the finish step (:func:`~latentfast.cache.store.durable.publish`): index files,
+    data rename, the meta (the completion mark), the log dropped."""
+    meta = plan.meta
     mm = np.memmap(data_src, dtype=np.float16, mode="r", shape=(int(plan.row_starts[-1]),))
     sums = fmt.block_checksums(mm, plan.row_starts, meta["checksum"]["block_rows"])
     del mm
-    with contextlib.suppress(FileNotFoundError):  # an older cache here no longer opens as complete
-        os.remove(paths["meta"])
-    fmt.fsync_dir(folder)
     hashes = np.frombuffer(b"".join(x.digest for x in plan.lines), dtype=np.uint8).reshape(len(plan.lines), -1)
     keys = (json.dumps([x.key for x in plan.lines], separators=(",", ":")) + "\n").encode()
-    for kind, payload in (("widths", fmt.npy_bytes(plan.widths)), ("white", fmt.npy_bytes(plan.white)),
-                          ("checksums", fmt.npy_bytes(sums)), ("keys", keys), ("hashes", fmt.npy_bytes(hashes))):
-        fmt.write_bytes_durably(paths[kind], payload)
-    if meta["layout"] == "ragged":
-        fmt.write_bytes_durably(paths["offsets"], fmt.npy_bytes(plan.row_starts))
-    for kind in ("offsets", "shapes", "info") if meta["layout"] == "padded" else ("shapes", "info"):
-        with contextlib.suppress(FileNotFoundError):  # a different cache's leftovers
-            os.remove(paths[kind])
-    if data_src != paths["data"]:
-        os.replace(data_src, paths["data"])
-    fmt.fsync_dir(folder)
-    fmt.write_meta(paths["meta"], meta)
-    os.remove(paths["progress"])
-    fmt.fsync_dir(folder)
+    files = {"widths": fmt.npy_bytes(plan.widths), "white": fmt.npy_bytes(plan.white), "checksums": fmt.npy_bytes(sums),
+             "keys": keys, "hashes": fmt.npy_bytes(hashes),
+             "offsets": fmt.npy_bytes(plan.row_starts) if meta["layout"] == "ragged" else None,
+             "shapes": None, "info": None}  # None: a different cache's leftovers go
+    publish(paths, data_src, files, meta)

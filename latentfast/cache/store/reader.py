@@ -1,23 +1,24 @@
-"""Open, read, inspect and verify a latent cache (see :mod:`latentfast.cache.format`)."""
+"""Open, read, inspect and verify a latent cache (see :mod:`latentfast.cache.store.format`)."""
 from __future__ import annotations
 
 import json
 import operator
 import os
 import time
-import warnings
 import zlib
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import CacheCorruptError, IncompleteCacheError, IndexOutOfRangeError, InvalidArgumentError
+from ...errors import CacheCorruptError, IncompleteCacheError, IndexOutOfRangeError, InvalidArgumentError
+from ..feed import coldread, gather
 from . import format as fmt
+from . import layout
 
 
 class LatentCache:
-    """Read-only, worker-safe view of a built latent cache (any layout, see :mod:`~latentfast.cache.format`).
+    """Read-only, worker-safe view of a built latent cache (any layout, see :mod:`~latentfast.cache.store.format`).
 
     ``cache[i]`` is a float16 copy of item i, of shape ``shapes[i]``: ``[C, h, w_i]`` in a line
     cache, any shape in a ``shaped`` one. ``shapes`` (int64 ``[N, ndim]``) and ``keys`` (each
@@ -69,11 +70,8 @@ class LatentCache:
 
     def _reset_process_state(self) -> None:
         """What each process opens for itself: the map, its file descriptor, the tensor views."""
-        self._mm: np.ndarray | None = None
-        self._fd: int | None = None
-        self._data: torch.Tensor | None = None
+        self.items = layout.Items(self)  # what the read path reads: geometry and this process's map
         self._keys: list[str] | None = None
-        self._verified: set[int] = set()
         self._row_shape = (self.channels, self.latent_h, self.w_max)
         self._line_elements = self.channels * self.latent_h
         self._row_elements = self._line_elements * self.w_max
@@ -101,7 +99,7 @@ class LatentCache:
     def _load_widths(self) -> None:
         n, w_max = self.meta["n"], self.meta["w_max"]
         wpath = fmt.cache_path(self.cache_dir, self.split, "widths")
-        widths = _load_npy(wpath, "widths")
+        widths = fmt.load_npy(wpath, "widths")
         if widths.ndim != 1 or not np.issubdtype(widths.dtype, np.integer):
             raise CacheCorruptError(f"latent cache widths {wpath} must be a 1-D integer array, got {widths.dtype} {widths.shape}")
         if len(widths) != n:
@@ -113,7 +111,7 @@ class LatentCache:
         self.row_starts = self._line_row_starts()
         if self.layout == "ragged":
             opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
-            offsets = _load_npy(opath, "offsets")
+            offsets = fmt.load_npy(opath, "offsets")
             if offsets.shape != (n + 1,):
                 raise CacheCorruptError(f"latent cache offsets {opath} must have n + 1 = {n + 1} entries, got shape {offsets.shape}")
             if not np.array_equal(offsets, self.row_starts):
@@ -123,7 +121,7 @@ class LatentCache:
         m = self.meta
         n, ndim = m["n"], m["ndim"]
         spath = fmt.cache_path(self.cache_dir, self.split, "shapes")
-        shapes = _load_npy(spath, "shapes")
+        shapes = fmt.load_npy(spath, "shapes")
         if shapes.shape != (n, ndim) or not np.issubdtype(shapes.dtype, np.integer):
             raise CacheCorruptError(f"latent cache shapes {spath} must be an integer array of shape [n, ndim] = [{n}, {ndim}], got {shapes.dtype} {list(shapes.shape)}")
         shapes = shapes.astype(np.int64, copy=False)
@@ -134,7 +132,7 @@ class LatentCache:
         self.widths = shapes[:, -1].astype(np.int32)
         self.row_starts = fmt.shaped_offsets(shapes)
         opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
-        offsets = _load_npy(opath, "offsets")
+        offsets = fmt.load_npy(opath, "offsets")
         if offsets.shape != (n + 1,) or not np.array_equal(offsets, self.row_starts):
             raise CacheCorruptError(f"latent cache offsets {opath} disagree with the shapes (item i must span prod(shapes[i]) elements, back to back)")
 
@@ -143,7 +141,7 @@ class LatentCache:
         path = fmt.cache_path(self.cache_dir, self.split, "white")
         stored = None
         if os.path.exists(path):
-            stored = _load_npy(path, "white column")
+            stored = fmt.load_npy(path, "white column")
             if stored.shape != shape:
                 raise CacheCorruptError(f"latent cache white column {path} must have shape {list(shape)}, got {list(stored.shape)}")
             stored = torch.from_numpy(stored.astype(np.float16))
@@ -218,7 +216,7 @@ class LatentCache:
         path = fmt.cache_path(self.cache_dir, self.split, "hashes")
         if not os.path.exists(path):
             return None
-        hashes = _load_npy(path, "hashes")
+        hashes = fmt.load_npy(path, "hashes")
         if hashes.shape != (len(self), 16) or hashes.dtype != np.uint8:
             raise CacheCorruptError(f"latent cache hashes {path} must be uint8 [{len(self)}, 16], got {hashes.dtype} {list(hashes.shape)}")
         return hashes
@@ -232,35 +230,14 @@ class LatentCache:
         return f"LatentCache({self.cache_dir!r}, split={self.split!r}, n={len(self)}, layout={self.layout!r}, C={self.channels}, h={self.latent_h}, w_max={self.w_max})"
 
     # -- data access ------------------------------------------------------------------------
-    def _open_fd(self) -> int:
-        """This process's descriptor of the data file (what reads and the size check use)."""
-        if self._fd is None:
-            self._fd = os.open(self._data_path, os.O_RDONLY)
-        return self._fd
-
     def _memmap(self) -> np.ndarray:
         """The whole data file as a flat read-only float16 array, opened once per process."""
-        if self._mm is None:
-            self._open_fd()
-            if self.row_starts[-1] == 0:
-                self._mm = np.zeros(0, dtype=np.float16)
-            else:
-                mm = np.memmap(self._data_path, dtype=np.float16, mode="r", shape=(int(self.row_starts[-1]),))
-                self._mm = mm.view(np.ndarray)  # plain-array slicing is cheaper; the view keeps the map open
-        return self._mm
+        return self.items.memmap()
 
     def check_unchanged(self) -> None:
         """Raise :class:`CacheCorruptError` if the mapped data file no longer has its size (one fstat):
         reading a page past a truncated file's end would kill the process with SIGBUS."""
-        if self._fd is None:
-            return
-        size = os.fstat(self._fd).st_size
-        if size != int(self.row_starts[-1]) * 2:
-            raise CacheCorruptError(
-                f"latent cache data file {self._data_path} changed size under this reader "
-                f"({int(self.row_starts[-1]) * 2} bytes when opened, {size} now): it was truncated or rewritten in "
-                f"place; rebuild the cache or reopen it"
-            )
+        self.items.check_unchanged()
 
     def _checked_index(self, i) -> int:
         n = self.meta["n"]
@@ -277,7 +254,7 @@ class LatentCache:
         i = self._checked_index(i)
         if self.verify_rows:
             self.verify_items([i])
-        fd = self._fd if self._fd is not None else self._open_fd()
+        fd = self.items.fd()
         start = int(self.row_starts[i])
         if self.shaped:
             row = np.empty(self._shapes[i], dtype=np.float16)
@@ -296,18 +273,7 @@ class LatentCache:
         """Check the checksum block of every row in ``indices`` (each block once per process);
         :class:`CacheCorruptError` names the first failing block. A cache without checksums
         (the original format) has nothing to check against: ``InvalidArgumentError``."""
-        block_rows = fmt.checksum_block_rows(self.meta, fmt.cache_path(self.cache_dir, self.split, "meta"))
-        if block_rows is None:
-            raise InvalidArgumentError(f"verify_rows: latent cache {self.cache_dir} (split {self.split!r}) stores no checksums")
-        if not hasattr(self, "_sums"):
-            self._sums = _checksums(self.cache_dir, self.split, len(self), block_rows)
-        data = self._memmap()
-        n = len(self)
-        for block in sorted({int(i) // block_rows for i in indices} - self._verified):
-            r0, r1 = block * block_rows, min(n, (block + 1) * block_rows)
-            if zlib.crc32(data[int(self.row_starts[r0]) : int(self.row_starts[r1])]) != int(self._sums[block]):
-                raise CacheCorruptError(f"latent cache {self._data_path}: block {block} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
-            self._verified.add(block)
+        self.items.block_checks.check(self._memmap(), self.row_starts, np.asarray(indices, dtype=np.int64))
 
     def gather_source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(data, row_offsets, widths, pitch)`` for batch gathers; checks the file size first (one fstat).
@@ -317,38 +283,20 @@ class LatentCache:
         ``pitch_i`` is ``pitch`` (w_max) for the padded layout and the row's own width when
         ``pitch`` is 0 (ragged). In a shaped cache each item is one line (C = h = 1 in gather
         terms) whose width is its element count, with pitch 0. Never write through ``data``."""
-        if self._data is None:
-            with warnings.catch_warnings():  # torch warns that the memmap is not writable
-                warnings.simplefilter("ignore", UserWarning)
-                self._data = torch.from_numpy(self._memmap())
-            self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
-            if self.shaped:
-                numel = np.diff(self.row_starts)
-                if numel.size and numel.max() > np.iinfo(np.int32).max:
-                    raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max())} elements is too large for the batch gather (int32 widths)")
-                self._widths_t = torch.from_numpy(numel.astype(np.int32))
-            else:
-                self._widths_t = torch.from_numpy(np.ascontiguousarray(self.widths))
-        self.check_unchanged()
-        pitch = self.w_max if self.layout == "padded" else 0
-        return self._data, self._row_offsets, self._widths_t, pitch
+        return self.items.source()
 
     def read_batch(self, indices, **kwargs):
         """See :func:`latentfast.cache.read_batch`."""
-        from .decode import read_batch
-
-        return read_batch(self, indices, **kwargs)
+        return gather.read_batch(self, indices, **kwargs)
 
     def prefetch(self, indices) -> None:
-        """Start reading rows ``indices`` into the page cache and return at once (see :mod:`.prefetch`)."""
-        from .prefetch import prefetch
-
-        prefetch(self, indices)
+        """Start reading rows ``indices`` into the page cache and return at once (see :mod:`latentfast.cache.feed.coldread`)."""
+        coldread.prefetch(self, indices)
 
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_mm", "_fd", "_data", "_row_offsets", "_widths_t", "row_starts", "_keys", "_verified", "_sums", "_info"):
+        for key in ("items", "row_starts", "_keys", "_info"):
             state.pop(key, None)  # row_starts: recomputed from the index (validated equal on open)
         return state
 
@@ -357,24 +305,9 @@ class LatentCache:
         self.row_starts = fmt.shaped_offsets(self._shapes) if self.shaped else self._line_row_starts()
         self._reset_process_state()
 
-    def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
-            self._fd = None
-
     def _line_row_starts(self) -> np.ndarray:
-        if self.layout == "ragged":
-            return fmt.ragged_offsets(self.widths, self.channels, self.latent_h)
-        return np.arange(len(self) + 1, dtype=np.int64) * fmt.row_elements(self.meta)
-
-
-def _load_npy(path: str, what: str) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"latent cache {what} file {path} does not exist") from None
-    except (ValueError, EOFError, OSError, MemoryError) as exc:
-        raise CacheCorruptError(f"latent cache {what} file {path} is not a valid .npy array: {exc}") from None
+        return layout.row_starts(self.layout, len(self), channels=self.channels, latent_h=self.latent_h,
+                                 w_max=self.w_max, widths=self.widths)
 
 
 def _load_json(path: str, what: str):
@@ -385,15 +318,6 @@ def _load_json(path: str, what: str):
         raise CacheCorruptError(f"latent cache {what} file {path} is not valid JSON: {exc}") from None
 
 
-def _checksums(cache_dir: str, split: str, n: int, block_rows: int) -> np.ndarray:
-    spath = fmt.cache_path(cache_dir, split, "checksums")
-    sums = _load_npy(spath, "checksums")
-    blocks = -(-n // block_rows)
-    if sums.shape != (blocks,):
-        raise CacheCorruptError(f"latent cache checksums {spath} must hold {blocks} entries, got shape {list(sums.shape)}")
-    return sums
-
-
 def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tuple[int, int, int, int | None]], int]:
     """``([(block, first_row, end_row, nonfinite_row)], block_rows)`` for every checksum block that
     fails its CRC-32 (``nonfinite_row`` None) or holds a non-finite value (the first such row);
@@ -401,7 +325,7 @@ def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tu
     meta_path = fmt.cache_path(cache.cache_dir, cache.split, "meta")
     block_rows = fmt.checksum_block_rows(cache.meta, meta_path)
     n = len(cache)
-    sums = None if block_rows is None else _checksums(cache.cache_dir, cache.split, n, block_rows)
+    sums = None if block_rows is None else fmt.load_checksums(cache.cache_dir, cache.split, n, block_rows)
     if block_rows is None:
         block_rows = max(1, fmt.CHECKSUM_BLOCK_BYTES // (2 * max(1, int(cache.row_starts[-1]) // max(1, n))))
     data = cache._memmap()
@@ -465,11 +389,9 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
         if os.path.exists(path):
             files[os.path.basename(path)] = os.path.getsize(path)
     data_bytes = int(cache.row_starts[-1]) * 2
-    from .prefetch import resident_bytes
-
     info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files,
             "bytes_on_disk": sum(files.values()), "data_bytes": data_bytes,
-            "resident_bytes": resident_bytes(cache._data_path)}  # in the page cache now (None: the OS cannot say)
+            "resident_bytes": coldread.resident_bytes(cache._data_path)}  # in the page cache now (None: the OS cannot say)
     if cache.shaped:
         shapes, counts = np.unique(cache.shapes, axis=0, return_counts=True)
         order = np.argsort(-counts, kind="stable")

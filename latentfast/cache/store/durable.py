@@ -1,4 +1,12 @@
-"""Durable-write helpers shared by every cache writer: whole writes, content hashes, the build lock.
+"""The one durable-write protocol of every cache writer: whole writes, the progress log, the finish step, content hashes, the build lock.
+
+Every writer (the line builder, :class:`~latentfast.cache.LatentCacheWriter` and so the image, video
+and import builds) follows the same steps: write whole rows (:func:`pwrite_all`), ``fdatasync`` the
+data, then append their records to the progress log (:func:`append_log`: a record is never ahead of
+its data); on reopen, :func:`read_log` keeps a log only if its header matches this build (a torn
+last line is cut off), which is the one resume rule; reading the data back against the logged CRCs
+is the writer's, then :func:`publish` finishes: old meta out, index files in, data renamed into
+place, the meta (the completion mark) last, the log removed.
 
 - :func:`pwrite_all` writes every byte or raises: ``os.pwrite`` may write fewer bytes than asked
   (a disk filling up), and a loop that ignores the count leaves zeros where a latent should be.
@@ -11,6 +19,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -20,7 +29,8 @@ import socket
 import sys
 import time
 
-from ..errors import CacheLockedError
+from ...errors import CacheLockedError
+from . import format as fmt
 
 HASH_BYTES = 16
 
@@ -34,6 +44,77 @@ def pwrite_all(fd: int, payload, offset: int) -> None:
         if written <= 0:
             raise OSError(errno.ENOSPC, f"write made no progress at byte {offset + done} (disk full?)")
         done += written
+
+
+def read_log(path: str, header: bytes) -> list[dict] | None:
+    """The records (one JSON object a line) of the progress log at ``path`` after its ``header``.
+    A torn last line (a crash mid-append) is cut off the file; a missing log, another header or an
+    unreadable line gives None (nothing of it can be trusted: the build starts over)."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return None
+    complete = text[: text.rfind(b"\n") + 1]
+    if not complete.startswith(header):
+        return None
+    records = []
+    for line in complete[len(header):].splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            return None
+    os.truncate(path, len(complete))  # appending resumes after the last whole record
+    return records
+
+
+def log_bytes(header: bytes, records) -> bytes:
+    return header + b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
+
+
+def rewrite_log(path: str, header: bytes, records=()) -> None:
+    """The log as ``header`` + ``records``, durably, through an atomic rename (a torn rewrite must not
+    lose the records kept)."""
+    fmt.write_bytes_durably(path, log_bytes(header, records))
+
+
+def append_log(fh, records) -> None:
+    """Append ``records`` to the open log ``fh`` and make them durable (their data must already be)."""
+    fh.write(log_bytes(b"", records))
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def publish(paths: dict, data_src: str, files: dict, meta: dict) -> None:
+    """The finish step: the old meta out (an older cache here no longer opens as complete), each
+    index file of ``files`` (kind -> bytes, or None: remove a leftover of another cache) written
+    durably, the data at ``data_src`` renamed to ``paths["data"]``, the meta (the completion mark)
+    last, then the progress log removed."""
+    folder = os.path.dirname(paths["meta"]) or "."
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(paths["meta"])
+    fmt.fsync_dir(folder)
+    for kind, payload in files.items():
+        if payload is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(paths[kind])
+        else:
+            fmt.write_bytes_durably(paths[kind], payload)
+    if data_src != paths["data"]:
+        os.replace(data_src, paths["data"])
+    fmt.fsync_dir(folder)
+    fmt.write_meta(paths["meta"], meta)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(paths["progress"])
+    fmt.fsync_dir(folder)
+
+
+def file_size(path: str) -> int:
+    """Bytes of the file at ``path``, or -1 when there is none (a partial file not yet created)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
 
 
 def content_hash(paths, chunk: int = 1 << 20) -> bytes:

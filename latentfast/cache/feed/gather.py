@@ -1,0 +1,139 @@
+"""The one batch read path: ``read_batch(cache, indices)`` resolves the batch's span table once and copies it, on the CPU or a CUDA device.
+
+CPU target: one compiled gather (``latentfast::gather_rows_into``) copies each requested row's real
+columns from the memmap straight into the output, pads with the white column and casts, on several
+threads with the GIL released. A batch of small rows costs about as much in fixed per-call work as
+in copying, so that path is kept short: the kernel, which checks every index before copying
+anyway, is the one that validates a plain int64 vector (see :func:`~latentfast.cache.store.layout.resolve`).
+
+CUDA target (:mod:`latentfast.cache.feed.device`): the same rows' real columns only are gathered
+back to back into a slot of a pinned ring buffer, copied to the device on a side stream (bytes over
+PCIe = useful bytes), and one device kernel (``latentfast::expand_rows_into``) pads and casts.
+
+Shaped caches (image buckets, video) take the same two targets: a batch of one item shape is a
+ragged gather of one line per item, reshaped to ``[B, *shape]``. Both targets take the cold-read
+path of :mod:`latentfast.cache.feed.coldread` before copying, and a cache opened with
+``verify_rows`` has the batch's checksum blocks checked first. Each step reads the span table;
+none goes back to the cache for geometry.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ...checks import FLOAT_DTYPES
+from ...devices import as_device
+from ...errors import DeviceUnavailableError, InvalidArgumentError
+from ..store import layout
+from ..store.layout import ELEMENT_BYTES
+from . import coldread, device as device_path
+
+_CPU = torch.device("cpu")
+
+
+def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, backend: str = "auto",
+               cold="auto"):
+    """Rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`, read through its
+    :class:`~latentfast.cache.store.layout.Items`) as one batch.
+
+    Args:
+        indices: ints (sequence, numpy array or tensor); duplicates and any order allowed; each must
+            be in ``[0, len(cache))`` (else IndexError naming it).
+        device: where the batch lands, read with :func:`latentfast.devices.as_device` ("cpu",
+            "cuda" = the current CUDA device, "cuda:1", an int, a torch.device). Default "cpu": a
+            host batch, which a DataLoader pins and :class:`~latentfast.cache.DevicePrefetcher`
+            moves; pass a CUDA device to gather into pinned memory and expand on the device.
+        dtype: float16 (default), bfloat16 or float32.
+        width: W of the batch (an int), at least the widest requested row (default: exactly that);
+            line caches only.
+        out: optional preallocated contiguous output on ``device`` (``[B, C, h, W]``; a shaped
+            cache's batch: ``[B, *shape]``).
+        cold: ``"auto"`` (default) reads a batch whose pages are not in the page cache with parallel
+            I/O before copying it, and stops checking once batches keep being found in memory
+            (see :mod:`latentfast.cache.feed.coldread`); ``True`` always asks for the pages first (a
+            cache known to be far larger than RAM); ``False`` never (pages fault in as touched).
+
+    Returns:
+        Line caches: ``(latents [B, C, h, W] of dtype on device, widths [B] int32 on the CPU)``;
+        columns from a row's width up to W hold the cache's white column. Shaped caches:
+        ``(latents [B, *shape], shapes [B, ndim] int64 on the CPU)``; items of different shapes
+        raise ``InvalidArgumentError`` naming them.
+    """
+    dtype = torch.float16 if dtype is None else dtype
+    if not (cold == "auto" if cold.__class__ is str else cold is True or cold is False):
+        raise InvalidArgumentError(f"cold must be 'auto', True or False, got {cold!r}")
+    on_cpu = device.__class__ is str and device == "cpu"  # the default passes as is, cheaply
+    if not on_cpu:
+        device = as_device(device)
+        on_cpu = device.type == "cpu"
+    # the cache as plain attributes, so nothing below calls back into the reader; an object that only
+    # presents a cache's attributes (a wrapper) is read through Items made from it for this call
+    items = getattr(cache, "__dict__", {}).get("items") or layout.Items(cache, source=cache.gather_source)
+    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows, out=out,
+                           dtype=dtype, device=_CPU if on_cpu else device)
+    if table.shape is not None:
+        return _shaped_batch(table, device, dtype, out, backend, cold)
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    return _copy(table, on_cpu, device, dtype, out, backend, cold), torch.from_numpy(table.widths)
+
+
+def _shaped_batch(table, device, dtype, out, backend, cold):
+    """A shaped cache's batch: the items' one line each, viewed as ``[B, *shape]``."""
+    B, shape = table.index.numel(), table.shape
+    flat_out = None if out is None else out.view(B, 1, 1, table.width)  # (checked in resolve)
+    if B == 0:
+        return torch.empty((0,) * (1 + table.shapes.shape[1]), dtype=dtype), torch.from_numpy(table.shapes)
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    on_cpu = device.__class__ is str or device.type == "cpu"
+    latents = _copy(table, on_cpu, device, dtype, flat_out, backend, cold)
+    return latents.view(B, *shape), torch.from_numpy(table.shapes)
+
+
+def _copy(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:
+    """The batch of ``table`` as ``[B, lines C, h, W]`` of ``dtype`` on the CPU or a CUDA device."""
+    if on_cpu:
+        return _gather_cpu(table, dtype, out, backend, cold)
+    if device.type != "cuda":
+        raise InvalidArgumentError(f"device must be a CPU or CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise DeviceUnavailableError(f"read_batch(device={str(device)!r}): CUDA is not available here; use device='cpu'")
+    with torch.cuda.device(device):  # every allocation, launch and stream below belongs to `device`
+        state = _before_copy(table, cold)
+        return device_path.stage_and_expand(table, device, dtype, out, backend, state)
+
+
+def _gather_cpu(table, dtype, out, backend, cold) -> torch.Tensor:
+    """The CPU path, trimmed for small batches, where fixed per-call costs rival the copy."""
+    if out is None:  # (a given out was checked in resolve)
+        out = torch.empty((table.index.numel(), table.channels, table.latent_h, table.width), dtype=dtype)
+    white = table.white
+    if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
+        white = white.to(torch.float16).contiguous()
+    state = _before_copy(table, cold)
+    start = time.perf_counter() if state is not None else 0.0
+    data, row_offsets, widths, pitch = table.source
+    torch.ops.latentfast.gather_rows_into.default(data, row_offsets, widths, pitch, table.index, white, out, backend)
+    if state is not None and state.hot:  # a hot batch pays this clock read and a compare
+        seconds = time.perf_counter() - start
+        if seconds > coldread.SLOW_FLOOR_S:
+            state.after_copy(seconds, lambda: int(table.widths.sum(dtype=np.int64)) * table.lines * ELEMENT_BYTES)
+    return out
+
+
+def _before_copy(table, cold):
+    """The cold-read path before a batch's copy: the cache's
+    :class:`~latentfast.cache.feed.coldread.ColdReads` (None when ``cold`` is False or the cache cannot
+    have one), which asks for the batch's missing pages unless batches have been found hot; a map
+    seen for the first time is marked MADV_RANDOM."""
+    if cold is False:
+        return None
+    state = coldread.cold_reads(table.cache)
+    if state is None or (state.hot and cold is not True):
+        return state
+    state.advise_map(table.source[0])
+    state.before_copy(table, always=cold is True)
+    return state

@@ -1,0 +1,312 @@
+"""Where every item's bytes live: row starts of each layout, and the span table of one batch that the read path consumes.
+
+A cache's data file is float16 elements back to back; ``row_starts[i]`` (element offsets, one
+entry per item plus the end) says where item ``i`` begins. The layouts differ only in how an item
+is cut into "lines" for the compiled gather (``lines`` lines of ``widths[i]`` real elements,
+``pitch`` elements apart) and in what a batch must share:
+
+- ``padded`` (the specification's seed-compatible layout): every row ``[C, h, w_max]``, lines
+  ``w_max`` apart, the real ``widths[i]`` columns first;
+- ``ragged``: row ``i`` is ``[C, h, widths[i]]``, no padding stored (``pitch`` 0: a line is as long
+  as its row is wide);
+- ``shaped`` (image buckets, video): item ``i`` has its own shape, stored C-contiguous; for the
+  gather it is one line of ``prod(shape)`` elements, and a batch must hold items of one shape.
+
+:func:`resolve` turns "these items" into a :class:`SpanTable` once per batch (indices converted
+once); every later step (checksum checks, cold-read advice, the CPU gather, pinned staging) reads
+that table and none goes back to the cache object for geometry.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+import zlib
+
+import numpy as np
+import torch
+
+from ...checks import as_row_indices, batch_width, check_out_tensor
+from ...errors import ArgumentTypeError, CacheCorruptError, InvalidArgumentError
+from . import format as fmt
+
+ELEMENT_BYTES = 2  # float16
+_CPU = torch.device("cpu")
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+# ---- row starts: the one place item offsets are computed -------------------------------------------
+def row_starts(layout: str, n: int, *, channels: int = 0, latent_h: int = 0, w_max: int = 0, widths=None,
+               shapes=None) -> np.ndarray:
+    """int64 ``[n + 1]`` element offsets of every item of a cache of this layout (the last: the end)."""
+    if layout == "shaped":
+        return fmt.shaped_offsets(shapes)
+    if layout == "ragged":
+        return fmt.ragged_offsets(widths, channels, latent_h)
+    return np.arange(n + 1, dtype=np.int64) * (int(channels) * int(latent_h) * int(w_max))
+
+
+# ---- one opened cache's items, as the read path sees them ----------------------------------------
+class Items:
+    """What the read path needs of an opened cache, as plain attributes (so reading a batch never
+    goes back into the reader): geometry, widths and shapes, row starts, the white column, whether
+    rows are verified, and the data file, opened and mapped on first use in each process.
+
+    Built by :class:`~latentfast.cache.LatentCache` when it opens a cache (and again in each process
+    that unpickles it); the cache's own reads (``cache[i]``, verify) share its map and descriptor."""
+
+    def __init__(self, cache, source=None):
+        self._source = source  # a wrapper's own gather_source(), else None: this object maps the file
+        self.cache_dir, self.split, self.meta = cache.cache_dir, cache.split, cache.meta
+        self.path = fmt.cache_path(cache.cache_dir, cache.split, "data")
+        self.n, self.shaped, self.verify_rows = len(cache), cache.shaped, cache.verify_rows
+        self.channels, self.latent_h, self.w_max = cache.channels, cache.latent_h, cache.w_max
+        self.widths, self.row_starts, self.white = cache.widths, cache.row_starts, cache.white_column
+        self.shapes = cache.shapes if cache.shaped else None
+        self.pitch = self.w_max if cache.layout == "padded" else 0
+        self._fd: int | None = None
+        self._mm: np.ndarray | None = None
+        self._data: torch.Tensor | None = None
+        self._block_checks: BlockChecks | None = None
+
+    def fd(self) -> int:
+        """This process's descriptor of the data file (what reads and the size check use)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
+    def memmap(self) -> np.ndarray:
+        """The whole data file as a flat read-only float16 array, opened once per process."""
+        if self._mm is None:
+            self.fd()
+            end = int(self.row_starts[-1])
+            if end == 0:
+                self._mm = np.zeros(0, dtype=np.float16)
+            else:  # plain-array slicing is cheaper; the view keeps the map open
+                self._mm = np.memmap(self.path, dtype=np.float16, mode="r", shape=(end,)).view(np.ndarray)
+        return self._mm
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`CacheCorruptError` if the mapped data file no longer has its size (one fstat):
+        reading a page past a truncated file's end would kill the process with SIGBUS."""
+        if self._fd is None:
+            return
+        size, expected = os.fstat(self._fd).st_size, int(self.row_starts[-1]) * 2
+        if size != expected:
+            raise CacheCorruptError(
+                f"latent cache data file {self.path} changed size under this reader ({expected} bytes when opened, "
+                f"{size} now): it was truncated or rewritten in place; rebuild the cache or reopen it"
+            )
+
+    def source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(data, row_offsets, widths, pitch)`` for the compiled gathers (see
+        :meth:`latentfast.cache.LatentCache.gather_source`); checks the file size first."""
+        if self._source is not None:
+            return self._source()
+        if self._data is None:
+            with warnings.catch_warnings():  # torch warns that the memmap is not writable
+                warnings.simplefilter("ignore", UserWarning)
+                self._data = torch.from_numpy(self.memmap())
+            self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
+            if self.shaped:
+                numel = np.diff(self.row_starts)
+                if numel.size and numel.max() > _INT32_MAX:
+                    raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max())} elements is too large for the batch gather (int32 widths)")
+                self._widths_t = torch.from_numpy(numel.astype(np.int32))
+            else:
+                self._widths_t = torch.from_numpy(np.ascontiguousarray(self.widths))
+        self.check_unchanged()
+        return self._data, self._row_offsets, self._widths_t, self.pitch
+
+    @property
+    def block_checks(self) -> BlockChecks:
+        """This process's record of the checksum blocks (``InvalidArgumentError`` if the cache stores none)."""
+        if self._block_checks is None:
+            self._block_checks = BlockChecks(self.cache_dir, self.split, self.meta, self.n)
+        return self._block_checks
+
+    def __getstate__(self) -> dict:  # a process maps the file for itself
+        state = self.__dict__.copy()
+        state.update(_fd=None, _mm=None, _data=None, _block_checks=None)
+        state.pop("_row_offsets", None)
+        state.pop("_widths_t", None)
+        return state
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# ---- the span table ---------------------------------------------------------------------------------
+class SpanTable:
+    """One batch's items as the read path sees them: which elements of which file to copy.
+
+    ``index`` (int64 CPU tensor) and ``index_np`` (its numpy view) name the items; ``widths`` (int32
+    ``[B]``) each item's real elements per line; ``lines`` the lines per item; ``pitch`` the elements
+    between lines (0: an item's own width); ``width`` the batch's W (a shaped batch: elements per
+    item); ``w_max`` the widest line any item of the cache may have (what a staging buffer is sized
+    for); ``white`` the float16 ``[C, h, 1]`` padding column or None; ``shape``/``shapes`` a shaped
+    batch's item shape and ``[B, ndim]`` shapes (None for line caches); ``checked`` whether the
+    indices were range-checked here (if not, the kernel checks each before copying). ``source`` is
+    the cache's ``(data, row_offsets, widths, pitch)`` and ``row_starts`` its item offsets (item
+    ``i``'s bytes in ``cache.path`` are ``[2 * row_starts[i], 2 * row_starts[i + 1])``, its checksum
+    block ``i // block_rows``)."""
+
+    __slots__ = ("cache", "source", "row_starts", "index", "index_np", "widths", "lines", "channels", "latent_h",
+                 "pitch", "width", "w_max", "white", "shape", "shapes", "checked")
+
+
+def resolve(cache: Items, indices, *, width=None, clip: bool = False, out=None, dtype=torch.float16,
+            device=_CPU) -> SpanTable:
+    """The :class:`SpanTable` of rows ``indices`` of an opened cache's :class:`Items`.
+
+    ``clip``: a plain int64 vector of a line cache is not range-checked here (its widths are read
+    clipped into range; the kernel checks every index before copying, and :func:`recheck` names a
+    bad one if sizing fails first) -- a batch of small rows costs tens of microseconds, so the hot
+    CPU path is kept to one conversion. Any other input, a shaped cache and ``clip=False`` get the
+    full check (:func:`latentfast.checks.as_row_indices`: IndexError naming the first bad index).
+    A cache opened with ``verify_rows`` has the batch's checksum blocks checked first. ``out`` (if
+    given) must be the batch's exact output: ``[B, C, h, W]`` (a shaped cache: ``[B, *shape]``) of
+    ``dtype`` on ``device``."""
+    table = SpanTable()
+    table.cache, table.source = cache, cache.source()
+    table.row_starts, table.white = cache.row_starts, cache.white
+    index, index_np = _as_int64_vector(indices) if clip and not cache.shaped else (None, None)
+    table.checked = index is None
+    if index is None:
+        index = as_row_indices(indices, cache.n)
+        index_np = index.numpy()
+    table.index, table.index_np = index, index_np
+    if cache.verify_rows:  # before any other check of the batch: a damaged block is the news
+        cache.block_checks.check(cache.memmap(), table.row_starts, index_np)
+    table.pitch = int(table.source[3])
+    if cache.shaped:
+        _resolve_shaped(table, cache, width)
+    else:
+        _resolve_lines(table, cache, width)
+    if out is not None:
+        shape = (index.numel(), *table.shape) if cache.shaped else (index.numel(), table.channels, table.latent_h, table.width)
+        try:
+            check_out_tensor("out", out, shape, dtype, device)
+        except (TypeError, ValueError):  # a bad index, if any, is the error to report
+            recheck(table)
+            raise
+    return table
+
+
+def recheck(table: SpanTable) -> None:
+    """Raise IndexError naming the first bad index of an unchecked table (else return)."""
+    if not table.checked:
+        as_row_indices(table.index, table.cache.n)
+
+
+def _resolve_lines(table: SpanTable, cache, width) -> None:
+    table.channels, table.latent_h = cache.channels, cache.latent_h
+    table.lines, table.w_max = table.channels * table.latent_h, cache.w_max
+    table.shape = table.shapes = None
+    try:
+        table.widths = selected_widths(cache.widths, table.index_np, clip=not table.checked)
+        widest = int(table.widths.max()) if table.widths.size else 0
+        table.width = widest if width is None and table.white is not None else checked_width(table.white, table.widths, width)
+    except (TypeError, ValueError, IndexError):  # from clipped indices: a bad index, if any, is the error to report
+        recheck(table)
+        raise
+
+
+def _resolve_shaped(table: SpanTable, cache, width) -> None:
+    if width is not None:
+        raise InvalidArgumentError(f"width applies to line caches only; a shaped cache's batch has its items' shape, got width={width!r}")
+    table.shape, table.shapes = batch_shape(cache.shapes, table.index_np)
+    table.channels = table.latent_h = table.lines = 1  # each item one line of all its elements
+    table.width = table.w_max = int(np.prod(table.shape)) if table.shape else 0
+    table.widths = table.source[2].numpy()[table.index_np]
+    table.white = None
+
+
+def _as_int64_vector(indices):
+    """``(tensor, array)``: ``indices`` as a contiguous 1-D int64 CPU tensor and a numpy view of it,
+    when that is cheap (a list of ints, an int64 numpy array or CPU tensor), else ``(None, None)``
+    (anything else takes the full conversion)."""
+    if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
+            index = indices.detach().contiguous()
+            return index, index.numpy()
+        return None, None
+    array = np.asarray(indices)
+    if array.dtype == np.int64 and array.ndim == 1:
+        array = np.ascontiguousarray(array)
+        return torch.from_numpy(array), array
+    return None, None
+
+
+def selected_widths(widths, index_np: np.ndarray, clip: bool) -> np.ndarray:
+    """int32 widths of rows ``index_np`` (indices clipped into range when ``clip``: the kernel reports
+    bad ones). Widths that do not fit int32 are refused, never truncated."""
+    if widths.__class__ is not np.ndarray:
+        widths = np.asarray(widths)
+    if widths.size == 0 and index_np.size:
+        raise IndexError("indices given for a cache of 0 rows")
+    selected = widths.take(index_np, mode="clip") if clip else widths[index_np]
+    if selected.dtype != np.int32:
+        if selected.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"cache.widths must hold integers, got {widths.dtype}")
+        if selected.size and (int(selected.min()) < 0 or int(selected.max()) > _INT32_MAX):
+            bad = int(np.flatnonzero((selected < 0) | (selected > _INT32_MAX))[0])
+            raise InvalidArgumentError(
+                f"cache.widths[{int(index_np[bad])}] = {int(selected[bad])} is outside [0, 2**31 - 1]: not a latent width"
+            )
+        selected = selected.astype(np.int32)
+    return selected
+
+
+def checked_width(white, selected_np, width) -> int:
+    """W of the batch: ``width`` (an int >= the widest selected row) or that widest row; the white
+    column must exist if any row is narrower than W."""
+    W = batch_width(selected_np, width)
+    if white is None and bool((selected_np < W).any()):
+        raise InvalidArgumentError(
+            "this batch needs padding but the cache has no white column; pass white_column= when opening the cache"
+        )
+    return W
+
+
+def batch_shape(all_shapes: np.ndarray, index: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
+    """``(shape, shapes [B, ndim])`` of the items ``index``; raises naming the shapes if they differ."""
+    shapes = np.ascontiguousarray(all_shapes[index])
+    if len(shapes) == 0:
+        return (), shapes
+    differs = np.any(shapes != shapes[0], axis=1)
+    if differs.any():
+        kinds, first = np.unique(shapes, axis=0, return_index=True)
+        listed = ", ".join(f"{kinds[k].tolist()} (e.g. indices[{int(first[k])}] = {int(index[first[k]])})"
+                           for k in np.argsort(first)[:6])
+        raise InvalidArgumentError(
+            f"a batch of a shaped cache must hold items of one shape; indices name {len(kinds)} shapes: {listed}. "
+            f"Batch with ShapeBucketBatchSampler(cache.shapes, ...)"
+        )
+    return tuple(int(x) for x in shapes[0]), shapes
+
+
+# ---- checksum blocks --------------------------------------------------------------------------------
+class BlockChecks:
+    """One opened cache's checksum blocks (``block_rows`` items each, CRC-32) and which of them this
+    process has verified; what ``verify_rows`` consults before a read."""
+
+    def __init__(self, cache_dir: str, split: str, meta: dict, n: int):
+        self.data_path = fmt.cache_path(cache_dir, split, "data")
+        self.block_rows = fmt.checksum_block_rows(meta, fmt.cache_path(cache_dir, split, "meta"))
+        if self.block_rows is None:
+            raise InvalidArgumentError(f"verify_rows: latent cache {cache_dir} (split {split!r}) stores no checksums")
+        self.sums = fmt.load_checksums(cache_dir, split, n, self.block_rows)
+        self.n = n
+        self.verified: set[int] = set()
+
+    def check(self, data: np.ndarray, starts: np.ndarray, index_np: np.ndarray) -> None:
+        """Check every block holding items ``index_np`` (in range) of the flat ``data`` once;
+        :class:`CacheCorruptError` names the first failing block."""
+        blocks = np.unique(np.asarray(index_np, dtype=np.int64) // self.block_rows).tolist()
+        for block in (b for b in blocks if b not in self.verified):
+            r0, r1 = block * self.block_rows, min(self.n, (block + 1) * self.block_rows)
+            if zlib.crc32(data[int(starts[r0]) : int(starts[r1])]) != int(self.sums[block]):
+                raise CacheCorruptError(f"latent cache {self.data_path}: block {block} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
+            self.verified.add(block)
