@@ -1,110 +1,87 @@
-"""Build latentfast._C: the CPU kernels always, the CUDA kernels when torch and a toolkit allow.
+"""Build latentfast/_native.so: the CPU kernels as one plain shared library (C ABI, loaded with ctypes).
 
-A GPU is never needed to compile. Environment knobs:
-  LATENTFAST_BUILD_CUDA=0|1   force the CUDA sources off/on (default: on when torch.version.cuda
-                              is set and nvcc is found)
-  TORCH_CUDA_ARCH_LIST        respected; default "8.0;9.0" (Ampere + Hopper)
-  MAX_JOBS                    parallel compile jobs (ninja)
+It links neither libtorch nor libc10 nor libpython, so the build needs no torch (pip's isolated build
+installs setuptools only) and one build serves every torch >= 2.4 and every CPython >= 3.10: the wheel
+is tagged py3-none-<platform>. The GPU kernels are Triton (kernels/), compiled at run time against the
+CUDA the user's torch brings, so nothing here needs nvcc.
+
+Environment knobs:
+  CXX                        the compiler (default: the one Python was built with, usually g++)
+  LATENTFAST_NATIVE_FLAGS    extra compile flags, e.g. "-march=native" for a local build
 """
-import glob
-import json
 import os
-import shutil
+import platform
+import shlex
+import subprocess
 import sys
 
-from setuptools import setup
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+SOURCES = ["csrc/library.cpp", "csrc/thread_pool.cpp"] + sorted(
+    os.path.join("csrc", "cpu", name) for name in os.listdir(os.path.join(ROOT, "csrc", "cpu")) if name.endswith(".cpp")
+)
+# -fvisibility=hidden: only the latentfast_* entry points are exported; the C++ runtime is linked
+# statically on Linux, so the library needs only the build host's glibc (auditwheel: manylinux_<that glibc>)
+COMPILE = ["-std=c++17", "-O3", "-fvisibility=hidden", "-fno-math-errno", "-pthread"]
+LINK = ["-pthread"]
+if sys.platform.startswith("linux"):  # GNU ld: the C++ runtime inside, no debug symbols (4 MB -> 1.5 MB)
+    LINK += ["-static-libstdc++", "-static-libgcc", "-s"]
 
 
-def _pip_cuda_include_dirs():
-    """Headers shipped by pip's nvidia-* wheels (e.g. cusparse.h under nvidia/cu13/include)."""
-    dirs = []
-    for entry in sys.path:
-        for pattern in ("nvidia/cu*/include", "nvidia/*/include"):
-            dirs.extend(sorted(glob.glob(os.path.join(entry, pattern))))
-    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+def _compiler_version(compiler: list[str]) -> str:
+    try:
+        out = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return out.splitlines()[0].strip() if out else compiler[0]
+    except (OSError, subprocess.SubprocessError):
+        return compiler[0]
 
 
-def _locate_cuda_home():
-    """torch derives CUDA_HOME from the nvcc on PATH, which may be a wrapper script or a link
-    outside the toolkit (e.g. /usr/local/bin/nvcc -> CUDA_HOME=/usr/local, no libcudart there).
-    Pick the first candidate that really is a toolkit."""
-    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
-        return
-    candidates = []
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    candidates.append("/usr/local/cuda")
-    for home in candidates:
-        if os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
-            os.path.join(home, "include", "cuda_runtime.h")
-        ):
-            os.environ["CUDA_HOME"] = home
-            return
+class BuildNative(build_ext):
+    """Builds the one library as latentfast/_native.so (no Python ABI tag: it is not a Python module)."""
+
+    def get_ext_filename(self, fullname):
+        return os.path.join(*fullname.split(".")) + ".so"
+
+    def build_extension(self, ext):
+        extra = shlex.split(os.environ.get("LATENTFAST_NATIVE_FLAGS", ""))
+        info = (
+            f"{_compiler_version(getattr(self.compiler, 'compiler_so', ['c++'])[:1])}; {platform.machine()}; flags "
+            f"{' '.join(COMPILE + extra)}; CPU kernels only (GPU kernels: Triton)"
+        )
+        print(f"latentfast native build: {info}", flush=True)
+        ext.define_macros = [("LATENTFAST_BUILD_INFO", '"' + info.replace('"', "'") + '"')]
+        ext.extra_compile_args = COMPILE + extra
+        super().build_extension(ext)
 
 
-def _write_build_info(torch, build_cuda: bool, reason: str, cuda_home) -> str:
-    """Print the resolved configuration and compile it into _C (``latentfast.describe()`` shows it:
-    pip hides a build's output unless asked with -v). Returns the folder of the generated header."""
-    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "-") if build_cuda else "-"
-    info = (
-        f"torch {torch.__version__} (cuda {torch.version.cuda}); CUDA kernels: {'yes' if build_cuda else 'no'} "
-        f"({reason}); CUDA_HOME: {cuda_home}; TORCH_CUDA_ARCH_LIST: {arch}"
-    )
-    print(f"latentfast build configuration: {info}", flush=True)
-    folder = os.path.join(ROOT, "build", "latentfast_generated")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "latentfast_build_info.h"), "w") as fh:
-        fh.write(f"#define LATENTFAST_BUILD_INFO {json.dumps(info)}\n")
-    return folder
+class PlatformWheel(bdist_wheel):
+    """py3-none-<platform>: the library does not depend on the Python version or ABI."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self):
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
 
 
-def _extension():
-    _locate_cuda_home()
-    import torch
-    from torch.utils import cpp_extension
+# Every package under latentfast/, and the Triton kernels and benchmark suites, which live in kernels/
+# and bench/ but install as latentfast.kernels and latentfast.bench (pyproject.toml's package-dir).
+PACKAGES = find_packages(ROOT, include=["latentfast", "latentfast.*"]) + ["latentfast.kernels", "latentfast.bench"]
 
-    cuda_env = os.environ.get("LATENTFAST_BUILD_CUDA")
-    nvcc_found = cpp_extension.CUDA_HOME is not None and os.path.exists(
-        os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
-    )
-    if cuda_env in ("0", "1"):
-        build_cuda = cuda_env == "1"
-        reason = f"LATENTFAST_BUILD_CUDA={cuda_env}"
-    else:
-        build_cuda = bool(torch.version.cuda) and nvcc_found
-        reason = f"torch.version.cuda={torch.version.cuda}, nvcc found={nvcc_found}"
-    if build_cuda and not nvcc_found:
-        raise RuntimeError("LATENTFAST_BUILD_CUDA=1 but no CUDA toolkit (CUDA_HOME/nvcc) was found")
-    if build_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
-
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
-    extra = {"cxx": ["-O3", *openmp]}  # the C++ standard is the one torch's headers ask for
-    include_dirs = [os.path.join(ROOT, "csrc"), _write_build_info(torch, build_cuda, reason, cpp_extension.CUDA_HOME)]
-    if build_cuda:
-        sources += cuda_sources
-        extra["nvcc"] = ["-O3", "--use_fast_math", "-lineinfo"]
-        include_dirs += _pip_cuda_include_dirs()
-        ext_cls = cpp_extension.CUDAExtension
-    else:
-        ext_cls = cpp_extension.CppExtension
-    return ext_cls(
-        name="latentfast._C",
-        sources=sources,
-        include_dirs=include_dirs,
-        extra_compile_args=extra,
-        extra_link_args=openmp,
-        py_limited_api=False,
-    ), cpp_extension.BuildExtension
-
-
-ext, build_ext = _extension()
 setup(
-    ext_modules=[ext],
-    cmdclass={"build_ext": build_ext.with_options(use_ninja=True)},
+    packages=PACKAGES,
+    ext_modules=[
+        Extension("latentfast._native", sources=SOURCES, include_dirs=[os.path.join(ROOT, "csrc")],
+                  extra_link_args=LINK, language="c++")
+    ],
+    cmdclass={"build_ext": BuildNative, "bdist_wheel": PlatformWheel},
 )

@@ -151,3 +151,21 @@ def interleaved_median_seconds(fns: dict[str, Callable[[], object]], *, repeat: 
             sync(device)
             samples[name].append((time.perf_counter() - start) / inner[name])
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def cpu_us_per_call(fn: Callable[[], object], *, rounds: int = 7, min_time: float = 0.2) -> list[float]:
+    """CPU microseconds of the calling thread per ``fn()`` call, one figure per round (each round loops
+    for >= ``min_time`` s of thread CPU time). Thread CPU time, not wall time: on a shared host the
+    time this thread spends descheduled would otherwise swamp a per-call overhead of microseconds.
+    Only for single-threaded calls (work done on other threads is not counted)."""
+    for _ in range(200):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        calls, start = 0, time.thread_time()
+        while time.thread_time() - start < min_time:
+            for _ in range(100):
+                fn()
+            calls += 100
+        samples.append((time.thread_time() - start) / calls * 1e6)
+    return samples

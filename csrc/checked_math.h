@@ -3,7 +3,7 @@
 // undefined behaviour, and a wrapped size turns a bounds check into an out-of-bounds access.
 #pragma once
 
-#include <c10/util/Exception.h>
+#include "native.h"
 
 #include <cstdint>
 
@@ -18,14 +18,14 @@ inline bool add_fits(int64_t a, int64_t b, int64_t* result) { return !__builtin_
 // a * b; raises ValueError naming `what` when it does not fit in int64.
 inline int64_t checked_mul(int64_t a, int64_t b, const char* op, const char* what) {
   int64_t result = 0;
-  TORCH_CHECK_VALUE(mul_fits(a, b, &result), op, ": ", what, " = ", a, " * ", b, " does not fit in int64");
+  LF_CHECK_VALUE(mul_fits(a, b, &result), op, ": ", what, " = ", a, " * ", b, " does not fit in int64");
   return result;
 }
 
 // a + b; raises ValueError naming `what` when it does not fit in int64.
 inline int64_t checked_add(int64_t a, int64_t b, const char* op, const char* what) {
   int64_t result = 0;
-  TORCH_CHECK_VALUE(add_fits(a, b, &result), op, ": ", what, " = ", a, " + ", b, " does not fit in int64");
+  LF_CHECK_VALUE(add_fits(a, b, &result), op, ": ", what, " = ", a, " + ", b, " does not fit in int64");
   return result;
 }
 

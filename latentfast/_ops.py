@@ -7,9 +7,10 @@ Each op exists in two namespaces, both from the one schema in :data:`SCHEMAS`:
   by :mod:`latentfast.backends`: one per dispatch key, which runs the backend that ``backend`` (or
   ``LATENTFAST_BACKEND``) selects -- the compiled kernel, the Triton kernel or the pure-torch
   reference.
-- ``latentfast_compiled::<op>(...)`` is the same schema without ``backend``, implemented by the
-  compiled library ``latentfast._C`` (``TORCH_LIBRARY_IMPL`` in ``csrc/``) when it was built. It is
-  the ``cpp``/``cuda`` backend of the public op, nothing more.
+- ``latentfast_compiled::<op>(...)`` is the same schema without ``backend``, implemented on CPU by
+  the native library ``latentfast/_native.so`` (``csrc/``, called through ctypes by
+  :mod:`latentfast.backends.native`) when it loads. It is the ``cpp`` backend of the public op
+  called past the op's Python checks, nothing more.
 
 Kernels implement the ``*_into`` form (they write into caller-provided outputs, so ``out=`` and
 pinned staging buffers need no extra copy); the functions in :mod:`latentfast.ops` allocate and
@@ -18,9 +19,6 @@ the fake kernel runs them under ``torch.compile`` and the dispatch-key kernel ru
 backend. Value checks (an index out of range, a row past the end of the data) are each kernel's own.
 """
 from __future__ import annotations
-
-import os
-import warnings
 
 import torch
 
@@ -61,25 +59,10 @@ for _schema in SCHEMAS.values():
     COMPILED_LIB.define(_schema)
 
 # ---------------------------------------------------------------------------------------------
-# the compiled library (registers its kernels on latentfast_compiled::* when loaded)
+# the native library's kernels (latentfast/backends/compiled.py registers them on latentfast_compiled::*)
 # ---------------------------------------------------------------------------------------------
-C_LOAD_ERROR: str | None = None
-try:
-    if os.environ.get("LATENTFAST_DISABLE_C") == "1":
-        raise ImportError("LATENTFAST_DISABLE_C=1")
-    from . import _C  # noqa: F401
-except ImportError as exc:  # a missing or broken build must never break import
-    C_LOAD_ERROR = f"{type(exc).__name__}: {exc}"
-    if os.environ.get("LATENTFAST_DISABLE_C") != "1":
-        warnings.warn(
-            f"latentfast._C could not be loaded ({C_LOAD_ERROR}); using the pure-torch reference",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
 def compiled_kernel_registered(op: str, dispatch_key: str) -> bool:
-    """Whether ``latentfast._C`` registered a kernel for ``op`` under ``dispatch_key`` ("CPU" or "CUDA")."""
+    """Whether a compiled kernel of ``op`` is registered under ``dispatch_key`` ("CPU" or "CUDA")."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"{COMPILED_NAMESPACE}::{op}", dispatch_key)
 
 

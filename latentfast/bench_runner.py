@@ -12,7 +12,7 @@ import os
 import time
 import traceback
 
-SUITES = ("normalize", "decode", "cache", "balance", "replay")
+SUITES = ("normalize", "decode", "cache", "balance", "replay", "sampling")
 
 
 def load_suite(name: str):

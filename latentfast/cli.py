@@ -1,4 +1,4 @@
-"""`latentfast demo | bench | cache build | cache inspect | cache verify`."""
+"""`latentfast demo | bench | cache build | cache import | cache inspect | cache verify`."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench_runner import SUITES
+    from .cache.cli import HelpFormatter, add_cache_subparsers
+
     parser = argparse.ArgumentParser(prog="latentfast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -38,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every job end to end on the embedded toy models and print one table. Writes "
         "summary.json (every figure) and summary.png (chart, needs matplotlib) to --out; intermediate files "
         "(images, caches) go to a temporary folder that is removed afterwards.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     demo.add_argument("--out", default="latentfast-demo", help="output folder for summary.json and summary.png")
     demo.add_argument("--quick", action="store_true", help="smaller sizes (used by the tests)")
@@ -49,14 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the benchmark suites and print side-by-side ratios",
         description="Run the benchmark suites (bench/, installed as latentfast.bench) and print their side-by-side "
         "tables. Writes bench.json (every figure) and PNG plots to --out.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     bench.add_argument("--out", default="latentfast-bench", help="output folder for bench.json and the plots")
     bench.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    bench.add_argument("--suite", action="append", help="run only this suite (repeatable)")
+    bench.add_argument("--suite", action="append", choices=SUITES, help="run only this suite (repeatable; default: all)")
     bench.set_defaults(func=_bench)
-
-    from .cache.cli import add_cache_subparsers
 
     add_cache_subparsers(sub)
     return parser

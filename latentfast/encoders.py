@@ -12,14 +12,19 @@ transformer sees them:
 - otherwise ``(z - shift_factor) * scaling_factor`` (``shift_factor`` 0 if absent: SD, HunyuanVideo,
   CogVideoX; SD3 and Flux set it).
 
-diffusers is an optional dependency (``pip install latentfast[diffusers]``); importing this
-module does not import it.
+:class:`TextEncoder` wraps a transformers ``CLIPTextModel`` / ``CLIPTextModelWithProjection`` /
+``T5EncoderModel`` / ``Gemma2Model`` and its tokenizer: ``encode(captions)`` gives each caption's prompt embedding
+``[L_i, D]`` (computed as the diffusers pipelines compute it, then cut to its attention mask) and the
+pooled embedding where the model has one.
+
+diffusers and transformers are optional dependencies (``pip install latentfast[diffusers]``,
+``latentfast[text]``); importing this module imports neither.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -130,12 +135,7 @@ class DiffusersVAE:
     def weights_hash(self) -> str:
         """BLAKE2b-128 over every parameter and buffer: name, dtype, shape and bytes (computed once)."""
         if self._weights_hash is None:
-            digest = hashlib.blake2b(digest_size=16)
-            for name, tensor in sorted(self.vae.state_dict().items()):
-                tensor = tensor.detach().to("cpu").contiguous()
-                digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}\n".encode())
-                digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-            self._weights_hash = digest.hexdigest()
+            self._weights_hash = state_dict_hash(self.vae)
         return self._weights_hash
 
     def _latents(self, pixels: torch.Tensor, seeds) -> torch.Tensor:
@@ -163,6 +163,16 @@ class DiffusersVAE:
             noise = torch.stack([torch.randn(like.shape[1:], generator=torch.Generator().manual_seed(int(s) % 2**63))
                                  for s in seeds])
         return noise.to(like.device, like.dtype)
+
+
+def state_dict_hash(module: torch.nn.Module) -> str:
+    """BLAKE2b-128 of a module's state dict: every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in sorted(module.state_dict().items()):
+        tensor = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}\n".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _check_pixels(x: Any, ndim: int, name: str) -> None:
@@ -223,3 +233,185 @@ def load_diffusers_vae(spec: str, *, sample: str = "mode", seed: int = 0, dtype:
         raise InvalidArgumentError(f"diffusers VAE class must be one of {IMAGE_VAES + VIDEO_VAES}, got {name!r}")
     torch_dtype = getattr(torch, dtype) if dtype else None
     return DiffusersVAE(cls.from_pretrained(path, torch_dtype=torch_dtype), sample=sample, seed=seed)
+
+
+# -- text encoders ------------------------------------------------------------------------------------
+# transformers class -> the output field of its pooled embedding (None: the model has none)
+TEXT_MODELS = {"CLIPTextModel": "pooler_output", "CLIPTextModelWithProjection": "text_embeds", "T5EncoderModel": None,
+               "Gemma2Model": None}
+_TEXT_CONFIG_NOISE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
+                      "_commit_hash")
+
+
+class TextEncoding(NamedTuple):
+    """What :meth:`TextEncoder.encode` returns for B captions."""
+
+    embeds: list  # B tensors [L_i, D] in the model's dtype (L_i = the caption's tokens, or max_length uncut)
+    pooled: torch.Tensor | None  # [B, P] where the model has a pooled output, else None
+    lengths: list  # B ints: tokens of each caption in the attention mask (special tokens included)
+
+
+class TextEncoder:
+    """A transformers text encoder and its tokenizer as a cache encoder: captions -> prompt embeddings.
+
+    Computes what the diffusers pipelines feed their denoisers: the captions are tokenized with
+    ``padding="max_length"`` to ``max_length`` and truncated to it (``truncate=False`` refuses a longer
+    caption instead, naming it), the padded batch runs through the model as the pipeline runs it, and
+    each caption's rows are then cut to its attention mask (``cut_to_mask=False`` keeps all
+    ``max_length`` rows: SD and SDXL feed the pad positions' embeddings too, and a causal CLIP's
+    unpadded rows do not depend on them, so cutting only drops the pad rows).
+
+    Args:
+        model: a ``CLIPTextModel``, ``CLIPTextModelWithProjection``, ``T5EncoderModel`` or ``Gemma2Model``
+            (eval mode, never trained here). Its device and dtype are the outputs' (bfloat16 stays bfloat16).
+        tokenizer: its tokenizer (a ``PreTrainedTokenizer(Fast)``).
+        hidden_state: ``-1`` for ``last_hidden_state`` (SD 1.x/2.x, Flux's and SD3's T5), else the index
+            into ``hidden_states`` as the model returns them (``-2``, the penultimate layer without the
+            final layer norm: SDXL and SD3's CLIPs; ``-(clip_skip + 2)`` with a clip skip).
+        max_length: tokens per caption (default the tokenizer's ``model_max_length``: 77 for CLIP; give it
+            for T5: 512 for Flux, 256 for SD3).
+        pass_attention_mask: give the model the attention mask (the pipelines do not for CLIP, Flux's or
+            SD3's T5; their pad tokens take part).
+        cut_to_mask: return each caption's ``L_i`` rows (default) or all ``max_length`` rows.
+        truncate: cut captions longer than ``max_length`` tokens (default, as the pipelines do, which
+            only log a warning) or raise ``InvalidArgumentError`` naming the first such caption.
+        prefix: text put before every caption (a pipeline's prompt template), part of the embedding.
+
+    The outputs are on the model's device; ``lengths`` counts each caption's tokens in the mask.
+
+    Per pipeline: SD 1.x/2.x ``TextEncoder(clip, tok)``; SDXL ``TextEncoder(clip_l, tok, hidden_state=-2)``
+    and ``TextEncoder(clip_g_with_projection, tok_2, hidden_state=-2)`` (the pooled embedding is the
+    second's ``text_embeds``); SD3 the two CLIPs with projection at ``hidden_state=-2`` plus
+    ``TextEncoder(t5, tok_3, max_length=256)``; Flux ``TextEncoder(clip_l, tok)`` (its ``pooler_output``)
+    plus ``TextEncoder(t5, tok_2, max_length=512)``; Lumina 2 ``TextEncoder(gemma2, tok, hidden_state=-2,
+    max_length=256, pass_attention_mask=True, prefix=pipe.system_prompt + " <Prompt Start> ")``. Qwen-Image's
+    Qwen2.5-VL path (a chat template whose first 34 tokens are dropped) is not wrapped.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, hidden_state: int = -1, max_length: int | None = None,
+                 pass_attention_mask: bool = False, cut_to_mask: bool = True, truncate: bool = True, prefix: str = ""):
+        name = type(model).__name__
+        if name not in TEXT_MODELS:
+            raise ArgumentTypeError(f"model must be a transformers {' / '.join(TEXT_MODELS)}, got {type(model).__qualname__}")
+        if not callable(tokenizer) or not hasattr(tokenizer, "model_max_length"):
+            raise ArgumentTypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__qualname__}")
+        self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
+        self.pooled_field = TEXT_MODELS[name]
+        self.hidden_state = _text_layer(model, hidden_state)
+        self.max_length = _max_length(tokenizer, max_length)
+        self.pass_attention_mask, self.cut_to_mask, self.truncate = bool(pass_attention_mask), bool(cut_to_mask), bool(truncate)
+        if not isinstance(prefix, str):
+            raise ArgumentTypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        self.prefix = prefix
+        self._weights_hash: str | None = None
+
+    def to(self, device) -> "TextEncoder":
+        self.model.to(device)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @torch.no_grad()
+    def encode(self, captions) -> TextEncoding:
+        """B captions (str) -> per-caption ``[L_i, D]`` embeddings, the pooled ``[B, P]`` (or None), the lengths."""
+        tokens = self._tokenize([self.prefix + c for c in _check_captions(captions)])
+        ids, mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
+        out = self.model(input_ids=ids, attention_mask=mask if self.pass_attention_mask else None,
+                         output_hidden_states=self.hidden_state != -1, return_dict=True)
+        sequence = out.last_hidden_state if self.hidden_state == -1 else out.hidden_states[self.hidden_state]
+        keep = mask.bool()
+        embeds = [row[m] if self.cut_to_mask else row.clone() for row, m in zip(sequence, keep)]
+        pooled = None if self.pooled_field is None else getattr(out, self.pooled_field)
+        return TextEncoding(embeds, pooled, [int(n) for n in keep.sum(1).tolist()])
+
+    def _tokenize(self, captions: list[str]):
+        if not self.truncate:
+            counts = [len(ids) for ids in self.tokenizer(captions)["input_ids"]]
+            long = [(i, n) for i, n in enumerate(counts) if n > self.max_length]
+            if long:
+                i, n = long[0]
+                raise InvalidArgumentError(f"captions[{i}] is {n} tokens, more than max_length={self.max_length} ({len(long)} "
+                                           f"such captions; truncate=True cuts them as the pipelines do): {captions[i][:120]!r}")
+        return self.tokenizer(captions, padding="max_length", max_length=self.max_length, truncation=True,
+                              return_tensors="pt")
+
+    def identity(self) -> dict:
+        config = {k: v for k, v in self.model.config.to_dict().items() if k not in _TEXT_CONFIG_NOISE}
+        return {
+            "class": f"transformers.{type(self.model).__name__}",
+            "config": json.loads(json.dumps(config, default=str, sort_keys=True)),
+            "weights_blake2b": self.weights_hash(),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "tokenizer": _tokenizer_identity(self.tokenizer),
+            "hidden_state": self.hidden_state,
+            "max_length": self.max_length,
+            "pass_attention_mask": self.pass_attention_mask,
+            "cut_to_mask": self.cut_to_mask,
+            "truncate": self.truncate,
+            "prefix": self.prefix,
+            "pooled": self.pooled_field,
+        }
+
+    def weights_hash(self) -> str:
+        """BLAKE2b-128 over every parameter and buffer (computed once: the weights are frozen)."""
+        if self._weights_hash is None:
+            self._weights_hash = state_dict_hash(self.model)
+        return self._weights_hash
+
+
+def _check_captions(captions) -> list[str]:
+    if isinstance(captions, str) or not isinstance(captions, (list, tuple)):
+        raise ArgumentTypeError(f"captions must be a list of str, got {type(captions).__name__}")
+    if not captions:
+        raise InvalidArgumentError("captions must hold at least one caption, got an empty list")
+    for i, caption in enumerate(captions):
+        if not isinstance(caption, str):
+            raise ArgumentTypeError(f"captions[{i}] must be a str, got {type(caption).__name__} ({caption!r:.80})")
+    return list(captions)
+
+
+def _text_layer(model, hidden_state) -> int:
+    """``hidden_state`` checked against the model's ``hidden_states`` (layers + 1 embedding output)."""
+    if isinstance(hidden_state, bool) or not isinstance(hidden_state, int):
+        raise ArgumentTypeError(f"hidden_state must be an int, got {type(hidden_state).__name__}")
+    states = int(model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else model.config.num_layers) + 1
+    if not -states <= hidden_state < states:
+        raise InvalidArgumentError(f"hidden_state must index the model's {states} hidden states (-{states} .. {states - 1}), "
+                                   f"got {hidden_state}")
+    return hidden_state
+
+
+def _max_length(tokenizer, max_length) -> int:
+    if max_length is None:
+        max_length = tokenizer.model_max_length
+        if max_length > 1_000_000:  # transformers' VERY_LARGE_INTEGER: the tokenizer sets no limit
+            raise InvalidArgumentError("max_length is required: the tokenizer sets no model_max_length "
+                                       "(e.g. 512 for Flux's T5, 256 for SD3's)")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise InvalidArgumentError(f"max_length must be an int >= 1, got {max_length!r}")
+    return max_length
+
+
+def _tokenizer_identity(tokenizer) -> dict:
+    """The tokenizer's class, limits and a BLAKE2b-128 of what maps text to ids (a fast tokenizer's whole
+    definition; else the vocabulary, BPE merges and SentencePiece model it has)."""
+    digest = hashlib.blake2b(digest_size=16)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode())
+    else:
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+        ranks = getattr(tokenizer, "bpe_ranks", None)
+        if ranks:
+            digest.update(json.dumps(sorted((list(pair), r) for pair, r in ranks.items())).encode())
+        sp_model = getattr(tokenizer, "sp_model", None)
+        if sp_model is not None:
+            digest.update(sp_model.serialized_model_proto())
+    return {"class": type(tokenizer).__name__, "model_max_length": min(int(tokenizer.model_max_length), 2**31),
+            "padding_side": tokenizer.padding_side, "blake2b": digest.hexdigest()}

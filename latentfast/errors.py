@@ -51,6 +51,10 @@ class ImageError(CacheError, ValueError):
     """A source image cannot be read or decoded."""
 
 
+class CaptionError(CacheError, ValueError):
+    """An image's caption is missing, or its caption file cannot be read as UTF-8 text."""
+
+
 class OffloadEncodeError(LatentfastError, RuntimeError):
     """A balanced encode step failed on some rank; raised on every rank. ``failed_ranks`` names them."""
 
@@ -93,6 +97,7 @@ class DeviceUnavailableError(LatentfastError, RuntimeError):
 __all__ = [
     "ArgumentTypeError",
     "BackendUnavailableError",
+    "CaptionError",
     "CacheCorruptError",
     "CacheError",
     "CacheLockedError",

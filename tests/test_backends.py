@@ -43,7 +43,7 @@ def test_import_and_ops_work_without_compiled_library():
     )
     assert proc.returncode == 0, proc.stderr
     assert "ERR argument backend='cpp' cannot run latentfast::normalize_uint8_into on cpu tensors" in proc.stdout
-    assert "_C: NOT loaded" in proc.stdout
+    assert "native library: NOT loaded" in proc.stdout
 
 
 def test_describe_lists_every_op_and_device():
@@ -68,20 +68,21 @@ def _compiled_sources(device_dir: str, suffix: str) -> set[str]:
 
 
 def test_compiled_kernels_are_what_auto_runs():
-    # every op with a csrc/cpu source must run the compiled kernel under "auto", not a fallback
+    # every op with a csrc/cpu source must run the native library's kernel under "auto", not a fallback
     from latentfast import _ops, backends
+    from latentfast.backends import native
 
-    if _ops.C_LOAD_ERROR is not None:
-        if os.environ.get("CI"):  # CI installs with the build: a missing _C there is a broken build, not a skip
-            pytest.fail(f"latentfast._C did not load under CI: {_ops.C_LOAD_ERROR}")
-        pytest.skip(f"latentfast._C not built here: {_ops.C_LOAD_ERROR}")
+    if native.LOAD_ERROR is not None:
+        if os.environ.get("CI"):  # CI installs with the build: a missing library there is a broken build, not a skip
+            pytest.fail(f"the native library did not load under CI: {native.LOAD_ERROR}")
+        pytest.skip(f"the native library is not built here: {native.LOAD_ERROR}")
     for name in _compiled_sources("cpu", ".cpp"):
         ops_in_file = [op for op in _ops.SCHEMAS if op.startswith(name)]
         assert ops_in_file, name
         for op in ops_in_file:
             assert _ops.compiled_kernel_registered(op, "CPU"), op
             assert backends.resolve(op, "cpu") == "cpp", op
-            assert backends.implementation(op, "cpu")[0] is _ops.compiled_op(op), op
+            assert backends.implementation(op, "cpu")[0] is native.KERNELS[op], op
 
 
 def test_without_compiled_library_no_compiled_backend_is_offered():

@@ -24,7 +24,8 @@ def run_cli(*argv) -> int:
 def test_build_inspect_verify(tmp_path, capsys):
     manifest = make_lines(str(tmp_path), n=12)
     out = str(tmp_path / "out")
-    common = ["--out", out, "--line-height", "16", "--max-line-width", "96", "--batch-size", "4", "--quiet"]
+    common = ["--out", out, "--lines", "--encoder", "toy", "--line-height", "16", "--max-line-width", "96", "--batch-size", "4",
+              "--quiet"]
     assert run_cli("build", "--images", str(tmp_path / "img"), *common, "--layout", "ragged") == 0
     assert LatentCache(out).layout == "ragged"
     # the manifest lists the same images in the same order: same latents, same reference build
@@ -73,8 +74,8 @@ def test_build_requires_a_source_and_a_known_encoder(tmp_path, capsys):
 
 def test_encoder_factory(tmp_path):
     make_lines(str(tmp_path), n=5)
-    args = ["--images", str(tmp_path / "img"), "--line-height", "16", "--max-line-width", "96", "--quiet"]
-    assert run_cli("build", *args, "--out", str(tmp_path / "a"), "--toy-seed", "4") == 0
+    args = ["--images", str(tmp_path / "img"), "--lines", "--line-height", "16", "--max-line-width", "96", "--quiet"]
+    assert run_cli("build", *args, "--out", str(tmp_path / "a"), "--encoder", "toy", "--toy-seed", "4") == 0
     assert run_cli("build", *args, "--out", str(tmp_path / "b"), "--encoder", "test_cache_cli:seed4_toy") == 0
     assert cache_files(str(tmp_path / "a")) == cache_files(str(tmp_path / "b"))
 
@@ -91,8 +92,8 @@ def test_module_entry_point(tmp_path):
     make_lines(str(tmp_path), n=4)
     out = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "latentfast.cache.cli", "cache"]
-    built = subprocess.run([*cmd, "build", "--images", str(tmp_path / "img"), "--out", out, "--line-height", "16",
-                            "--max-line-width", "96"], capture_output=True, text=True, timeout=100)
+    built = subprocess.run([*cmd, "build", "--images", str(tmp_path / "img"), "--out", out, "--lines", "--encoder", "toy",
+                            "--line-height", "16", "--max-line-width", "96"], capture_output=True, text=True, timeout=100)
     assert built.returncode == 0, built.stderr
     assert f"latent cache written: {cache_path(out, 'train', 'data')}" in built.stdout
     assert len(LatentCache(out)) == 4

@@ -145,7 +145,7 @@ def test_rerun_over_a_corrupted_cache_repairs_it(lines, reference, tmp_path, cap
     with pytest.raises(CacheCorruptError):
         verify_cache(out)
     vae = Counting()
-    assert run_cli("build", "--manifest", os.path.join(lines, "lines.jsonl"), "--out", out, "--line-height", "16",
+    assert run_cli("build", "--manifest", os.path.join(lines, "lines.jsonl"), "--out", out, "--lines", "--line-height", "16",
                    "--max-line-width", "96", "--batch-size", "4", "--encoder", "test_cache_reliability:Counting") == 0
     assert "latent cache written" in capsys.readouterr().out
     assert cache_files(out) == cache_files(reference)
@@ -159,8 +159,8 @@ def test_a_second_build_is_locked_out(lines, tmp_path, capsys):
     held = BuildLock(str(tmp_path), "train")
     with pytest.raises(CacheLockedError, match=rf"pid {os.getpid()}"):
         build(os.path.join(lines, "lines.jsonl"), str(tmp_path))
-    assert run_cli("build", "--images", os.path.join(lines, "img"), "--out", str(tmp_path), "--line-height", "16",
-                   "--max-line-width", "96", "--quiet") == 1
+    assert run_cli("build", "--images", os.path.join(lines, "img"), "--out", str(tmp_path), "--lines", "--encoder", "toy",
+                   "--line-height", "16", "--max-line-width", "96", "--quiet") == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "another build holds the lock" in err
     held.release()
@@ -243,7 +243,8 @@ def test_build_failures_print_one_line(lines, tmp_path, capsys, monkeypatch):
     shutil.copytree(os.path.join(lines, "img"), src)
     with open(os.path.join(src, "bad.png"), "wb") as fh:
         fh.write(b"not an image")
-    common = ["--out", str(tmp_path / "out"), "--line-height", "16", "--max-line-width", "96", "--quiet"]
+    common = ["--out", str(tmp_path / "out"), "--lines", "--encoder", "toy", "--line-height", "16", "--max-line-width", "96",
+              "--quiet"]
     assert run_cli("build", "--images", src, *common) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "bad.png" in err and "cannot read image" in err
@@ -262,7 +263,7 @@ def test_build_failures_print_one_line(lines, tmp_path, capsys, monkeypatch):
 @pytest.mark.timeout(120)
 def test_cli_failure_in_a_real_process_has_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "latentfast.cli", "cache", "build", "--images", str(tmp_path / "none"),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=100)
+                           "--out", str(tmp_path / "out"), "--encoder", "toy"], capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     assert "neither" in proc.stderr
 
@@ -277,8 +278,10 @@ def test_build_help_shows_every_default():
     for action in build_parser._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, action.dest
-            assert f"{action.help} (default: {action.default})" in text, action.dest
-    assert "diffusers:PATH" in text and "--encoder ENCODER the VAE:" in text
+            shown = action.default not in (None, False) and "default" not in action.help  # once, where there is one
+            assert (f"{action.help} (default: {action.default})" in text) == shown, action.dest
+            assert f"{action.help} (required)" in text or not action.required, action.dest
+    assert "diffusers:PATH" in text and "--encoder ENCODER required: the VAE," in text
 
 
 # -- a data file truncated under a reader --------------------------------------------------------------

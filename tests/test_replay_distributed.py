@@ -254,3 +254,48 @@ def test_ddp_and_fsdp_reduce_once_per_step_with_gradient_sync(tmp_path):
             # the reduction is linear: reducing the sum equals summing the reductions, up to order
             assert max_relative_error(out["every_grads"], out["deferred_grads"]) <= 1e-12, kind
             assert max_relative_error(plain, out["deferred_grads"]) <= 1e-12, kind
+
+
+# ---- ranks whose caches differ: one clear error on every rank ----------------------------------
+MISMATCHES = {
+    "branch_set": ({"appearance": (3, 4), "motion": (2, 5)}, {"appearance": (3, 4)}, torch.float32),
+    "branch_order": ({"appearance": (3, 4), "motion": (3, 4)}, {"motion": (3, 4), "appearance": (3, 4)}, torch.float32),
+    "branch_names": ({"appearance": (3, 4), "motion": (3, 4)}, {"appearance": (3, 4), "depth": (3, 4)}, torch.float32),
+    "shapes": ({"appearance": (3, 4)}, {"appearance": (4, 3)}, torch.float32),
+    "feature_dtype": ({"appearance": (3, 4)}, {"appearance": (3, 4)}, torch.float64),
+}
+
+
+def _mismatched_finalize(rank: int, world: int, case: str) -> str:
+    """finalize with rank 1's loss module (or feature_dtype) differing from rank 0's."""
+    from latentfast.replay import MultiEncoderMMD
+
+    shapes0, shapes1, dtype1 = MISMATCHES[case]
+    shapes = shapes0 if rank == 0 else shapes1
+    cache = FeatureGradientReplay(MultiEncoderMMD(shapes), target_local_samples=4, gradient_local_samples=2,
+                                  feature_dtype=torch.float32 if rank == 0 else dtype1)  # fmt: skip
+    reference = torch.Generator().manual_seed(99)  # the same reference batch on every rank
+    cache.loss_module.update_reference({n: torch.randn(8, *s, generator=reference) for n, s in shapes.items()})
+    generator = torch.Generator().manual_seed(rank)
+    for m in range(2):
+        cache.add({n: torch.randn(2, *s, generator=generator) for n, s in shapes.items()}, gradient_selected=m > 0)
+    result = cache.finalize()
+    return f"finalized, loss {float(result.loss)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_ranks_with_different_loss_modules_raise_on_every_rank(case):
+    """Before: differing sizes aborted gloo (SIGABRT); a differing branch order or name gave each
+    rank another loss, silently."""
+    from latentfast.errors import InvalidArgumentError
+    from latentfast.testing import spawn_gloo
+
+    outcomes = spawn_gloo(_mismatched_finalize, WORLD, case, timeout_s=60)
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, InvalidArgumentError), (case, rank, outcome)
+        message = str(outcome)
+        assert "the ranks' dual GradCaches differ" in message, message
+        assert "rank 0: branches {'appearance': (3, 4)" in message and "rank 1: branches" in message, message
+    assert str(outcomes[0]) == str(outcomes[1])

@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 
 TESTS = pathlib.Path(__file__).parent
 # test module -> pytest -k expression selecting its Triton-backend cases
-TRITON_CASES = {"test_normalize.py": "triton", "test_compile.py": "triton", "test_decode.py": "triton"}
+TRITON_CASES = {"test_normalize.py": "triton", "test_compile.py": "triton", "test_decode.py": "triton",
+                "test_sampling.py": "triton"}
 
 
 @pytest.mark.slow

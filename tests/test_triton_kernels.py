@@ -170,6 +170,27 @@ def test_normalize_compiles_once_per_resolution(tmp_path):
     assert "keys 1" in out
 
 
+def test_sample_latents_compiles_once_per_dtype_whatever_the_batch(tmp_path):
+    # batch size, item shape and strides change from batch to batch (aspect buckets); only the dtypes
+    # select a kernel
+    out = run_script(tmp_path, setup=COUNT_KEYS, body="""
+        from latentfast.kernels import sample_latents
+        from latentfast.sampling import item_seeds
+        keys = count_keys(sample_latents._sample_latents_kernel)
+        for shape in [(1, 4, 8, 8), (3, 4, 8, 12), (7, 4, 5, 9), (2, 16, 32, 32), (5, 3), (64, 4, 2, 1, 3)]:
+            mean = torch.randn(shape)
+            seeds = item_seeds([str(i) for i in range(shape[0])], 0, 1)
+            sample_latents.sample_latents_into(mean, mean.abs(), seeds, torch.empty(shape))
+            sample_latents.sample_latents_into(mean[:, ..., 1:], mean[:, ..., 1:], seeds, torch.empty(mean[..., 1:].shape))
+        assert len(keys) == 1, sorted(keys)
+        half = torch.randn(3, 4, 5, 6).half()
+        sample_latents.sample_latents_into(half, half, item_seeds(["a", "b", "c"], 0, 0), torch.empty(3, 4, 5, 6))
+        assert len(keys) == 2, sorted(keys)
+        print("keys", len(keys))
+    """)
+    assert "keys 2" in out
+
+
 # ---- rounding of special values ------------------------------------------------------------------
 def test_bfloat16_rounding_keeps_nan_and_inf(tmp_path):
     out = run_script(tmp_path, """

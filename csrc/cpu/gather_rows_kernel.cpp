@@ -10,24 +10,20 @@
 // layout, or pitch = 0 meaning "w_i" for the ragged layout (rows stored [C, h, w_i] contiguously).
 // Every index, width and offset is checked against the data before the first byte is copied, so a
 // bad request raises instead of reading outside the memmap. The copy itself runs with the GIL
-// released (other Python threads, e.g. a training loop, keep running) on at::parallel_for threads.
+// released (other Python threads, e.g. a training loop, keep running) on the native pool's threads.
 // Batches are small (64 rows of a few KiB are ~0.5 MiB), so fixed costs matter: a row's lines are
 // copied by inlined vector moves rather than a memcpy call per line, and a batch is split between
-// threads only in tasks of at least kMinTaskBytes.
-#include <ATen/Parallel.h>
-#include <Python.h>
-#include <torch/library.h>
-
-#include <ATen/ATen.h>
+// threads only when each gets at least kMinThreadBytes.
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "checked_math.h"
-#include "gil_release.h"
+#include "native.h"
 #include "overlap_check.h"
+#include "thread_pool.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -36,8 +32,8 @@
 namespace latentfast {
 namespace {
 
-void check_no_overlap_with_sources(const char* op, const at::Tensor& out, const at::Tensor& data,
-                                   const at::Tensor& row_offsets, const at::Tensor& widths, const at::Tensor& indices) {
+void check_no_overlap_with_sources(const char* op, const Tensor& out, const Tensor& data,
+                                   const Tensor& row_offsets, const Tensor& widths, const Tensor& indices) {
   check_no_overlap(op, out, "out", data, "data");
   check_no_overlap(op, out, "out", row_offsets, "row_offsets");
   check_no_overlap(op, out, "out", widths, "widths");
@@ -46,44 +42,44 @@ void check_no_overlap_with_sources(const char* op, const at::Tensor& out, const 
 
 // One requested row, resolved and bounds-checked.
 struct RowSpan {
-  const at::Half* src;  // start of line (0, 0)
+  const Half* src;  // start of line (0, 0)
   int64_t width;        // real columns
   int64_t line_pitch;   // elements between consecutive lines
 };
 
-std::vector<RowSpan> resolve_rows(const char* op, const at::Tensor& data, const at::Tensor& row_offsets,
-                                  const at::Tensor& widths, int64_t pitch, const at::Tensor& indices,
+std::vector<RowSpan> resolve_rows(const char* op, const Tensor& data, const Tensor& row_offsets,
+                                  const Tensor& widths, int64_t pitch, const Tensor& indices,
                                   int64_t lines_per_row, int64_t max_width) {
-  TORCH_CHECK_VALUE(data.device().is_cpu() && row_offsets.device().is_cpu() && widths.device().is_cpu() &&
-                  indices.device().is_cpu(),
+  LF_CHECK_VALUE(data.is_cpu() && row_offsets.is_cpu() && widths.is_cpu() &&
+                  indices.is_cpu(),
               op, ": data, row_offsets, widths and indices must be CPU tensors");
-  TORCH_CHECK_VALUE(data.scalar_type() == at::kHalf && data.dim() == 1 && data.is_contiguous(), op,
-              ": data must be a contiguous 1-D float16 tensor, got ", data.scalar_type(), " ", data.sizes());
-  TORCH_CHECK_VALUE(row_offsets.scalar_type() == at::kLong && row_offsets.dim() == 1 && row_offsets.is_contiguous(),
-              op, ": row_offsets must be a contiguous 1-D int64 tensor, got ", row_offsets.scalar_type(), " ",
-              row_offsets.sizes());
-  TORCH_CHECK_VALUE(widths.scalar_type() == at::kInt && widths.dim() == 1 && widths.is_contiguous(), op,
-              ": widths must be a contiguous 1-D int32 tensor, got ", widths.scalar_type(), " ", widths.sizes());
-  TORCH_CHECK_VALUE(indices.scalar_type() == at::kLong && indices.dim() == 1 && indices.is_contiguous(), op,
-              ": indices must be a contiguous 1-D int64 tensor, got ", indices.scalar_type(), " ",
-              indices.sizes());
+  LF_CHECK_VALUE(data.dtype == kHalf && data.dim() == 1 && data.is_contiguous(), op,
+              ": data must be a contiguous 1-D float16 tensor, got ", dtype_name(data.dtype), " ", data.shape());
+  LF_CHECK_VALUE(row_offsets.dtype == kLong && row_offsets.dim() == 1 && row_offsets.is_contiguous(),
+              op, ": row_offsets must be a contiguous 1-D int64 tensor, got ", dtype_name(row_offsets.dtype), " ",
+              row_offsets.shape());
+  LF_CHECK_VALUE(widths.dtype == kInt && widths.dim() == 1 && widths.is_contiguous(), op,
+              ": widths must be a contiguous 1-D int32 tensor, got ", dtype_name(widths.dtype), " ", widths.shape());
+  LF_CHECK_VALUE(indices.dtype == kLong && indices.dim() == 1 && indices.is_contiguous(), op,
+              ": indices must be a contiguous 1-D int64 tensor, got ", dtype_name(indices.dtype), " ",
+              indices.shape());
   const int64_t n_rows = row_offsets.numel();
-  TORCH_CHECK_VALUE(widths.numel() == n_rows, op, ": widths has ", widths.numel(), " rows but row_offsets has ", n_rows);
-  TORCH_CHECK_VALUE(pitch >= 0, op, ": pitch must be >= 0 (0 = ragged layout), got ", pitch);
+  LF_CHECK_VALUE(widths.numel() == n_rows, op, ": widths has ", widths.numel(), " rows but row_offsets has ", n_rows);
+  LF_CHECK_VALUE(pitch >= 0, op, ": pitch must be >= 0 (0 = ragged layout), got ", pitch);
 
-  const int64_t* idx = indices.data_ptr<int64_t>();
-  const int64_t* offs = row_offsets.data_ptr<int64_t>();
-  const int32_t* wid = widths.data_ptr<int32_t>();
+  const int64_t* idx = indices.ptr<int64_t>();
+  const int64_t* offs = row_offsets.ptr<int64_t>();
+  const int32_t* wid = widths.ptr<int32_t>();
   const int64_t data_len = data.numel();
-  const at::Half* base = data.data_ptr<at::Half>();
+  const Half* base = data.ptr<Half>();
   std::vector<RowSpan> rows(indices.numel());
   for (int64_t b = 0; b < indices.numel(); ++b) {
     const int64_t i = idx[b];
-    TORCH_CHECK_INDEX(i >= 0 && i < n_rows, op, ": indices[", b, "] = ", i, " is out of range for ", n_rows,
+    LF_CHECK_INDEX(i >= 0 && i < n_rows, op, ": indices[", b, "] = ", i, " is out of range for ", n_rows,
                       " rows");
     const int64_t w = wid[i];
-    TORCH_CHECK_VALUE(w >= 0 && w <= max_width, op, ": row ", i, " has width ", w, ", outside [0, ", max_width, "]");
-    TORCH_CHECK_VALUE(pitch == 0 || w <= pitch, op, ": row ", i, " has width ", w, " > pitch ", pitch);
+    LF_CHECK_VALUE(w >= 0 && w <= max_width, op, ": row ", i, " has width ", w, ", outside [0, ", max_width, "]");
+    LF_CHECK_VALUE(pitch == 0 || w <= pitch, op, ": row ", i, " has width ", w, " > pitch ", pitch);
     const int64_t line_pitch = pitch == 0 ? w : pitch;
     const int64_t start = offs[i];
     // the row reads [start, start + extent), extent = (lines-1)*line_pitch + w; a pitch or a line
@@ -91,9 +87,9 @@ std::vector<RowSpan> resolve_rows(const char* op, const at::Tensor& data, const 
     int64_t extent = 0;
     const bool fits = lines_per_row == 0 || w == 0 ||
                       (mul_fits(lines_per_row - 1, line_pitch, &extent) && add_fits(extent, w, &extent));
-    TORCH_CHECK_VALUE(fits, op, ": row ", i, " spans (", lines_per_row, " - 1) lines * pitch ", line_pitch, " + width ",
+    LF_CHECK_VALUE(fits, op, ": row ", i, " spans (", lines_per_row, " - 1) lines * pitch ", line_pitch, " + width ",
                       w, " elements, more than int64 holds: outside the data's ", data_len, " elements");
-    TORCH_CHECK_VALUE(start >= 0 && start <= data_len && extent <= data_len - start, op, ": row ", i, " spans [",
+    LF_CHECK_VALUE(start >= 0 && start <= data_len && extent <= data_len - start, op, ": row ", i, " spans [",
                       start, ", ", start, " + ", extent, ") outside the data's ", data_len, " elements");
     rows[b] = RowSpan{base + start, w, line_pitch};
   }
@@ -104,18 +100,18 @@ std::vector<RowSpan> resolve_rows(const char* op, const at::Tensor& data, const 
 #define LATENTFAST_F16C 1
 // The extension is built for baseline x86-64, where a float16 -> float conversion is a scalar bit
 // shuffle (~4x slower than the copy). These two use the F16C/AVX2 instructions, chosen at run time.
-__attribute__((target("avx2,f16c"))) void half_to_float_f16c(const at::Half* src, float* dst, int64_t n) {
+__attribute__((target("avx2,f16c"))) void half_to_float_f16c(const Half* src, float* dst, int64_t n) {
   int64_t k = 0;
   for (; k + 8 <= n; k += 8) {
     const __m128i half8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
     _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(half8));
   }
-  for (; k < n; ++k) dst[k] = static_cast<float>(src[k]);
+  for (; k < n; ++k) dst[k] = half_to_float(src[k]);
 }
 
 // 8 float16 -> float32 (exact) -> bfloat16 bits rounded to nearest even, as c10::BFloat16 does; NaN
 // stays NaN. Results in the low 16 bits of each 32-bit lane.
-__attribute__((target("avx2,f16c"))) inline __m256i half8_to_bfloat16_bits(const at::Half* from) {
+__attribute__((target("avx2,f16c"))) inline __m256i half8_to_bfloat16_bits(const Half* from) {
   const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from)));
   const __m256i bits = _mm256_castps_si256(f);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -125,7 +121,7 @@ __attribute__((target("avx2,f16c"))) inline __m256i half8_to_bfloat16_bits(const
   return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
 }
 
-__attribute__((target("avx2,f16c"))) void half_to_bfloat16_f16c(const at::Half* src, at::BFloat16* dst,
+__attribute__((target("avx2,f16c"))) void half_to_bfloat16_f16c(const Half* src, BFloat16* dst,
                                                                  int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
@@ -133,7 +129,7 @@ __attribute__((target("avx2,f16c"))) void half_to_bfloat16_f16c(const at::Half* 
     const __m256i packed = _mm256_packus_epi32(half8_to_bfloat16_bits(src + k), half8_to_bfloat16_bits(src + k + 8));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_permute4x64_epi64(packed, 0xD8));
   }
-  for (; k < n; ++k) dst[k] = static_cast<at::BFloat16>(static_cast<float>(src[k]));
+  for (; k < n; ++k) dst[k] = float_to_bfloat16(half_to_float(src[k]));
 }
 
 bool cpu_has_f16c() {
@@ -143,18 +139,18 @@ bool cpu_has_f16c() {
 #endif
 
 template <typename out_t>
-inline void copy_line(const at::Half* src, out_t* dst, int64_t n) {
-  if constexpr (std::is_same_v<out_t, at::Half>) {
-    std::memcpy(dst, src, n * sizeof(at::Half));
+inline void copy_line(const Half* src, out_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<out_t, Half>) {
+    std::memcpy(dst, src, n * sizeof(Half));
     return;
   }
 #ifdef LATENTFAST_F16C
   if (cpu_has_f16c()) {
     if constexpr (std::is_same_v<out_t, float>) return half_to_float_f16c(src, dst, n);
-    if constexpr (std::is_same_v<out_t, at::BFloat16>) return half_to_bfloat16_f16c(src, dst, n);
+    if constexpr (std::is_same_v<out_t, BFloat16>) return half_to_bfloat16_f16c(src, dst, n);
   }
 #endif
-  for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<out_t>(static_cast<float>(src[k]));
+  for (int64_t k = 0; k < n; ++k) dst[k] = from_float<out_t>(half_to_float(src[k]));
 }
 
 // Rows sit at random places of a file larger than the caches. While row b is copied, the same line
@@ -171,10 +167,10 @@ inline void prefetch_line_of(const RowSpan* next, int64_t l) {
 // call to memcpy per line (and another for the padding) costs about as much as the bytes: these are
 // inlined 32-byte moves, the tail done by one overlapping move. The padding is stored from a register
 // holding the line's white value, first, so the real columns written next may overwrite its start.
-__attribute__((target("avx2"))) inline void copy_halves_avx2(const at::Half* src, at::Half* dst, int64_t n) {
+__attribute__((target("avx2"))) inline void copy_halves_avx2(const Half* src, Half* dst, int64_t n) {
   constexpr int64_t V = 16;  // halves per vector
   if (n < V) {
-    std::memcpy(dst, src, n * sizeof(at::Half));
+    std::memcpy(dst, src, n * sizeof(Half));
     return;
   }
   int64_t k = 0;
@@ -189,7 +185,7 @@ __attribute__((target("avx2"))) inline void copy_halves_avx2(const at::Half* src
 }
 
 __attribute__((target("avx2"))) void copy_row_half_avx2(const RowSpan& row, const RowSpan* next,
-                                                        const at::Half* white, int64_t lines, at::Half* dst,
+                                                        const Half* white, int64_t lines, Half* dst,
                                                         int64_t W) {
   constexpr int64_t V = 16;  // halves per vector
   const int64_t w = row.width;
@@ -211,7 +207,7 @@ __attribute__((target("avx2"))) void copy_row_half_avx2(const RowSpan& row, cons
 
 // One row's real columns, back to back as [lines, w] (the packed staging of the GPU path).
 __attribute__((target("avx2"))) void pack_row_half_avx2(const RowSpan& row, const RowSpan* next, int64_t lines,
-                                                        at::Half* dst) {
+                                                        Half* dst) {
   for (int64_t l = 0; l < lines; ++l, dst += row.width) {
     if (next) prefetch_line_of(next, l);
     copy_halves_avx2(row.src + l * row.line_pitch, dst, row.width);
@@ -226,91 +222,96 @@ bool cpu_has_avx2() {
 
 // One requested row -> out rows [lines, W]: real columns (cast), then the white column up to W.
 template <typename out_t>
-void copy_row(const RowSpan& row, const RowSpan* next, const at::Half* white, int64_t lines, out_t* dst,
+void copy_row(const RowSpan& row, const RowSpan* next, const Half* white, int64_t lines, out_t* dst,
               int64_t W) {
   if (row.width == W && row.line_pitch == W) {  // a full-width row stored contiguously: one block
     copy_line<out_t>(row.src, dst, lines * W);
     return;
   }
 #ifdef LATENTFAST_F16C
-  if constexpr (std::is_same_v<out_t, at::Half>) {
+  if constexpr (std::is_same_v<out_t, Half>) {
     if (cpu_has_avx2()) return copy_row_half_avx2(row, next, white, lines, dst, W);
   }
 #endif
   for (int64_t l = 0; l < lines; ++l, dst += W) {
     if (next) prefetch_line_of(next, l);
     copy_line<out_t>(row.src + l * row.line_pitch, dst, row.width);
-    if (row.width < W) std::fill(dst + row.width, dst + W, static_cast<out_t>(static_cast<float>(white[l])));
+    if (row.width < W) std::fill(dst + row.width, dst + W, from_float<out_t>(half_to_float(white[l])));
   }
 }
 
-// Threads only pay off once a task has this many bytes to move: waking a pool thread costs
-// microseconds, about what copying 64 KiB costs.
-constexpr int64_t kMinTaskBytes = 256 * 1024;
+// Threads only pay off once each has this many bytes to move: waking a pool thread costs
+// microseconds, about what copying 64 KiB costs. The work is handed out in chunks of about
+// kChunkBytes, so a thread that is descheduled holds up no more than one chunk.
+constexpr int64_t kMinThreadBytes = 256 * 1024;
+constexpr int64_t kChunkBytes = 64 * 1024;
 
-int64_t rows_per_task(int64_t row_bytes) {
-  return std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(row_bytes, 1));
+// (rows per chunk, threads) for rows of `row_bytes` bytes
+std::pair<int64_t, int64_t> split(int64_t rows, int64_t row_bytes, int64_t max_threads) {
+  row_bytes = std::max<int64_t>(row_bytes, 1);
+  int64_t total = 0;
+  if (!mul_fits(rows, row_bytes, &total)) total = std::numeric_limits<int64_t>::max();
+  const int64_t threads = std::clamp<int64_t>(total / kMinThreadBytes, 1, std::max<int64_t>(max_threads, 1));
+  return {std::max<int64_t>(1, kChunkBytes / row_bytes), threads};
 }
 
 template <typename out_t>
-void gather_padded(const std::vector<RowSpan>& rows, const at::Half* white, int64_t lines, out_t* out,
-                   int64_t W) {
+void gather_padded(const std::vector<RowSpan>& rows, const Half* white, int64_t lines, out_t* out, int64_t W,
+                   int64_t max_threads) {
   // A null white means no row needs padding (checked by the caller).
   const int64_t B = static_cast<int64_t>(rows.size());
   const int64_t row_elems = lines * W;
-  at::parallel_for(0, B, rows_per_task(row_elems * static_cast<int64_t>(sizeof(out_t))),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t b = begin; b < end; ++b) {
-                       copy_row<out_t>(rows[b], b + 1 < end ? &rows[b + 1] : nullptr, white, lines,
-                                       out + b * row_elems, W);
-                     }
-                   });
+  const auto [grain, threads] = split(B, row_elems * static_cast<int64_t>(sizeof(out_t)), max_threads);
+  parallel_for(B, grain, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      copy_row<out_t>(rows[b], b + 1 < end ? &rows[b + 1] : nullptr, white, lines, out + b * row_elems, W);
+    }
+  });
 }
 
-void gather_rows_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets, const at::Tensor& widths,
-                          int64_t pitch, const at::Tensor& indices, const std::optional<at::Tensor>& white,
-                          const at::Tensor& out) {
+// white: null when no white column was given.
+void gather_rows_into_cpu(const Tensor& data, const Tensor& row_offsets, const Tensor& widths, int64_t pitch,
+                          const Tensor& indices, const Tensor* white, const Tensor& out, int64_t threads) {
   constexpr const char* op = "gather_rows_into";
-  TORCH_CHECK_VALUE(out.device().is_cpu() && out.dim() == 4 && out.is_contiguous(), op,
-              ": out must be a contiguous CPU tensor [B, C, h, W], got sizes ", out.sizes(), " strides ",
-              out.strides(), " on ", out.device());
+  LF_CHECK_VALUE(out.is_cpu() && out.dim() == 4 && out.is_contiguous(), op,
+              ": out must be a contiguous CPU tensor [B, C, h, W], got sizes ", out.shape(), " strides ",
+              out.strides(), " on ", out.device_name());
   const int64_t B = out.size(0), C = out.size(1), H = out.size(2), W = out.size(3);
-  TORCH_CHECK_VALUE(indices.numel() == B, op, ": out has B=", B, " rows but indices has ", indices.numel());
+  LF_CHECK_VALUE(indices.numel() == B, op, ": out has B=", B, " rows but indices has ", indices.numel());
   const int64_t lines = checked_mul(C, H, op, "C * h");  // an empty out may have any sizes
-  if (white.has_value()) {
-    TORCH_CHECK_VALUE(white->device().is_cpu() && white->scalar_type() == at::kHalf && white->is_contiguous() &&
+  if (white) {
+    LF_CHECK_VALUE(white->is_cpu() && white->dtype == kHalf && white->is_contiguous() &&
                     white->numel() == lines,
                 op, ": white must be a contiguous float16 CPU tensor of C*h=", lines, " elements ([C, h, 1]), got ",
-                white->scalar_type(), " ", white->sizes(), " on ", white->device());
+                dtype_name(white->dtype), " ", white->shape(), " on ", white->device_name());
   }
   const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, lines, W);
   check_no_overlap_with_sources(op, out, data, row_offsets, widths, indices);
-  if (white.has_value()) check_no_overlap(op, out, "out", *white, "white");
-  if (!white.has_value()) {
+  if (white) check_no_overlap(op, out, "out", *white, "white");
+  if (!white) {
     for (size_t b = 0; b < rows.size(); ++b) {
-      TORCH_CHECK_VALUE(rows[b].width == W, op, ": indices[", b, "] (width ", rows[b].width, ") needs padding to W=", W,
+      LF_CHECK_VALUE(rows[b].width == W, op, ": indices[", b, "] (width ", rows[b].width, ") needs padding to W=", W,
                   " but no white column was given");
     }
   }
   if (out.numel() == 0) return;
-  const at::Half* white_ptr = white.has_value() ? white->data_ptr<at::Half>() : nullptr;
-  GilRelease no_gil;
-  switch (out.scalar_type()) {
-    case at::kHalf: gather_padded<at::Half>(rows, white_ptr, lines, out.data_ptr<at::Half>(), W); break;
-    case at::kBFloat16: gather_padded<at::BFloat16>(rows, white_ptr, lines, out.data_ptr<at::BFloat16>(), W); break;
-    case at::kFloat: gather_padded<float>(rows, white_ptr, lines, out.data_ptr<float>(), W); break;
-    default: TORCH_CHECK_VALUE(false, op, ": out dtype must be float16, bfloat16 or float32, got ", out.scalar_type());
+  const Half* white_ptr = white ? white->ptr<Half>() : nullptr;
+  switch (out.dtype) {
+    case kHalf: gather_padded<Half>(rows, white_ptr, lines, out.ptr<Half>(), W, threads); break;
+    case kBFloat16: gather_padded<BFloat16>(rows, white_ptr, lines, out.ptr<BFloat16>(), W, threads); break;
+    case kFloat: gather_padded<float>(rows, white_ptr, lines, out.ptr<float>(), W, threads); break;
+    default: LF_CHECK_VALUE(false, op, ": out dtype must be float16, bfloat16 or float32, got ", dtype_name(out.dtype));
   }
 }
 
-void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_offsets, const at::Tensor& widths,
-                                 int64_t pitch, const at::Tensor& indices, int64_t channels, int64_t latent_h,
-                                 const at::Tensor& out) {
+void gather_rows_packed_into_cpu(const Tensor& data, const Tensor& row_offsets, const Tensor& widths,
+                                 int64_t pitch, const Tensor& indices, int64_t channels, int64_t latent_h,
+                                 const Tensor& out, int64_t max_threads) {
   constexpr const char* op = "gather_rows_packed_into";
-  TORCH_CHECK_VALUE(channels >= 0 && latent_h >= 0, op, ": channels and latent_h must be >= 0, got ", channels, ", ",
+  LF_CHECK_VALUE(channels >= 0 && latent_h >= 0, op, ": channels and latent_h must be >= 0, got ", channels, ", ",
               latent_h);
-  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kHalf && out.dim() == 1 && out.is_contiguous(), op,
-              ": out must be a contiguous 1-D float16 CPU tensor, got ", out.scalar_type(), " ", out.sizes());
+  LF_CHECK_VALUE(out.is_cpu() && out.dtype == kHalf && out.dim() == 1 && out.is_contiguous(), op,
+              ": out must be a contiguous 1-D float16 CPU tensor, got ", dtype_name(out.dtype), " ", out.shape());
   const int64_t lines = checked_mul(channels, latent_h, op, "channels * latent_h");
   const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, lines,
                                  std::numeric_limits<int32_t>::max());
@@ -322,20 +323,20 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
     starts[b + 1] = checked_add(starts[b], checked_mul(lines, rows[b].width, op, "a row's elements"), op,
                                 "the rows' total elements");
   }
-  TORCH_CHECK_VALUE(out.numel() >= starts.back(), op, ": out holds ", out.numel(), " elements, the rows need ",
+  LF_CHECK_VALUE(out.numel() >= starts.back(), op, ": out holds ", out.numel(), " elements, the rows need ",
               starts.back());
   if (starts.back() == 0) return;
-  at::Half* dst = out.data_ptr<at::Half>();
-  GilRelease no_gil;
+  Half* dst = out.ptr<Half>();
   const int64_t B = static_cast<int64_t>(rows.size());
-  const int64_t mean_row_bytes = starts.back() * static_cast<int64_t>(sizeof(at::Half)) / std::max<int64_t>(1, B);
-  at::parallel_for(0, B, rows_per_task(mean_row_bytes), [&](int64_t begin, int64_t end) {
+  const int64_t mean_row_bytes = starts.back() * static_cast<int64_t>(sizeof(Half)) / std::max<int64_t>(1, B);
+  const auto [grain, threads] = split(B, mean_row_bytes, max_threads);
+  parallel_for(B, grain, threads, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const RowSpan& row = rows[b];
-      at::Half* row_dst = dst + starts[b];
+      Half* row_dst = dst + starts[b];
       if (row.width == 0) continue;  // nothing to copy (its line loop could be 2^62 lines long)
       if (row.line_pitch == row.width) {  // ragged layout, or a full-width padded row: one block
-        std::memcpy(row_dst, row.src, lines * row.width * sizeof(at::Half));
+        std::memcpy(row_dst, row.src, lines * row.width * sizeof(Half));
         continue;
       }
       const RowSpan* next = b + 1 < end ? &rows[b + 1] : nullptr;
@@ -347,7 +348,7 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
 #endif
       for (int64_t l = 0; l < lines; ++l) {
         if (next) prefetch_line_of(next, l);
-        std::memcpy(row_dst + l * row.width, row.src + l * row.line_pitch, row.width * sizeof(at::Half));
+        std::memcpy(row_dst + l * row.width, row.src + l * row.line_pitch, row.width * sizeof(Half));
       }
     }
   });
@@ -355,9 +356,30 @@ void gather_rows_packed_into_cpu(const at::Tensor& data, const at::Tensor& row_o
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(latentfast_compiled, CPU, m) {
-  m.impl("gather_rows_into", &gather_rows_into_cpu);
-  m.impl("gather_rows_packed_into", &gather_rows_packed_into_cpu);
+// args: data, row_offsets, widths, pitch, indices, white?, out, threads
+LATENTFAST_ENTRY(latentfast_gather_rows_into) {
+  const Tensor data = in.tensor(), row_offsets = in.tensor(), widths = in.tensor();
+  const int64_t pitch = in.integer();
+  const Tensor indices = in.tensor();
+  Tensor white;
+  const bool has_white = in.present();
+  if (has_white) white = in.tensor();
+  const Tensor out = in.tensor();
+  const int64_t threads = in.integer();
+  in.finish();
+  gather_rows_into_cpu(data, row_offsets, widths, pitch, indices, has_white ? &white : nullptr, out, threads);
+}
+
+// args: data, row_offsets, widths, pitch, indices, channels, latent_h, out, threads
+LATENTFAST_ENTRY(latentfast_gather_rows_packed_into) {
+  const Tensor data = in.tensor(), row_offsets = in.tensor(), widths = in.tensor();
+  const int64_t pitch = in.integer();
+  const Tensor indices = in.tensor();
+  const int64_t channels = in.integer(), latent_h = in.integer();
+  const Tensor out = in.tensor();
+  const int64_t threads = in.integer();
+  in.finish();
+  gather_rows_packed_into_cpu(data, row_offsets, widths, pitch, indices, channels, latent_h, out, threads);
 }
 
 }  // namespace latentfast

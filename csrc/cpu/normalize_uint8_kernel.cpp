@@ -14,17 +14,15 @@
 //   - outputs too large to stay in the caches are written with non-temporal stores, which skip the
 //     read-for-ownership of every written cache line (4 of the 9 bytes a float32 element would
 //     otherwise move).
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#include <ATen/ATen.h>
 #include <algorithm>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "checked_math.h"
+#include "native.h"
 #include "overlap_check.h"
+#include "thread_pool.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -39,7 +37,7 @@ constexpr int64_t kStreamBytes = 8 << 20;
 
 template <typename out_t>
 inline out_t normalize_one(uint8_t v) {
-  return static_cast<out_t>(static_cast<float>(v) / 127.5f - 1.0f);
+  return from_float<out_t>(static_cast<float>(v) / 127.5f - 1.0f);
 }
 
 template <typename out_t>
@@ -83,7 +81,7 @@ template <typename out_t>
 __attribute__((target("avx2,fma,f16c"))) inline __m256i normalize_block(const uint8_t* in) {
   if constexpr (std::is_same_v<out_t, float>) {
     return _mm256_castps_si256(normalize8(in));
-  } else if constexpr (std::is_same_v<out_t, at::Half>) {
+  } else if constexpr (std::is_same_v<out_t, Half>) {
     constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const __m128i lo = _mm256_cvtps_ph(normalize8(in), kRound);
     const __m128i hi = _mm256_cvtps_ph(normalize8(in + 8), kRound);
@@ -168,12 +166,12 @@ void normalize_rows(const Geometry& g, const uint8_t* base, const std::vector<ou
 }
 
 template <typename out_t>
-void normalize_impl(const at::Tensor& x, const std::vector<at::Tensor>& out) {
+void normalize_impl(const Tensor& x, const std::vector<Tensor>& out, int64_t max_threads) {
   constexpr const char* op = "normalize_uint8";
   const int64_t ndim = x.dim();
   Geometry g;
-  g.lead_sizes.assign(x.sizes().begin(), x.sizes().end() - 3);
-  g.lead_strides.assign(x.strides().begin(), x.strides().end() - 3);
+  g.lead_sizes.assign(x.sizes_, x.sizes_ + ndim - 3);
+  g.lead_strides.assign(x.strides_, x.strides_ + ndim - 3);
   g.T = x.size(ndim - 3), g.H = x.size(ndim - 2), g.W = x.size(ndim - 1);
   g.F = g.T / static_cast<int64_t>(out.size());
   g.st = x.stride(ndim - 3), g.sh = x.stride(ndim - 2), g.sw = x.stride(ndim - 1);
@@ -186,51 +184,61 @@ void normalize_impl(const at::Tensor& x, const std::vector<at::Tensor>& out) {
   const int64_t out_bytes = checked_mul(checked_mul(rows, g.W, op, "elements"), sizeof(out_t), op, "bytes");
   const bool stream = out_bytes >= kStreamBytes;
 
-  const uint8_t* base = x.data_ptr<uint8_t>();
+  const uint8_t* base = x.ptr<uint8_t>();
   std::vector<out_t*> out_ptrs;
-  for (const auto& o : out) out_ptrs.push_back(o.data_ptr<out_t>());
-  // tasks of >= 64K elements: waking a pool thread costs about what converting 16K elements does
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(g.W, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  for (const auto& o : out) out_ptrs.push_back(o.ptr<out_t>());
+  // threads of >= 64K elements each (waking a pool thread costs about what converting 16K elements
+  // does), handed out in chunks of ~16K elements
+  const int64_t elements = out_bytes / static_cast<int64_t>(sizeof(out_t));
+  const int64_t threads = std::clamp<int64_t>(elements / (64 << 10), 1, std::max<int64_t>(max_threads, 1));
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(g.W, 1));
+  parallel_for(rows, grain, threads, [&](int64_t begin, int64_t end) {
     normalize_rows<out_t>(g, base, out_ptrs, begin, end, stream);
   });
 }
 
-void normalize_uint8_into_cpu(const at::Tensor& x, at::TensorList out_list) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kByte, "normalize_uint8: x must be uint8, got ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() >= 4, "normalize_uint8: x must be [..., C, T, H, W], got ", x.dim(), "-D");
-  TORCH_CHECK_VALUE(x.device().is_cpu(), "normalize_uint8 (cpu kernel): x must be a CPU tensor, got ", x.device());
-  const int64_t views = static_cast<int64_t>(out_list.size());
-  TORCH_CHECK_VALUE(views >= 1, "normalize_uint8: out must hold at least one tensor");
+void normalize_uint8_into_cpu(const Tensor& x, const std::vector<Tensor>& out, int64_t threads) {
+  LF_CHECK_VALUE(x.dtype == kByte, "normalize_uint8: x must be uint8, got ", dtype_name(x.dtype));
+  LF_CHECK_VALUE(x.dim() >= 4, "normalize_uint8: x must be [..., C, T, H, W], got ", x.dim(), "-D");
+  LF_CHECK_VALUE(x.is_cpu(), "normalize_uint8 (cpu kernel): x must be a CPU tensor, got ", x.device_name());
+  const int64_t views = static_cast<int64_t>(out.size());
+  LF_CHECK_VALUE(views >= 1, "normalize_uint8: out must hold at least one tensor");
   const int64_t T = x.size(x.dim() - 3);
-  TORCH_CHECK_VALUE(T % views == 0, "normalize_uint8: T=", T, " is not divisible by num_views=", views);
-  std::vector<int64_t> view_shape(x.sizes().begin(), x.sizes().end());
+  LF_CHECK_VALUE(T % views == 0, "normalize_uint8: T=", T, " is not divisible by num_views=", views);
+  std::vector<int64_t> view_shape = x.sizes();
   view_shape[x.dim() - 3] = T / views;
-  std::vector<at::Tensor> out(out_list.begin(), out_list.end());
-  const auto dtype = out[0].scalar_type();
+  const int64_t dtype = out[0].dtype;
   for (size_t v = 0; v < out.size(); ++v) {
-    TORCH_CHECK_VALUE(out[v].device().is_cpu(), "normalize_uint8: out[", v, "] must be a CPU tensor, got ",
-                      out[v].device());
-    TORCH_CHECK_VALUE(out[v].scalar_type() == dtype, "normalize_uint8: out[", v, "] dtype ", out[v].scalar_type(),
-                      " differs from out[0] dtype ", dtype);
-    TORCH_CHECK_VALUE(out[v].sizes().vec() == view_shape, "normalize_uint8: out[", v, "] must have shape ",
-                      at::IntArrayRef(view_shape), ", got ", out[v].sizes());
-    TORCH_CHECK_VALUE(out[v].is_contiguous(), "normalize_uint8: out[", v, "] must be contiguous");
+    LF_CHECK_VALUE(out[v].is_cpu(), "normalize_uint8: out[", v, "] must be a CPU tensor, got ",
+                      out[v].device_name());
+    LF_CHECK_VALUE(out[v].dtype == dtype, "normalize_uint8: out[", v, "] dtype ", dtype_name(out[v].dtype),
+                      " differs from out[0] dtype ", dtype_name(dtype));
+    LF_CHECK_VALUE(out[v].sizes() == view_shape, "normalize_uint8: out[", v, "] must have shape ",
+                      Tensor{nullptr, kByte, kCPU, x.ndim, view_shape.data(), view_shape.data()}.shape(), ", got ",
+                      out[v].shape());
+    LF_CHECK_VALUE(out[v].is_contiguous(), "normalize_uint8: out[", v, "] must be contiguous");
     const std::string name = "out[" + std::to_string(v) + "]";
     check_no_overlap("normalize_uint8", out[v], name, x, "x");
     for (size_t u = 0; u < v; ++u) check_no_overlap("normalize_uint8", out[v], name, out[u], "out[" + std::to_string(u) + "]");
   }
   if (x.numel() == 0) return;
   switch (dtype) {
-    case at::kFloat: normalize_impl<float>(x, out); break;
-    case at::kBFloat16: normalize_impl<at::BFloat16>(x, out); break;
-    case at::kHalf: normalize_impl<at::Half>(x, out); break;
-    default: TORCH_CHECK_VALUE(false, "normalize_uint8: out dtype must be float32, bfloat16 or float16, got ", dtype);
+    case kFloat: normalize_impl<float>(x, out, threads); break;
+    case kBFloat16: normalize_impl<BFloat16>(x, out, threads); break;
+    case kHalf: normalize_impl<Half>(x, out, threads); break;
+    default: LF_CHECK_VALUE(false, "normalize_uint8: out dtype must be float32, bfloat16 or float16, got ", dtype_name(dtype));
   }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(latentfast_compiled, CPU, m) { m.impl("normalize_uint8_into", &normalize_uint8_into_cpu); }
+// args: x, out (a list), threads
+LATENTFAST_ENTRY(latentfast_normalize_uint8_into) {
+  const Tensor x = in.tensor();
+  const std::vector<Tensor> out = in.tensors();
+  const int64_t threads = in.integer();
+  in.finish();
+  normalize_uint8_into_cpu(x, out, threads);
+}
 
 }  // namespace latentfast

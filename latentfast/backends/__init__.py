@@ -1,15 +1,16 @@
 """Which backend runs an op, chosen in one place: the kernel the dispatcher calls.
 
 Every backend registers its implementation of an op's kernel form here with
-:func:`register_kernel` (``backends/compiled.py``: the C++ and CUDA kernels of ``latentfast._C``;
+:func:`register_kernel` (``backends/compiled.py``: the CPU kernels of the native library ``latentfast/_native.so``;
 ``backends/triton_kernels.py``: the Triton kernels; ``backends/reference.py``: the pure-torch
 reference). For each op and each dispatch key (CPU, CUDA) one kernel is registered on the public
 op ``latentfast::<op>``: it calls the implementation the op's ``backend`` argument selects, after
 the op's shape checks and a check that no output overlaps another argument (the compiled kernels
 make both checks themselves, in C++, before touching memory; so they are not repeated for them):
 
-- ``"auto"`` (the default) picks, by the tensors' device, the compiled kernel (``cpp`` on CPU,
-  ``cuda`` on CUDA), then Triton (CUDA), then the reference; the environment variable
+- ``"auto"`` (the default) picks, by the tensors' device, the compiled kernel (``cpp`` on CPU;
+  ``cuda`` on CUDA, which no op has today: the GPU kernels are Triton), then Triton (CUDA), then the
+  reference; the environment variable
   ``LATENTFAST_BACKEND`` replaces ``"auto"`` globally;
 - ``"cpp" | "cuda" | "triton" | "torch"`` force one and raise :class:`BackendUnavailableError`
   (saying why) when it cannot run here.
@@ -197,11 +198,20 @@ from . import compiled, reference, triton_kernels  # noqa: E402,F401  (each regi
 from .triton_kernels import triton_interpreting, triton_status  # noqa: E402,F401
 
 
+def _gpu_path(op: str) -> str:
+    """What runs ``op`` on CUDA tensors under "auto", whether or not this machine has a GPU."""
+    reasons = availability(op, "cuda")
+    if not reasons["triton"]:
+        return f"Triton kernel (latentfast.kernels.{op.removesuffix('_into')})"
+    return f"pure-torch reference ({reasons['triton']})"
+
+
 def describe() -> str:
-    """A human-readable report: build, Triton, and the backend each op gets per device."""
+    """A human-readable report: the native library's build and what it serves here, Triton, and the
+    backend each op gets per device, with each op's GPU path."""
     lines = [
         f"latentfast backends (torch {torch.__version__}, cuda {torch.version.cuda})",
-        f"  compiled library _C: {compiled.status()}",
+        f"  native library: {compiled.status()}",
         f"  triton: {'importable' if triton_status()[0] else triton_status()[1]}"
         + (" (interpreter mode)" if triton_interpreting() else ""),
         f"  LATENTFAST_BACKEND: {os.environ.get('LATENTFAST_BACKEND') or '(unset)'}",
@@ -213,6 +223,8 @@ def describe() -> str:
             avail = ", ".join(name for name, why in reasons.items() if not why)
             missing = "; ".join(f"{name}: {why}" for name, why in reasons.items() if why)
             lines.append(f"  {op:<26} {device_type:<5} auto={auto:<7} available=[{avail}]  ({missing})")
+    lines.append("  GPU path of each op (CUDA tensors, backend auto):")
+    lines += [f"    {op:<26} {_gpu_path(op)}" for op in _ops.SCHEMAS]
     return "\n".join(lines)
 
 

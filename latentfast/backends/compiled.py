@@ -1,35 +1,36 @@
-"""The compiled kernels of ``latentfast._C`` as the ``cpp`` (CPU) and ``cuda`` (CUDA) backends.
+"""The native library's kernels (:mod:`latentfast.backends.native`) as the ``cpp`` backend on CPU.
 
-``_C`` implements ``latentfast_compiled::<op>`` (see :mod:`latentfast._ops`); an op gets a backend
-here only for the dispatch keys the build really filled (a CPU-only build has no ``cuda`` backend).
+Each kernel is registered twice: as the ``cpp`` backend of the public op (called straight from its
+dispatch kernel, the hot path) and as the CPU kernel of ``latentfast_compiled::<op>`` (the kernel form
+without ``backend``, for direct calls past the op's Python checks). There are no CUDA C++ kernels:
+the GPU kernels are Triton (``kernels/``, the ``triton`` backend), so the ``cuda`` backend is never
+available.
 """
 from __future__ import annotations
 
 from .. import _ops
-from . import mark_unavailable, register_kernel
+from . import mark_unavailable, native, register_kernel
 
-_KEYS = (("CPU", "cpu", "cpp"), ("CUDA", "cuda", "cuda"))
+NO_CUDA_KERNELS = "no CUDA C++ kernels: the GPU kernels are Triton (backend='triton')"
 
 
 def status() -> str:
-    if _ops.C_LOAD_ERROR is not None:
-        return f"NOT loaded: {_ops.C_LOAD_ERROR}"
-    from .. import _C
-
-    return f"loaded, built with {getattr(_C, 'BUILD_INFO', '(unknown configuration)')}"
+    if native.LOAD_ERROR is not None:
+        return f"NOT loaded: {native.LOAD_ERROR}"
+    return f"loaded ({native.PATH}); built with {native.build_info()}; CPU vector paths on this machine: {native.cpu_paths()}"
 
 
 def _register() -> None:
     for op in _ops.SCHEMAS:
-        for key, device_type, backend in _KEYS:
-            if _ops.C_LOAD_ERROR is not None:
-                mark_unavailable(op, device_type, backend, f"latentfast._C not loaded ({_ops.C_LOAD_ERROR})")
-            elif _ops.compiled_kernel_registered(op, key):
-                register_kernel(op, device_type, backend, checks_arguments=True)(_ops.compiled_op(op))
-            elif device_type == "cuda":
-                mark_unavailable(op, device_type, backend, f"_C was built without a CUDA kernel for {op}")
-            else:
-                mark_unavailable(op, device_type, backend, f"_C has no CPU kernel for {op}")
+        kernel = native.KERNELS.get(op)
+        if native.LOAD_ERROR is not None:
+            mark_unavailable(op, "cpu", "cpp", f"the native library is not loaded ({native.LOAD_ERROR})")
+        elif kernel is None:
+            mark_unavailable(op, "cpu", "cpp", f"the native library has no CPU kernel for {op}")
+        else:
+            _ops.COMPILED_LIB.impl(op, kernel, "CPU")
+            register_kernel(op, "cpu", "cpp", checks_arguments=True)(kernel)
+        mark_unavailable(op, "cuda", "cuda", NO_CUDA_KERNELS)
         mark_unavailable(op, "cpu", "cuda", "the tensors are on the CPU")
         mark_unavailable(op, "cuda", "cpp", "the tensors are on a CUDA device")
 

@@ -46,7 +46,10 @@ def _lazy(op: str):
 def _register() -> None:
     importable, why = triton_status()
     for op in _ops.SCHEMAS:
-        has_kernel = importlib.util.find_spec(_module_name(op)) is not None
+        try:
+            has_kernel = importlib.util.find_spec(_module_name(op)) is not None
+        except ModuleNotFoundError:  # a checkout imported uninstalled: kernels/ is not latentfast.kernels
+            has_kernel = False
         for device_type in ("cpu", "cuda"):
             if not has_kernel:
                 mark_unavailable(op, device_type, "triton", f"no Triton kernel for {op}")

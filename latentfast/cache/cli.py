@@ -21,6 +21,24 @@ _ENCODERS = "'toy' (latentfast.toy.ToyVAE), 'module:factory' (a callable returni
             "subfolder; the class comes from its config.json) or 'diffusers:CLASS:PATH'"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each default printed once, and only where there is one (not ``(default: None)``, not for
+    on/off flags, not after a help text that names its default); required options marked."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.required and action.option_strings:
+            text += " (required)"
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+    def _split_lines(self, text, width):  # never split an option name such as --max-bucket across lines
+        import textwrap
+
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+
 class CliError(Exception):
     """A bad command-line value: printed as one line, exit status 2."""
 
@@ -54,7 +72,7 @@ def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
     _add_import(commands)
     for name, handler, text in (("inspect", run_inspect, "meta, size, padding waste and latent-width (or shape) histogram"),
                                 ("verify", run_verify, "recompute checksums, check finiteness, widths and shapes")):
-        sub = commands.add_parser(name, help=text, description=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sub = commands.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
         sub.add_argument("cache_dir", help="folder holding the cache")
         sub.add_argument("--split", default="train", help="which split of the folder")
         sub.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -63,25 +81,37 @@ def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_build(commands) -> None:
-    text = ("encode images into a latent cache: text lines (fixed height, the default), images in aspect-ratio "
-            "buckets (--buckets) or video clips (--video --buckets); rerun the same command to resume an interrupted "
-            "build, to re-encode only edited images, or to repair a damaged cache")
-    build = commands.add_parser("build", help=text, description=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    text = ("encode images into a latent cache: images in aspect-ratio buckets (the default; --buckets, or buckets "
+            "generated from --resolution as kohya does), video clips (--video --buckets) or text lines of one height "
+            "(--lines); rerun the same command to resume an interrupted build, to re-encode only edited images, or "
+            "to repair a damaged cache")
+    build = commands.add_parser("build", help=text, description=text, formatter_class=HelpFormatter)
     src = build.add_mutually_exclusive_group(required=True)
     src.add_argument("--manifest", help='JSONL manifest, one {"image": path} per line (or {"video"|"frames": path} with '
                      "--video; paths relative to its folder allowed; an optional \"key\")")
-    src.add_argument("--images", help="folder of images (sorted by name; walked recursively with --buckets), or with "
-                     "--video of clips (sub-folders of frame images, video files)")
+    src.add_argument("--images", help="folder of images (walked recursively, sorted by name), or with --video of clips "
+                     "(sub-folders of frame images, video files)")
     build.add_argument("--out", required=True, help="output folder (a cache per split)")
     build.add_argument("--split", default="train", help="name of the split (the files' prefix)")
-    build.add_argument("--encoder", default="toy", help=f"the VAE: {_ENCODERS}")
+    build.add_argument("--encoder", default=None, help=f"required: the VAE, {_ENCODERS}")
     build.add_argument("--sample", choices=("mode", "sample"), default="mode",
                        help="diffusers encoders: the posterior's mode, or a seeded draw from it")
     build.add_argument("--vae-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                        help="diffusers encoders: load the weights in this dtype (default: as saved)")
-    build.add_argument("--buckets", default=None, help="build an image cache: comma-separated HxW pixel sizes "
-                       "(e.g. 512x512,576x448,448x576); with --video, FxHxW (frames x height x width)")
-    build.add_argument("--video", action="store_true", help="the source holds video clips; needs --buckets FxHxW")
+    mode = build.add_mutually_exclusive_group()
+    mode.add_argument("--video", action="store_true", help="the source holds video clips; needs --buckets FxHxW")
+    mode.add_argument("--lines", action="store_true", help="build a text-line cache: every image one line of "
+                      "--line-height pixels, widths kept (--layout, --max-line-width)")
+    build.add_argument("--buckets", default=None, help="comma-separated HxW pixel sizes (e.g. 512x512,576x448,448x576); "
+                       "with --video, FxHxW (frames x height x width) (default: images generated from --resolution)")
+    build.add_argument("--resolution", type=int, default=1024, help="images without --buckets: buckets of about this "
+                       "many pixels squared (kohya's scheme: every WxH, multiples of --bucket-step, sides from "
+                       "--min-bucket to --max-bucket, area at most the square's)")
+    build.add_argument("--min-bucket", type=int, default=256, help="images without --buckets: the shortest bucket side")
+    build.add_argument("--max-bucket", type=int, default=2048, help="images without --buckets: the longest bucket side")
+    build.add_argument("--bucket-step", type=int, default=64, help="images: bucket sides are multiples of this")
+    build.add_argument("--no-upscale", action="store_true", help="images: never enlarge an image to fit a bucket; one "
+                       "its bucket would enlarge gets a bucket of its own size (kohya's bucket_no_upscale)")
     build.add_argument("--frame-stride", type=int, default=1, help="--video: take every N-th frame")
     build.add_argument("--layout", choices=("padded", "ragged"), default="padded", help="line caches: on-disk layout")
     build.add_argument("--line-height", type=int, default=32, help="line caches: pixel height of every line")
@@ -92,7 +122,8 @@ def _add_build(commands) -> None:
     build.add_argument("--device", default="cpu", help="where the encoder runs (cpu, cuda, cuda:1)")
     build.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none", help="encode under torch.autocast in this dtype")
     build.add_argument("--workers", type=int, default=4, help="image decode threads")
-    build.add_argument("--skip-bad-images", action="store_true", help="skip and report missing/corrupt images instead of failing")
+    build.add_argument("--skip-bad-images", action="store_true", help="skip and report missing, corrupt or truncated "
+                       "images (or clips) instead of failing")
     build.add_argument("--lock-timeout", type=float, default=0.0,
                        help="seconds to wait for another build of the same split in --out before failing")
     build.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
@@ -102,7 +133,7 @@ def _add_build(commands) -> None:
 def _add_import(commands) -> None:
     text = ("import per-item latent files into one shaped cache: kohya .npz, musubi-tuner / ai-toolkit .safetensors, "
             "SimpleTuner .pt (sorted file names; keys = relative paths without extension; stored as float16)")
-    imp = commands.add_parser("import", help=text, description=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    imp = commands.add_parser("import", help=text, description=text, formatter_class=HelpFormatter)
     imp.add_argument("source_dir", help="folder of latent files (walked recursively)")
     imp.add_argument("--out", required=True, help="output folder")
     imp.add_argument("--format", required=True, choices=("npz", "safetensors", "pt"), help="the files' format")
@@ -143,36 +174,87 @@ def parse_buckets(text: str, *, video: bool) -> list[tuple[int, ...]]:
     return buckets
 
 
-def run_build(args) -> int:
-    import torch
+NO_ENCODER = ("--encoder is required: name the VAE that encodes the images, e.g. --encoder diffusers:PATH (a diffusers "
+              "VAE folder saved with save_pretrained, or a model folder with a vae/ subfolder; "
+              "diffusers:AutoencoderKL:PATH names the class), --encoder module:factory, or --encoder toy for the "
+              "random-weight toy VAE of the demo and tests")
 
+
+def run_build(args) -> int:
+    if args.encoder is None:
+        raise CliError(NO_ENCODER)
     if args.video and not args.buckets:
         raise CliError("--video needs --buckets FxHxW (frames x height x width)")
+    if args.lines and args.buckets:
+        raise CliError("--lines builds a text-line cache of one --line-height; --buckets is for image or video caches")
     encoder = make_encoder(args.encoder, toy_seed=args.toy_seed, toy_channels=args.toy_channels, sample=args.sample,
                            vae_dtype=args.vae_dtype)
-    autocast = _AUTOCAST[args.autocast]
-    common = dict(batch_size=args.batch_size, device=args.device, num_workers=args.workers, quiet=args.quiet,
-                  autocast_dtype=getattr(torch, autocast) if autocast else None)
-    source = args.manifest or args.images
-    if args.buckets:
-        from .build.images import build_image_cache, build_video_cache
+    from .store.durable import lock_path
 
-        buckets = parse_buckets(args.buckets, video=args.video)
-        if args.video:
-            path = build_video_cache(encoder, source, args.out, args.split, buckets=buckets, frame_stride=args.frame_stride,
-                                     skip_bad_clips=args.skip_bad_images, lock_timeout=args.lock_timeout, **common)
-        else:
-            path = build_image_cache(encoder, source, args.out, args.split, buckets=buckets,
-                                     skip_bad_images=args.skip_bad_images, lock_timeout=args.lock_timeout, **common)
-    else:
-        from .build.lines import build_latent_cache
-
-        path = build_latent_cache(encoder, source, args.out, args.split, line_height=args.line_height,
-                                  max_line_width=args.max_line_width, layout=args.layout, lock_timeout=args.lock_timeout,
-                                  skip_bad_images=args.skip_bad_images, **common)
+    lock = lock_path(args.out, args.split)
+    created = _missing(args.out, lock)
+    try:
+        path = _build(args, encoder)
+    except BaseException:
+        _remove_new_lock(lock, created)
+        raise
     if not args.quiet:
         print(f"latent cache written: {path}")
     return 0
+
+
+def _build(args, encoder) -> str:
+    """Build the cache the mode flags ask for (images by default, --video, --lines)."""
+    import torch
+
+    autocast = _AUTOCAST[args.autocast]
+    common = dict(batch_size=args.batch_size, device=args.device, num_workers=args.workers, quiet=args.quiet,
+                  autocast_dtype=getattr(torch, autocast) if autocast else None, lock_timeout=args.lock_timeout)
+    source = args.manifest or args.images
+    if args.lines:
+        from .build.lines import build_latent_cache
+
+        return build_latent_cache(encoder, source, args.out, args.split, line_height=args.line_height,
+                                  max_line_width=args.max_line_width, layout=args.layout,
+                                  skip_bad_images=args.skip_bad_images, **common)
+    from .build.images import build_image_cache, build_video_cache
+
+    if args.video:
+        return build_video_cache(encoder, source, args.out, args.split, buckets=parse_buckets(args.buckets, video=True),
+                                 frame_stride=args.frame_stride, skip_bad_clips=args.skip_bad_images, **common)
+    if args.buckets:
+        buckets = parse_buckets(args.buckets, video=False)
+    else:
+        from .build.media import resolution_buckets
+
+        buckets = resolution_buckets(args.resolution, args.min_bucket, args.max_bucket, args.bucket_step)
+    return build_image_cache(encoder, source, args.out, args.split, buckets=buckets, no_upscale=args.no_upscale,
+                             bucket_step=args.bucket_step, skip_bad_images=args.skip_bad_images, **common)
+
+
+def _missing(out_dir: str, lock: str) -> tuple[bool, bool]:
+    """(the output folder is missing, its lock file is missing): what a failed build should not leave behind."""
+    return not os.path.isdir(out_dir), not os.path.exists(lock)
+
+
+def _remove_new_lock(lock: str, created: tuple[bool, bool]) -> None:
+    """After a failed build: remove the lock file this command created (if no other build took it
+    meanwhile) and the output folder if it made it and nothing else is in it."""
+    import contextlib
+    import fcntl
+
+    new_folder, new_lock = created
+    if new_lock and os.path.exists(lock):
+        with contextlib.suppress(OSError):
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while another build holds it
+                os.unlink(lock)
+            finally:
+                os.close(fd)
+    if new_folder:
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(lock))  # only if empty
 
 
 def run_import(args) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -417,18 +418,47 @@ class FeatureGradientReplay:
             return [status.tolist()]
         return all_gather_rows(status.to(self._collective_device()))
 
+    def _settings(self) -> str:
+        """What must be equal on every rank for the gathered stores to line up: branch names in
+        order, their shapes, the stored dtype, attraction and the row counts."""
+        shapes = ", ".join(f"{name!r}: {self.sample_shapes[name]}" for name in self.branch_names)
+        return (
+            f"branches {{{shapes}}}, feature_dtype={self.feature_dtype},"
+            f" current_teacher_attraction={self.current_teacher_attraction_enabled},"
+            f" (B, b)=({self.target_local_samples}, {self.gradient_local_samples})"
+        )
+
+    def _settings_digest(self) -> int:
+        """A signed 64-bit digest of :meth:`_settings`, sent in finalize's first collective."""
+        digest = hashlib.blake2b(self._settings().encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
+
+    def _check_same_settings(self, digests: list[int]) -> None:
+        """Raise on every rank when the ranks' settings differ (each rank saw every digest, so all
+        take this branch together; the settings travel in a second collective for the message)."""
+        if len(set(digests)) == 1:
+            return
+        described = [None] * len(digests)
+        dist.all_gather_object(described, self._settings())
+        lines = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(described))
+        raise InvalidArgumentError(
+            "the ranks' dual GradCaches differ (their loss modules' branch names, order or shapes, or"
+            f" feature_dtype, attraction or sample counts); every rank must build the same: {lines}"
+        )
+
     def _validate_ready(self) -> None:
         """Every rank learns every rank's counts and deferred finiteness (one collective), so all
         raise together."""
         expected = (self.target_local_samples, self.gradient_local_samples)
         device = self._collective_device()
-        status = torch.tensor([self.local_samples, self.selected_local_samples, 1, 0], dtype=torch.long)
+        status = torch.tensor([self.local_samples, self.selected_local_samples, 1, 0, self._settings_digest()])
         status = status.to(device)
         if self._finite_flags:
             flags = torch.stack(self._finite_flags).flatten().to(device)
             status[2], status[3] = flags.all().long(), flags.long().argmin()
         world = self._world_size()
         observed = self._all_rows(status)
+        self._check_same_settings([row[4] for row in observed])
         counts = [tuple(row[:2]) for row in observed]
         if world == 1 and counts[0] != expected:
             raise ReplayError(f"incomplete dual GradCache: (stored, selected) = {counts[0]}, expected {expected}")

@@ -17,20 +17,30 @@ Every moved unit costs network traffic (pixels out, latents back), so the plan s
    the steps that reach the goal the one that moves the fewest bytes, else the one that lowers
    the rank the most.
 3. **Home where free, lighter where free.** Moved units that can go home without raising the
-   step time go home; a moved unit trades places with a lighter unit of its owner when that keeps
-   the step time (bytes given). If the result does not beat not balancing, nothing moves.
+   step time go home, or trade places with a visitor of their home; a moved unit trades places
+   with a lighter unit of its owner when that keeps the step time (bytes given). If the result
+   does not beat not balancing, nothing moves.
+4. **Never behind plain LPT.** Without ``bandwidth`` moves cost nothing in the model, so a plan
+   behind LPT's makespan is simply worse: unless the plan is provably optimal, LPT's makespan is
+   computed, a plan behind it searches on toward it (with more swap partners), and where it still
+   falls short LPT's own placement starts a search too (it moves more units: only then).
 
 Transfer-aware mode (``bandwidth=``): a moved unit's bytes cost ``bytes / bandwidth`` seconds on
 its owner's link and the same on its helper's (pixels out and, with ``latent_bytes_per_rank``,
 latents back). The planner then minimizes the predicted step time, every rank's encode load plus
-its transfer time, and reports it in :class:`Plan`; the local search also starts from home (the
-anchor ignores transfers) and the better plan wins.
+its transfer time, and reports it in :class:`Plan`; the local search also starts from home and
+from LPT's placement (both heuristics ignore transfers) and the best plan wins.
 
-Memory is linear in the units: nothing is sized units x units or ranks x ranks. Time: one sort of
-all units (by rank, then cost), the anchor's moves (at most 10,000) and the local search's steps
-(at most ``4 * (units + ranks) + 16``) each cost O(log) heap and list operations plus a scan of a
-few candidate units, or of the most loaded rank's units for a swap. The hot loops are written for
-CPython: flat lists, bare names, keys built only for candidates that can still win.
+Memory is linear in the units: nothing is sized units x units or ranks x ranks. Time is
+near-linear in the units whatever the skew: one sort of all units (by rank, then cost), the
+anchor's moves (at most 10,000), LPT (a heap over the ranks), and the local search, whose steps
+(at most ``4 * (units + ranks) + 16``) each cost O(log) heap and list operations (each rank's
+units stay sorted across moves) plus a scan of a few candidate units, or of at most
+``SWAP_SCAN`` units of the most loaded rank per swap partner. The search's total work is capped
+at ``WORK_PER_UNIT`` candidates per unit and rank: a budget counted in work, not seconds, so every
+rank still computes the same plan (all units of a 100,000-unit step on one of 1,024 ranks: about
+3 s on a loaded 2-core host; bench/RESULTS.md). The hot loops are written for CPython: flat
+lists, bare names, keys built only for candidates that can still win.
 """
 from __future__ import annotations
 
@@ -54,6 +64,11 @@ MAX_TOTAL_NS = 2**62
 # with noise of several percent, so polishing the plan further only moves more units.
 PLAN_TOLERANCE = 1.5e-3
 SWAP_PARTNERS = 4  # swaps are tried with the few least loaded ranks (cheap, usually enough)
+SWAP_SCAN = 512  # at most this many units of the most loaded rank are tried per swap partner
+# The local search's budget: candidates examined per unit and rank of the step, over all its
+# steps on one plan. It bounds the planner's time linearly in the step's size whatever the skew,
+# and, unlike a wall-clock limit, gives every rank the same plan.
+WORK_PER_UNIT = 16
 ANCHOR_MAX_ITERATIONS = 10_000  # plan_rebalance's own default
 
 
@@ -260,6 +275,7 @@ class _Assignment:
         self.visitors: dict[int, set[int]] = {}  # rank -> units of other ranks encoded there
         self.gone = [0] * problem.num_ranks  # rank -> how many of its own units are encoded elsewhere
         self._sorted: list = [None] * problem.num_ranks  # rank -> units_on(rank), built on use
+        self.work = 0  # candidates the local search examined (see WORK_PER_UNIT)
 
     def leave_home(self, moves: list[tuple[int, int]]) -> None:
         """Apply ``(unit, helper)`` moves of units still at home, before any :meth:`units_on`
@@ -275,8 +291,8 @@ class _Assignment:
         self.away.update(u for u, _ in moves)
 
     def units_on(self, r: int) -> tuple[list[int], list[int]]:
-        """``(costs, units)`` of every unit encoded on ``r``, cheapest first; built on first use
-        after a move to or from ``r`` (a rank's units are used for a step or two, then it moves on)."""
+        """``(costs, units)`` of every unit encoded on ``r``, cheapest first; built on first use,
+        then kept up to date by every move (callers must not change them)."""
         on = self._sorted[r]
         if on is None:  # r's own units still here (already in order), then its few visitors put in place
             p, where = self.p, self.where
@@ -311,7 +327,23 @@ class _Assignment:
             self.away.add(u)
             self.visitors.setdefault(dest, set()).add(u)
         self.where[u] = dest
-        self._sorted[src] = self._sorted[dest] = None
+        self._take(src, u)
+        self._put(dest, u)
+
+    def _take(self, r: int, u: int) -> None:
+        """Drop ``u`` from ``r``'s sorted units (if built): a bisection and a C-speed shift,
+        not a rebuild, so a rank holding most of the step costs O(log) per move."""
+        on = self._sorted[r]
+        if on is not None:
+            i = _position(on, self.p.cost[u], u)
+            del on[0][i], on[1][i]
+
+    def _put(self, r: int, u: int) -> None:
+        on = self._sorted[r]
+        if on is not None:
+            i = _position(on, self.p.cost[u], u)
+            on[0].insert(i, self.p.cost[u])
+            on[1].insert(i, u)
 
     def makespan(self) -> int:
         return max(self.load, default=0)
@@ -468,14 +500,14 @@ def _best_move(a: _Assignment, top: int, bottom: int, goal: int):
     return None if best is None else (*best[:3], ((best[3], bottom),))
 
 
-def _best_swap(a: _Assignment, top: int, bottom: int, goal: int):
+def _best_swap(a: _Assignment, top: int, bottom: int, goal: int, partners: int):
     """The best swap of a unit on ``top`` with a smaller one on the least loaded rank, the
     partner's unit chosen near the cost that would balance the two; when that does not reach
-    ``goal``, the next ``SWAP_PARTNERS - 1`` least loaded ranks are tried too. Same key as
+    ``goal``, the next ``partners - 1`` least loaded ranks are tried too. Same key as
     :func:`_best_move`; ``None`` when no swap lowers ``top``."""
     best = _swap_with(a, top, bottom, goal, None)
     if best is None or best[2] > goal:
-        for r in nsmallest(SWAP_PARTNERS + 1, range(a.p.num_ranks), key=a.load.__getitem__):
+        for r in nsmallest(partners + 1, range(a.p.num_ranks), key=a.load.__getitem__):
             if r not in (top, bottom):
                 best = _swap_with(a, top, r, goal, best)
     return best
@@ -486,6 +518,7 @@ def _swap_with(a: _Assignment, top: int, r: int, goal: int, best):
     ``top`` is tried with the (at most two) cheaper units of ``r`` nearest the cost that would
     balance the two ranks."""
     theirs, their_units = a.units_on(r)
+    a.work += min(len(a.units_on(top)[0]), SWAP_SCAN)  # what the scan below examines, at most
     if not theirs:
         return best
     # Keys above this lose to ``best`` or leave ``top`` no lower: never built.
@@ -503,7 +536,9 @@ def _swap_with(a: _Assignment, top: int, r: int, goal: int, best):
 def _swap_candidates(a: _Assignment, top: int, r: int, theirs: list[int]):
     """``(cost, unit, position on r)`` of each pair :func:`_swap_with` tries, ``r``'s unit cheaper."""
     half_gap, last = (a.load[top] - a.load[r]) / 2, len(theirs) - 1
-    for cu, u in zip(*a.units_on(top)):
+    mine, my_units = a.units_on(top)
+    step = _stride(len(mine))
+    for cu, u in zip(mine[::step], my_units[::step]):
         j = bisect_left(theirs, cu - half_gap)
         for j in range(j - 1 if j else 0, j + 1 if j <= last else j):
             if theirs[j] >= cu:
@@ -536,7 +571,8 @@ def _swap_unscored(a: _Assignment, top: int, r: int, goal: int, cut: int, theirs
     end = bisect_right(mine, theirs[-1] + cut - lr, first)
     theirs = theirs + [math.inf]  # a sentinel at both ends (index -1 too): never cheaper than a unit
     flat, fewest = None, math.inf  # the best key so far and its bytes added
-    for cu, u in zip(mine[first:end], my_units[first:end]):
+    step = _stride(end - first)
+    for cu, u in zip(mine[first:end:step], my_units[first:end:step]):
         j = bisect_left(theirs, cu - half_gap)
         for j in (j - 1, j):  # the two units either side of the balancing cost (inlined _swap_candidates)
             delta = cu - theirs[j]
@@ -557,7 +593,14 @@ def _swap_unscored(a: _Assignment, top: int, r: int, goal: int, cut: int, theirs
     return flat
 
 
-def _local_search(a: _Assignment, goal: int, max_steps: int) -> _Assignment:
+def _stride(count: int) -> int:
+    """Every how many of a rank's ``count`` candidate units a swap tries: all of them up to
+    ``SWAP_SCAN``, beyond that an even spread of ``SWAP_SCAN`` across their costs (a rank holding
+    most of a large step would otherwise cost a scan of all its units per step)."""
+    return -(-count // SWAP_SCAN) if count > SWAP_SCAN else 1
+
+
+def _local_search(a: _Assignment, goal: int, max_steps: int, partners: int = SWAP_PARTNERS) -> _Assignment:
     """Relieve the most loaded rank by the best move, else the best swap, while that lowers it and
     it is above ``goal``: the lowest resulting load (down to ``goal``), then the fewest bytes.
     Every step lowers the top rank and leaves every rank it touches below the old top, so the
@@ -567,7 +610,11 @@ def _local_search(a: _Assignment, goal: int, max_steps: int) -> _Assignment:
     low = [(x, r) for r, x in enumerate(load)]
     heapify(high)
     heapify(low)
+    budget = WORK_PER_UNIT * (len(a.p.cost) + a.p.num_ranks)
     for _ in range(max_steps):
+        a.work += 1
+        if a.work > budget:
+            break
         while -high[0][0] != load[high[0][1]]:
             heappop(high)
         while low[0][0] != load[low[0][1]]:
@@ -577,7 +624,7 @@ def _local_search(a: _Assignment, goal: int, max_steps: int) -> _Assignment:
             break
         step = _best_move(a, top, bottom, goal)
         if step is None or step[2] >= load[top]:
-            step = _best_swap(a, top, bottom, goal)
+            step = _best_swap(a, top, bottom, goal, partners)
             if step is None or step[2] >= load[top]:
                 break
         touched = {top}
@@ -601,6 +648,29 @@ def _send_home_where_free(a: _Assignment) -> _Assignment:
             fits = load[home[u]] + cost[u] <= limit
         if fits:
             a.move(u, home[u])
+    return a
+
+
+def _home_swaps(a: _Assignment, scan: int = 64) -> _Assignment:
+    """Each moved unit ``u`` (heaviest first) goes home in exchange for a visitor ``v`` of its
+    home, which takes ``u``'s place, when that keeps the step time: ``u`` stops travelling and
+    ``v`` travels no more than before (it goes home if ``u`` sat on its home), so fewer units and
+    bytes move. Homes with more than ``scan`` visitors are left alone (the scan stays linear)."""
+    p, limit, where, load, home, cost = a.p, a.makespan(), a.where, a.load, a.p.home, a.p.cost
+    for u in _heaviest_first(a):
+        h, r, c = home[u], where[u], cost[u]
+        visitors = a.visitors.get(h, ())
+        if r == h or not visitors or len(visitors) > scan:
+            continue
+        for v in sorted(visitors) if len(visitors) > 1 else visitors:  # lowest unit first: deterministic
+            d = c - cost[v]  # h gains d, r loses it
+            if load[h] + d > limit or load[r] - d > limit:
+                continue
+            if p.transfer_aware and _score(a, ((u, h), (v, r)))[0] > limit:
+                continue
+            a.move(u, h)
+            a.move(v, r)
+            break
     return a
 
 
@@ -646,19 +716,81 @@ def _key(a: _Assignment) -> tuple[int, int, int]:
     return (a.makespan(), *a.moved())
 
 
+def _lpt_start(p: _Problem, bins: list[int]) -> _Assignment:
+    """Plain LPT's placement (``bins``, from :func:`_lpt`), each bin named after the rank whose
+    units it holds the most bytes of (greedily, heaviest first), so what LPT keeps together stays
+    home where it can."""
+    kept: dict[tuple[int, int], int] = {}
+    for b, h, w in zip(bins, p.home, p.weight):
+        kept[(b, h)] = kept.get((b, h), 0) + w
+    name, taken = {}, set()
+    for (b, h), _ in sorted(kept.items(), key=lambda item: (-item[1], item[0])):
+        if b not in name and h not in taken:
+            name[b] = h
+            taken.add(h)
+    free = iter(sorted(set(range(p.num_ranks)) - taken))
+    name.update({b: next(free) for b in range(p.num_ranks) if b not in name})
+    a = _Assignment(p)
+    a.leave_home([(u, name[b]) for u, b in enumerate(bins) if name[b] != p.home[u]])
+    return a
+
+
 def _balanced(p: _Problem, lower: int, max_steps: int) -> _Assignment:
-    """The move-once heuristic's moves from home, then the local search down to the goal, then
-    home where free. With transfers (which the heuristic ignores), the local search also starts
-    from home alone, and the better of the two plans wins."""
+    """The move-once heuristic's moves from home (so no plan is worse than the anchor's), taken by
+    the local search down to the goal and sent home where free. With transfers (which the
+    heuristic ignores) the search also starts from home alone and from plain LPT, and the best
+    plan wins: step time, then bytes moved, then units moved. Without transfers a plan must not
+    be behind plain LPT either: one that is searches on toward LPT's makespan, and where it still
+    falls short LPT's own placement starts a search too (it moves more units, so only then)."""
     goal = lower + int(lower * PLAN_TOLERANCE)
-    starts = [_Assignment(p)]
-    starts[0].leave_home(_move_once(p))
+    anchor = _Assignment(p)
+    anchor.leave_home(_move_once(p))
     if p.transfer_aware:
-        starts.append(_Assignment(p))
-    plans = [_send_home_where_free(_local_search(a, goal, max_steps)) for a in starts]
-    if p.bytes_vary:
-        plans = [_lighter_substitutes(a) for a in plans]
-    return min(plans, key=_key) if len(plans) > 1 else plans[0]
+        return min((_searched(a, goal, max_steps) for a in (anchor, _Assignment(p), _lpt_start(p, _lpt(p)[0]))), key=_key)
+    best = _searched(anchor, goal, max_steps)
+    if best.makespan() <= _count_bound(p):  # optimal: LPT cannot be ahead
+        return best
+    lpt_makespan = _lpt_makespan(p)
+    if best.makespan() > lpt_makespan:  # on toward LPT, swaps tried with more ranks
+        best = _searched(best, lpt_makespan, max_steps, partners=4 * SWAP_PARTNERS)
+    if best.makespan() > lpt_makespan:
+        best = min(best, _searched(_lpt_start(p, _lpt(p)[0]), goal, max_steps), key=_key)
+    return best
+
+
+def _lpt_makespan(p: _Problem) -> int:
+    """Plain LPT's makespan alone: a heap of loads (which of equally loaded ranks takes a unit
+    changes no load, so ties need no bookkeeping), a third of :func:`lpt_bins`' time."""
+    ordered = sorted(p.cost, reverse=True)
+    loads = ordered[: p.num_ranks] + [0] * (p.num_ranks - len(ordered))  # the dearest each open a rank
+    heapify(loads)
+    for c in itertools.islice(ordered, p.num_ranks, None):
+        heapreplace(loads, loads[0] + c)
+    return max(loads)
+
+
+def _count_bound(p: _Problem) -> int:
+    """A lower bound on any plan's makespan, often tight where units cost alike: for every j, the
+    j dearest units each cost at least the j-th dearest, and some rank encodes ceil(j / ranks)
+    of them."""
+    ordered = np.sort(np.asarray(p.cost, dtype=np.int64))[::-1]
+    per_rank = -(-np.arange(1, len(ordered) + 1) // p.num_ranks)
+    return int((ordered * per_rank).max(initial=0))  # <= the total: fits int64
+
+
+def _lpt(p: _Problem) -> tuple[list[int], int]:
+    """Plain LPT's bin of every unit and its makespan (exact integer sums)."""
+    bins = lpt_bins(np.asarray(p.cost, dtype=np.int64), p.num_ranks)
+    loads = np.zeros(p.num_ranks, dtype=np.int64)
+    np.add.at(loads, bins, np.asarray(p.cost, dtype=np.int64))
+    return bins.tolist(), int(loads.max(initial=0))
+
+
+def _searched(a: _Assignment, goal: int, max_steps: int, partners: int = SWAP_PARTNERS) -> _Assignment:
+    """``a`` after the local search down to ``goal``, then home where free (and lighter units
+    where bytes vary)."""
+    a = _home_swaps(_send_home_where_free(_local_search(a, goal, max_steps, partners)))
+    return _lighter_substitutes(a) if a.p.bytes_vary else a
 
 
 def plan_assignment(
@@ -684,7 +816,8 @@ def plan_assignment(
         max_steps: cap on local-search steps (default ``4 * (units + ranks) + 16``).
 
     Pure and deterministic: the same input gives the same plan on every rank. Never a higher
-    step time than not balancing, or than cosmos-framework's ``plan_rebalance`` on the same costs.
+    step time than not balancing, or than cosmos-framework's ``plan_rebalance`` on the same costs;
+    without ``bandwidth`` never a higher makespan than plain LPT (:func:`lpt_makespan`) either.
     """
     p = _problem(costs_per_rank, bytes_per_rank, bandwidth, latent_bytes_per_rank)
     steps = 4 * (len(p.cost) + p.num_ranks) + 16 if max_steps is None else as_int("max_steps", max_steps, minimum=0)

@@ -45,8 +45,8 @@ class _Job:
 
 def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, buckets, batch_size: int = 8,
                       device="cpu", autocast_dtype: torch.dtype | None = None, num_workers: int = 4,
-                      skip_bad_images: bool = False, quiet: bool = False, lock_timeout: float = 0.0,
-                      stats: dict | None = None) -> str:
+                      skip_bad_images: bool = False, no_upscale: bool = False, bucket_step: int = 64,
+                      quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None) -> str:
     """Encode every image of ``source`` (a folder, walked recursively, or a JSONL manifest of
     ``{"image": path, "key": optional}``) into a shaped cache in ``out_dir``; returns the data path.
 
@@ -55,14 +55,23 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     centre-cropped. ``encoder``: ``encode(images [B, 3, H, W] in [-1, 1]) -> [B, C, H/f, W/f]`` and
     ``identity() -> dict`` (e.g. :class:`latentfast.encoders.DiffusersVAE`). Items are keyed by their
     path relative to the folder without extension; ``cache.info(i)`` holds ``original_size`` and
-    ``crop_top_left``. ``skip_bad_images`` leaves out unreadable images (listed in the meta's
-    ``skipped``) instead of raising :class:`~latentfast.errors.ImageError`. ``lock_timeout``: seconds
-    to wait for another build of this split. ``stats`` (a dict) receives counts and timings.
+    ``crop_top_left``. Images are taken as displayed (EXIF orientation applied; 16-bit grey scaled
+    to 8 bits). ``no_upscale`` (kohya's ``bucket_no_upscale``): an image its bucket would enlarge gets
+    a bucket of its own size instead (rounded down to multiples of ``bucket_step``, shrunk to at most
+    the largest bucket's area); unless ``quiet`` a summary line says how many images were enlarged
+    and by how much at most. ``skip_bad_images`` leaves out unreadable or truncated images (decoded
+    fully while planning; listed in the meta's ``skipped`` and named in the summary) instead of
+    raising :class:`~latentfast.errors.ImageError`. ``lock_timeout``: seconds to wait for another
+    build of this split. ``stats`` (a dict) receives counts and timings.
     """
-    bucket_list = media.check_buckets(buckets, video=False, factor=getattr(encoder, "spatial_downscale", None))
-    job = _Job("image", lambda item: media.nearest_bucket(item.width, item.height, bucket_list), media.load_image,
-               encoder.encode)
-    settings = {"buckets": [list(b) for b in bucket_list], "resize": "lanczos-cover-center-crop"}
+    factor = getattr(encoder, "spatial_downscale", None)
+    bucket_list = media.check_buckets(buckets, video=False, factor=factor)
+    bucket_of = _image_bucket_rule(bucket_list, no_upscale, bucket_step, factor)
+    job = _Job("image", bucket_of, media.load_image, encoder.encode)
+    settings = {"buckets": [list(b) for b in bucket_list], "resize": "lanczos-cover-center-crop",
+                "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
+    if no_upscale:
+        settings.update(no_upscale=True, bucket_step=bucket_step)
     return _build(job, encoder, source, out_dir, split, settings, batch_size=batch_size, device=device,
                   autocast_dtype=autocast_dtype, num_workers=num_workers, skip_bad=skip_bad_images, quiet=quiet,
                   lock_timeout=lock_timeout, stats=stats)
@@ -87,10 +96,47 @@ def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     job = _Job("video", lambda item: media.clip_bucket(item, bucket_list, frame_stride),
                lambda item: media.load_clip(item, frame_stride), encoder.encode_video)
     settings = {"buckets": [list(b) for b in bucket_list], "frame_stride": frame_stride,
-                "resize": "lanczos-cover-center-crop"}
+                "resize": "lanczos-cover-center-crop", "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
     return _build(job, encoder, source, out_dir, split, settings, batch_size=batch_size, device=device,
                   autocast_dtype=autocast_dtype, num_workers=num_workers, skip_bad=skip_bad_clips, quiet=quiet,
                   lock_timeout=lock_timeout, stats=stats)
+
+
+def _image_bucket_rule(buckets: list[tuple[int, int]], no_upscale: bool, step, factor) -> Callable:
+    """The bucket of an image: the nearest aspect ratio, or with ``no_upscale`` (kohya's rule) its
+    own size where that one would enlarge it."""
+    if not no_upscale:
+        return lambda item: media.nearest_bucket(item.width, item.height, buckets)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1 or (factor and step % factor):
+        raise InvalidArgumentError(f"bucket_step must be a positive int, a multiple of the encoder's downscale factor"
+                                   f" {factor}, got {step!r}")
+    max_area = max(h * w for h, w in buckets)
+    return lambda item: media.no_upscale_bucket(item, media.nearest_bucket(item.width, item.height, buckets),
+                                                max_area, step)
+
+
+def _encode_dtype(encoder, autocast_dtype) -> str:
+    """The precision the latents are computed in: the autocast dtype, else the encoder's weights'
+    (a float32 rebuild over a bf16-encoded cache must re-encode, not keep the bf16 latents)."""
+    if autocast_dtype is not None:
+        return str(autocast_dtype).removeprefix("torch.")
+    parameters = getattr(encoder, "parameters", None)
+    first = next(iter(parameters()), None) if callable(parameters) else None
+    return str(first.dtype).removeprefix("torch.") if isinstance(first, torch.Tensor) else "float32"
+
+
+def _summary(kind: str, counts: dict, items: int, skipped: list[dict]) -> str:
+    """One line: what was encoded, copied and resumed, how many items were enlarged to fit their
+    bucket (and at most by how much), and which were skipped."""
+    text = (f"{kind} cache: {counts['encoded']} encoded, {counts['copied']} copied, {counts['resumed']} resumed;"
+            f" {counts['upscaled']} of {items} {kind}s upscaled to fit their bucket")
+    if counts["upscaled"]:
+        hint = "; no_upscale / --no-upscale keeps images at their size" if kind == "image" else ""
+        text += f" (at most {counts['max_upscale']:.2f}x{hint})"
+    if skipped:
+        names = ", ".join(f"{s['key']!r} ({s['error'].rsplit(': ', 1)[-1]})" for s in skipped[:5])
+        text += f"; {len(skipped)} skipped: {names}{' ...' if len(skipped) > 5 else ''}"
+    return text
 
 
 def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, device, autocast_dtype,
@@ -121,8 +167,13 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
         with writer:
             runner = _Runner(job, encoder, writer, previous, pool, device, autocast_dtype, counts)
             runner.run(_batches(items, batch_size), quiet=quiet)
+    factors = [media.upscale_factor(item, item.bucket) for item in items]
+    counts.update(upscaled=sum(f > 1.0 for f in factors), max_upscale=max(factors))
     if stats is not None:
-        stats.update(counts, items=len(items), skipped=len(skipped), unchanged=False, wall_s=time.perf_counter() - wall)
+        stats.update(counts, items=len(items), skipped=len(skipped), skipped_keys=[s["key"] for s in skipped],
+                     unchanged=False, wall_s=time.perf_counter() - wall)
+    if not quiet:
+        print(_summary(job.kind, counts, len(items), skipped))
     return fmt.cache_path(out_dir, split, "data")
 
 
@@ -132,7 +183,8 @@ def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], li
     if not entries:
         raise InvalidArgumentError(f"source {os.fspath(source)} holds no {job.kind}s")
     items, skipped = [], []
-    futures = [pool.submit(media.probe, key, path) for key, path in entries]
+    # skip_bad: decode every item fully now, so a truncated file is skipped, not fatal mid-build
+    futures = [pool.submit(media.probe, key, path, skip_bad) for key, path in entries]
     for (key, path), future in zip(entries, futures):
         try:
             item = future.result()
@@ -168,7 +220,7 @@ def _previous_cache(out_dir, split, identity, meta):
         return None  # a damaged index file (keys, hashes, checksums, info): nothing of it is copied, all is encoded
     # other buckets are fine: an item is copied only if its own bucket is unchanged
     same = cache.shaped and cache.meta.get("encoder") == identity and all(
-        cache.meta.get(k) == meta.get(k) for k in ("kind", "resize", "frame_stride"))
+        cache.meta.get(k) == meta.get(k) for k in ("kind", "resize", "frame_stride", "encode_dtype"))
     return cache if same else None
 
 

@@ -87,17 +87,21 @@ def _read_manifest(path: str) -> list[tuple[str, str]]:
     return entries
 
 
-def probe(key: str, path: str) -> Item:
-    """Size, frame count and content hash of one item (the hash reads the whole file or folder)."""
+def probe(key: str, path: str, decode: bool = False) -> Item:
+    """Size (as displayed), frame count and content hash of one item (the hash reads the whole
+    file or folder). ``decode``: also decode every image / frame fully, so a truncated file fails
+    here (the header alone reads fine) rather than in the middle of the build."""
     try:
         if os.path.isdir(path):
-            return _probe_frames(key, path)
+            return _probe_frames(key, path, decode)
         if path.lower().endswith(VIDEO_EXTENSIONS):
-            return _probe_video(key, path)
+            return _probe_video(key, path, decode)
         from PIL import Image
 
         with Image.open(path) as im:
-            width, height = im.size
+            width, height = upright_size(im)
+            if decode:
+                im.load()
         return Item(key, path, width, height, 1, content_hash(path))
     except ImageError:
         raise
@@ -105,23 +109,32 @@ def probe(key: str, path: str) -> Item:
         raise ImageError(f"item {key!r} ({path}): cannot read: {exc}") from None
 
 
-def _probe_frames(key: str, folder: str) -> Item:
+def _probe_frames(key: str, folder: str, decode: bool) -> Item:
     from PIL import Image
 
     frames = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
     if not frames:
         raise ImageError(f"item {key!r} ({folder}): the clip folder holds no frame images")
     with Image.open(frames[0]) as im:
-        width, height = im.size
+        width, height = upright_size(im)
+    for frame in frames if decode else ():
+        with Image.open(frame) as im:
+            try:
+                im.load()
+            except Exception as exc:  # noqa: BLE001 - name the frame, not just the clip
+                raise ImageError(f"item {key!r} ({folder}): frame {os.path.basename(frame)}: cannot decode: {exc}") from None
     return Item(key, folder, width, height, len(frames), content_hash(frames), frame_paths=frames)
 
 
-def _probe_video(key: str, path: str) -> Item:
+def _probe_video(key: str, path: str, decode: bool) -> Item:
     av = _import_av()
     with av.open(path) as container:
         stream = container.streams.video[0]
         width, height = stream.codec_context.width, stream.codec_context.height
-        frames = sum(1 for packet in container.demux(stream) if packet.size)
+        if decode:  # every frame decoded: a damaged stream fails here
+            frames = sum(1 for _ in container.decode(stream))
+        else:
+            frames = sum(1 for packet in container.demux(stream) if packet.size)
     return Item(key, path, width, height, frames, content_hash(path))
 
 
@@ -138,6 +151,46 @@ def nearest_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> t
     (ties: the first listed)."""
     ratio = math.log(width / height)
     return min(buckets, key=lambda b: abs(math.log(b[1] / b[0]) - ratio))
+
+
+def upscale_factor(item: Item, bucket: tuple) -> float:
+    """How much :func:`fit` enlarges the item to cover its bucket (at most 1: no upscaling)."""
+    return max(bucket[-1] / item.width, bucket[-2] / item.height)
+
+
+def no_upscale_bucket(item: Item, nearest: tuple[int, int], max_area: int, step: int) -> tuple[int, int]:
+    """kohya's ``bucket_no_upscale``: an image that its nearest bucket would enlarge gets a bucket of
+    its own size instead, shrunk (aspect kept) to at most the largest bucket's area and rounded down
+    to multiples of ``step``, so it is only ever scaled down and cropped by less than ``step``."""
+    if upscale_factor(item, nearest) <= 1.0:
+        return nearest
+    scale = min(1.0, math.sqrt(max_area / (item.width * item.height)))
+    height, width = int(item.height * scale) // step * step, int(item.width * scale) // step * step
+    if not height or not width:
+        raise ImageError(f"item {item.key!r} ({item.path}): {item.width}x{item.height} pixels, smaller than one"
+                         f" bucket step ({step}) in a side: no bucket fits without upscaling")
+    return height, width
+
+
+def resolution_buckets(resolution: int, min_side: int = 256, max_side: int = 2048, step: int = 64) -> list[tuple[int, int]]:
+    """``(h, w)`` buckets generated from a target resolution as kohya's ``make_bucket_resolutions``
+    does: the square of about ``resolution`` pixels a side, then for every width from ``min_side``
+    to ``max_side`` in steps of ``step`` the tallest height (a multiple of ``step``, at most
+    ``max_side``) whose area is at most ``resolution ** 2``, and its transpose."""
+    for name, value in (("resolution", resolution), ("min_side", min_side), ("max_side", max_side), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    if min_side > max_side or resolution < step:
+        raise InvalidArgumentError(f"bucket sides must satisfy step {step} <= resolution {resolution} and min_side"
+                                   f" {min_side} <= max_side {max_side}")
+    area = resolution * resolution
+    side = resolution // step * step
+    out = {(side, side)}
+    for width in range(min_side, max_side + 1, step):
+        height = min(max_side, area // width // step * step)
+        if height >= min_side:
+            out.update({(height, width), (width, height)})
+    return sorted(out)
 
 
 def check_buckets(buckets, *, video: bool, factor: int | None) -> list[tuple[int, ...]]:
@@ -172,6 +225,26 @@ def fit(image, bucket_hw: tuple[int, int]):
     return image, {"original_size": [h, w], "crop_top_left": [top, left]}
 
 
+def upright_rgb(image):
+    """An opened PIL image as 8-bit RGB the way it displays: EXIF orientation applied (as the
+    trainers do), 16-bit grey (which Pillow opens as ``I;16`` or ``I``) scaled to 8 bits rather
+    than clipped (``convert("RGB")`` clips 16-bit values to 255: nearly white)."""
+    from PIL import Image, ImageOps
+
+    image = ImageOps.exif_transpose(image)
+    if image.mode.startswith("I;16") or image.mode == "I":
+        grey = np.asarray(image, dtype=np.float64)
+        grey = np.clip(np.rint(grey * (255.0 / 65535.0)), 0, 255).astype(np.uint8)  # 16-bit range in both modes
+        image = Image.fromarray(grey, "L")
+    return image.convert("RGB")
+
+
+def upright_size(image) -> tuple[int, int]:
+    """``(width, height)`` as displayed: sides swapped for EXIF orientations 5-8 (a quarter turn)."""
+    width, height = image.size
+    return (height, width) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (width, height)
+
+
 def to_pixels(image) -> torch.Tensor:
     """A PIL image as float32 ``[3, h, w]`` in [-1, 1] (x / 127.5 - 1)."""
     array = np.asarray(image.convert("RGB"), dtype=np.uint8)
@@ -183,7 +256,7 @@ def load_image(item: Item) -> tuple[torch.Tensor, dict]:
 
     try:
         with Image.open(item.path) as im:
-            image = im.convert("RGB")
+            image = upright_rgb(im)
     except Exception as exc:  # noqa: BLE001
         raise ImageError(f"item {item.key!r} ({item.path}): cannot decode: {exc}") from None
     image, info = fit(image, item.bucket)
@@ -212,7 +285,7 @@ def _frames(item: Item, count: int, stride: int):
     if item.frame_paths:
         for path in item.frame_paths[: count * stride : stride]:
             with Image.open(path) as im:
-                yield im.convert("RGB")
+                yield upright_rgb(im)
         return
     av = _import_av()
     with av.open(item.path) as container:

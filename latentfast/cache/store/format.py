@@ -264,7 +264,7 @@ def rebuild_command(cache_dir: str, split: str, meta: Mapping[str, Any], expecte
         return (f"latentfast cache build {src} --out {cache_dir} --split {split} {'--video ' if video else ''}"
                 f"--buckets {buckets} --encoder <the expected encoder>")
     return (
-        f"latentfast cache build {src} --out {cache_dir} --split {split} "
+        f"latentfast cache build {src} --out {cache_dir} --split {split} --lines "
         f"--line-height {want.get('line_height')} --max-line-width {want.get('max_line_width')} "
         f"--layout {meta.get('layout', 'padded')} --encoder <the expected encoder>"
     )

@@ -1,0 +1,217 @@
+"""The native library ``latentfast/_native.so`` (``csrc/``): loaded with ctypes, its kernels called with
+data pointers, sizes and strides.
+
+The library links neither libtorch nor libpython (one build serves every torch and every Python); a
+kernel takes a flat int64 argument list -- a tensor is ``(data_ptr, dtype, device, dim, *sizes,
+*strides)``, a list is its length then its items -- checks every argument itself before touching
+memory, and runs with the GIL released (ctypes releases it for the call). A failed check comes back as
+an error code and a message, raised here as ValueError / IndexError / RuntimeError (the dispatch
+kernel turns those into the library's errors).
+
+Loading never raises: whatever is wrong with the file (missing, truncated, another architecture,
+another ABI version, a missing symbol), :data:`LOAD_ERROR` says what, one warning names it with the
+command that fixes it, and every op runs on the pure-torch reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import sys
+import warnings
+
+import torch
+
+ABI_VERSION = 1  # csrc/library.cpp's LATENTFAST_ABI_VERSION
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATH = os.path.join(PACKAGE_DIR, "_native.so")
+ENTRY_POINTS = {  # op -> exported kernel
+    "normalize_uint8_into": "latentfast_normalize_uint8_into",
+    "gather_rows_into": "latentfast_gather_rows_into",
+    "gather_rows_packed_into": "latentfast_gather_rows_packed_into",
+    "read_spans_into": "latentfast_read_spans_into",
+    "scatter_cotangents_into": "latentfast_scatter_cotangents_into",
+}
+# torch's ScalarType numbers (csrc/native.h's Dtype); 99: a dtype no kernel takes
+_DTYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
+           torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
+_ERRORS = {1: ValueError, 2: IndexError, 3: RuntimeError}
+_ELF_MACHINES = {3: "x86", 62: "x86_64", 183: "aarch64", 21: "ppc64", 22: "s390x", 243: "riscv"}
+
+
+def fix_command() -> str:
+    """The one command that puts a working library in place for this installation."""
+    root = os.path.dirname(PACKAGE_DIR)
+    if os.path.exists(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc")):
+        return f"{sys.executable} -m pip install --no-deps -e {root}"  # a source checkout (editable install)
+    return f"{sys.executable} -m pip install --force-reinstall --no-deps latentfast"
+
+
+def _check_elf(path: str) -> str | None:
+    """Why ``path`` is not a complete shared library for this machine, or None. Checked before dlopen:
+    a truncated file (an interrupted copy or build) can pass dlopen's header checks and then fault
+    when its missing pages are touched."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF":
+            return f"is not a shared library (no ELF header; {size} bytes)"
+        if head[4] != 2 or head[5] != 1:
+            return "is not a 64-bit little-endian ELF file"
+        machine = struct.unpack_from("<H", head, 18)[0]
+        arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(os.uname().machine.lower(), os.uname().machine)
+        built_for = _ELF_MACHINES.get(machine, f"ELF machine {machine}")
+        if built_for != arch:
+            return f"was built for {built_for}, this machine is {arch}"
+        phoff, shoff = struct.unpack_from("<QQ", head, 32)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 54)
+        fh.seek(phoff)
+        table = fh.read(phentsize * phnum)
+    ends = [shoff + shentsize * shnum, phoff + phentsize * phnum]
+    if len(table) == phentsize * phnum:
+        for k in range(phnum):
+            p_type, _, p_offset, _, _, p_filesz = struct.unpack_from("<IIQQQQ", table, k * phentsize)
+            if p_type == 1:  # PT_LOAD: its bytes are mapped from the file
+                ends.append(p_offset + p_filesz)
+    if max(ends) > size:
+        return f"is truncated ({size} bytes, its headers need {max(ends)}): a partially written file"
+    return None
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """``(library, None)``, or ``(None, why not)``; never raises, whatever the file holds."""
+    try:
+        return _open()
+    except Exception as exc:  # e.g. struct.error on a header of absurd sizes
+        return None, f"{PATH} could not be loaded ({type(exc).__name__}: {exc})"
+
+
+def _open() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("LATENTFAST_DISABLE_C") == "1":
+        return None, "LATENTFAST_DISABLE_C=1"
+    if not os.path.exists(PATH):
+        return None, f"{PATH} is missing (this installation has no compiled kernels)"
+    try:
+        problem = _check_elf(PATH)
+        if problem:
+            return None, f"{PATH} {problem}"
+        lib = ctypes.CDLL(PATH)
+    except OSError as exc:
+        return None, f"{PATH} could not be loaded ({exc})"
+    try:
+        lib.latentfast_abi_version.restype = ctypes.c_int
+        version = lib.latentfast_abi_version()
+        if version != ABI_VERSION:
+            return None, f"{PATH} has ABI version {version}, this latentfast needs {ABI_VERSION} (a stale build)"
+        for name in ("latentfast_build_info", "latentfast_last_error", "latentfast_cpu_paths"):
+            getattr(lib, name).restype = ctypes.c_char_p
+        for name in ENTRY_POINTS.values():
+            fn = getattr(lib, name)
+            fn.argtypes = (ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64)  # packed int64s, doubles
+            fn.restype = ctypes.c_int
+    except AttributeError as exc:  # a library of another version of latentfast
+        return None, f"{PATH} lacks a symbol ({exc})"
+    return lib, None
+
+
+LIB, LOAD_ERROR = _load()
+if LOAD_ERROR is not None and os.environ.get("LATENTFAST_DISABLE_C") != "1":
+    warnings.warn(
+        f"latentfast: the compiled CPU kernels are off, every op runs on the pure-torch reference: {LOAD_ERROR}. "
+        f"Fix: {fix_command()}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def build_info() -> str:
+    return LIB.latentfast_build_info().decode() if LIB is not None else ""
+
+
+def cpu_paths() -> str:
+    return LIB.latentfast_cpu_paths().decode() if LIB is not None else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# calls: descriptors in, error code out
+# ---------------------------------------------------------------------------------------------
+def _put(args: list, t: torch.Tensor) -> None:
+    """Append ``t``'s descriptor: data pointer, dtype, device (0 cpu, 1 cuda, 2 other), dim, sizes, strides.
+    (``is_cpu``/``is_cuda``: ``t.device.type`` would build a device object, ~5x the time.)"""
+    device = 0 if t.is_cpu else 1 if t.is_cuda else 2
+    args += (t.data_ptr(), _DTYPES.get(t.dtype, 99), device, t.dim(), *t.shape, *t.stride())
+
+
+def _call(entry: str, args: list, floats=()) -> None:
+    """Run ``entry`` on ``args`` (int64s) and ``floats`` (doubles), packed with struct (twice as fast
+    as array.array here); ctypes passes the bytes' buffers without a copy."""
+    ints = struct.pack(f"{len(args)}q", *args)
+    reals = struct.pack(f"{len(floats)}d", *floats)
+    code = getattr(LIB, entry)(ints, len(args), reals, len(floats))
+    if code:
+        raise _ERRORS.get(code, RuntimeError)(LIB.latentfast_last_error().decode(errors="replace"))
+
+
+def normalize_uint8_into(x, out) -> None:
+    args = []
+    _put(args, x)
+    args.append(len(out))
+    for t in out:
+        _put(args, t)
+    args.append(torch.get_num_threads())
+    _call("latentfast_normalize_uint8_into", args)
+
+
+def _rows(data, row_offsets, widths, pitch, indices) -> list:
+    """The arguments both gathers start with."""
+    args = []
+    _put(args, data)
+    _put(args, row_offsets)
+    _put(args, widths)
+    args.append(pitch)
+    _put(args, indices)
+    return args
+
+
+def gather_rows_into(data, row_offsets, widths, pitch, indices, white, out) -> None:
+    args = _rows(data, row_offsets, widths, pitch, indices)
+    if white is None:
+        args.append(0)
+    else:
+        args.append(1)
+        _put(args, white)
+    _put(args, out)
+    args.append(torch.get_num_threads())
+    _call("latentfast_gather_rows_into", args)
+
+
+def gather_rows_packed_into(data, row_offsets, widths, pitch, indices, channels, latent_h, out) -> None:
+    args = _rows(data, row_offsets, widths, pitch, indices)
+    args += (channels, latent_h)
+    _put(args, out)
+    args.append(torch.get_num_threads())
+    _call("latentfast_gather_rows_packed_into", args)
+
+
+def read_spans_into(fd, offsets, lengths, threads, out) -> None:
+    args = [fd]
+    _put(args, offsets)
+    _put(args, lengths)
+    args.append(threads)
+    _put(args, out)
+    _call("latentfast_read_spans_into", args)
+
+
+def scatter_cotangents_into(grads, batch_sizes, scales, arena) -> None:
+    args = [len(grads)]
+    for g in grads:
+        _put(args, g)
+    args.append(len(batch_sizes))
+    args += batch_sizes
+    args.append(len(scales))
+    _put(args, arena)
+    args.append(torch.get_num_threads())
+    _call("latentfast_scatter_cotangents_into", args, scales)
+
+
+KERNELS = {op: globals()[op] for op in ENTRY_POINTS}  # op -> the Python function that calls its kernel
