@@ -9,6 +9,7 @@ stand-alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -189,14 +190,13 @@ def run_build(args) -> int:
         raise CliError("--lines builds a text-line cache of one --line-height; --buckets is for image or video caches")
     encoder = make_encoder(args.encoder, toy_seed=args.toy_seed, toy_channels=args.toy_channels, sample=args.sample,
                            vae_dtype=args.vae_dtype)
-    from .store.durable import lock_path
-
-    lock = lock_path(args.out, args.split)
-    created = _missing(args.out, lock)
+    new_folder = not os.path.isdir(args.out)
     try:
         path = _build(args, encoder)
     except BaseException:
-        _remove_new_lock(lock, created)
+        if new_folder:  # the lock file went with its lock (durable.BuildLock); the folder goes if we made it and it is empty
+            with contextlib.suppress(OSError):
+                os.rmdir(args.out)
         raise
     if not args.quiet:
         print(f"latent cache written: {path}")
@@ -230,31 +230,6 @@ def _build(args, encoder) -> str:
         buckets = resolution_buckets(args.resolution, args.min_bucket, args.max_bucket, args.bucket_step)
     return build_image_cache(encoder, source, args.out, args.split, buckets=buckets, no_upscale=args.no_upscale,
                              bucket_step=args.bucket_step, skip_bad_images=args.skip_bad_images, **common)
-
-
-def _missing(out_dir: str, lock: str) -> tuple[bool, bool]:
-    """(the output folder is missing, its lock file is missing): what a failed build should not leave behind."""
-    return not os.path.isdir(out_dir), not os.path.exists(lock)
-
-
-def _remove_new_lock(lock: str, created: tuple[bool, bool]) -> None:
-    """After a failed build: remove the lock file this command created (if no other build took it
-    meanwhile) and the output folder if it made it and nothing else is in it."""
-    import contextlib
-    import fcntl
-
-    new_folder, new_lock = created
-    if new_lock and os.path.exists(lock):
-        with contextlib.suppress(OSError):
-            fd = os.open(lock, os.O_RDWR)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while another build holds it
-                os.unlink(lock)
-            finally:
-                os.close(fd)
-    if new_folder:
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(lock))  # only if empty
 
 
 def run_import(args) -> int:
