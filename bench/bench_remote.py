@@ -17,11 +17,20 @@ batches of an epoch's permutation: no item twice). Per configuration, ``--runs``
 - local file: ``preadv`` of the same rows from the cache's own data file (page cache hot), the
   target a warm chunk cache should reach. Warm and local: the median of 5 interleaved passes per run.
 
-items/s over all batches, time to first batch (client creation and HEAD included), MiB fetched over
-the network and its ratio to the bytes the batches use. mosaic streaming and litdata: not measured
-here yet.
+- mosaic streaming / litdata (when installed: ``pip install 'latentfast[bench-compare]'``), over the
+  same server and rows: an MDS dataset written by ``MDSWriter`` (defaults: 64 MiB shards) read by
+  ``StreamingDataset(remote="s3://...", local=DIR)``, ``S3_ENDPOINT_URL`` set; litdata chunks from
+  ``optimize()`` (64 MB) read by ``StreamingDataset("s3://...", cache_dir=DIR, storage_options=...)``.
+  Both map-style, ``dataset[i]`` per item (a random batch), cold from an empty local folder, then warm.
+  Done to make them run: litdata's ``optimize()`` gets uint8 rows (its serializers refuse bfloat16; the
+  bytes are the same); mosaic's package imports torchvision, whose wheel fails to load beside this
+  torch build, so an empty ``streaming.vision`` stands in when it does (:func:`import_mosaic`).
+  litdata 0.2.76 needed no patch for the ``http://`` endpoint on this path.
 
-    python bench/bench_remote.py [--quick] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
+items/s over all batches, time to first batch (client creation and HEAD included), MiB fetched over
+the network and its ratio to the bytes the batches use; then ours over the best peer per run.
+
+    python bench/bench_remote.py [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
 
 ``run_report(quick)`` is the ``latentfast bench`` suite interface (not yet in its SUITES list).
 """
@@ -29,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -63,6 +74,20 @@ def start_s3rver(binary: str, directory: str):
         raise RuntimeError(f"s3rver did not start on 127.0.0.1:{port}")
     endpoint = f"http://127.0.0.1:{port}"
     return proc, endpoint, {"endpoint_url": endpoint, "access_key_id": "S3RVER", "secret_access_key": "S3RVER", "region": "us-east-1"}
+
+
+def s3rver_version(binary: str) -> str:
+    try:
+        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(binary))), "package.json")) as fh:
+            return json.load(fh)["version"]
+    except (OSError, KeyError, ValueError):
+        return "(version unknown)"
+
+
+def peer_versions() -> str:
+    from importlib.metadata import version
+
+    return f"mosaicml-streaming {version('mosaicml-streaming')}, litdata {version('litdata')}"
 
 
 def make_cache(folder: str, n: int, item_kib: int) -> tuple[str, int]:
@@ -145,7 +170,126 @@ def run_local(path: str, batches, row: int, out: np.ndarray):
     return total, first, 0
 
 
-def one_run(url, options, path, batches, row, scratch):
+# ---- peers: mosaic streaming and litdata over the same server and rows --------------------------
+
+def peer_env(options: dict) -> dict:
+    """The environment both peers read their S3 endpoint and keys from (boto3 underneath)."""
+    return {"S3_ENDPOINT_URL": options["endpoint_url"], "AWS_ACCESS_KEY_ID": options["access_key_id"],
+            "AWS_SECRET_ACCESS_KEY": options["secret_access_key"], "AWS_REGION": options["region"],
+            "AWS_DEFAULT_REGION": options["region"]}
+
+
+def put_folder(local: str, url: str, options: dict) -> None:
+    from latentfast.cache.remote import ObjectFolder
+
+    folder = ObjectFolder(url, options)
+    for root, _dirs, files in os.walk(local):
+        for f in files:
+            full = os.path.join(root, f)
+            folder.put_file(os.path.relpath(full, local), full)
+
+
+def import_mosaic():
+    """``streaming``; its package imports ``streaming.vision`` (torchvision's datasets) first, and the
+    torchvision that pip puts beside a torch build of its own may fail to load (here: "operator
+    torchvision::nms does not exist"): then an empty ``streaming.vision`` stands in (nothing of it is used)."""
+    import sys
+    import types
+
+    try:
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError):
+        sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
+    import streaming
+
+    return streaming
+
+
+def make_mds(path: str, row: int, out_dir: str) -> None:
+    """The rows as an MDS dataset, one ``bytes`` column, written with mosaic's ``MDSWriter`` defaults."""
+    MDSWriter = import_mosaic().MDSWriter
+
+    rows = np.memmap(path, dtype=np.uint8, mode="r").reshape(-1, row)
+    with MDSWriter(out=out_dir, columns={"x": "bytes"}) as writer:
+        for r in rows:
+            writer.write({"x": r.tobytes()})
+
+
+def _litdata_item(args):
+    path, row, i = args
+    return {"x": np.array(np.memmap(path, dtype=np.uint8, mode="r", offset=i * row, shape=(row,)))}
+
+
+def make_litdata(path: str, row: int, n: int, out_dir: str) -> None:
+    """The rows as litdata chunks, by its ``optimize()`` (64 MB chunks, as its README): uint8 arrays,
+    because its serializers refuse bfloat16 (float16 would do here; the bytes are the same)."""
+    from litdata import optimize
+
+    optimize(fn=_litdata_item, inputs=[(path, row, i) for i in range(n)], output_dir=out_dir, chunk_bytes="64MB", num_workers=1)
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _d, files in os.walk(folder) for f in files)
+
+
+def run_peer(open_dataset, get_bytes, batches, row, out, local: str, dataset=None, kept_locally=True):
+    """Items one ``dataset[i]`` at a time (both peers' map-style access), copied into ``out``; bytes
+    fetched = what the peer keeps in its local folder (mosaic: whole shards plus its index). litdata
+    0.2.76 reads a map-style item by one ranged GET straight into memory and keeps nothing: its bytes
+    are not counted here (None)."""
+    def read_batch(k):
+        nonlocal dataset
+        if dataset is None:
+            dataset = open_dataset()
+        for i, r in enumerate(batches[k]):
+            out[i * row:(i + 1) * row] = np.frombuffer(get_bytes(dataset[int(r)]), dtype=np.uint8)
+
+    before = folder_bytes(local)
+    total, first = timed(read_batch, batches)
+    return total, first, folder_bytes(local) - before if kept_locally else None, dataset
+
+
+def open_mosaic(local: str, batch: int):
+    StreamingDataset = import_mosaic().StreamingDataset
+
+    return lambda: StreamingDataset(remote=f"s3://{BUCKET}/mds", local=local, shuffle=False, batch_size=batch)
+
+
+def open_litdata(local: str, options: dict):
+    from litdata import StreamingDataset
+
+    storage = {"endpoint_url": options["endpoint_url"], "aws_access_key_id": options["access_key_id"],
+               "aws_secret_access_key": options["secret_access_key"], "region_name": options["region"]}
+    return lambda: StreamingDataset(f"s3://{BUCKET}/lit", cache_dir=local, storage_options=storage)
+
+
+def peer_runs(options, batches, row, out, scratch, check) -> dict:
+    """{config: (seconds, first, bytes)} of both peers: cold from an empty local folder, then warm."""
+    results = {}
+    mosaic_local = tempfile.mkdtemp(dir=scratch)
+    cold = run_peer(open_mosaic(mosaic_local, len(batches[0])), lambda item: item["x"], batches, row, out, mosaic_local)
+    check("mosaic cold")
+    warm = run_peer(None, lambda item: item["x"], batches, row, out, mosaic_local, dataset=cold[3])
+    check("mosaic warm")
+    results["mosaic streaming, cold"], results["mosaic streaming, warm"] = cold[:3], warm[:3]
+    lit_local = tempfile.mkdtemp(dir=scratch)
+    cold = run_peer(open_litdata(lit_local, options), lambda item: item["x"], batches, row, out, lit_local, kept_locally=False)
+    check("litdata cold")
+    warm = run_peer(None, lambda item: item["x"], batches, row, out, lit_local, dataset=cold[3], kept_locally=False)
+    check("litdata warm")
+    results["litdata, cold"], results["litdata, warm"] = cold[:3], warm[:3]
+    return results
+
+
+def prepare_peers(path: str, row: int, n: int, scratch: str, options: dict) -> None:
+    mds, lit = os.path.join(scratch, "mds"), os.path.join(scratch, "lit")
+    make_mds(path, row, mds)
+    make_litdata(path, row, n, lit)
+    put_folder(mds, f"s3://{BUCKET}/mds", options)
+    put_folder(lit, f"s3://{BUCKET}/lit", options)
+
+
+def one_run(url, options, path, batches, row, scratch, peers=False):
     """{config: (seconds, first batch seconds, bytes fetched)} for one run; checks the bytes read."""
     out = np.empty(len(batches[0]) * row, dtype=np.uint8)
     local = np.memmap(path, dtype=np.uint8, mode="r")
@@ -177,6 +321,8 @@ def one_run(url, options, path, batches, row, scratch):
         check("local file")
     results["warm"] = tuple(statistics.median(x) for x in zip(*warm))
     results["local file"] = tuple(statistics.median(x) for x in zip(*plain))
+    if peers:
+        results.update(peer_runs(options, batches, row, out, scratch, check))
     return results
 
 
@@ -192,18 +338,38 @@ def summarize(runs: list[dict], n_items: int, used: int) -> str:
         ratio = [a / b for a, b in zip(rate, ceiling)]
         first = [r[config][1] for r in runs]
         fetched = [r[config][2] for r in runs]
-        rows.append([config, fmt(rate), fmt(ratio), fmt(first, 1000), f"{statistics.median(fetched) / 2**20:.1f}", f"{statistics.median(fetched) / used:.3f}"])
+        mib, share = ("n/a", "n/a") if None in fetched else (f"{statistics.median(fetched) / 2**20:.1f}", f"{statistics.median(fetched) / used:.3f}")
+        rows.append([config, fmt(rate), fmt(ratio), fmt(first, 1000), mib, share])
     header = ["config", "items/s median [range]", "x ceiling", "first batch ms", "MiB fetched", "fetched / used"]
     warm_vs_local = [r["local file"][0] / r["warm"][0] for r in runs]
-    return format_table(f"random batches, {len(runs)} runs", header, rows) + f"\nwarm chunk cache / local file (items/s, per run): {fmt(warm_vs_local)}"
+    lines = [format_table(f"random batches, {len(runs)} runs", header, rows),
+             f"warm chunk cache / local file (items/s, per run): {fmt(warm_vs_local)}   target >= 0.9"]
+    if "litdata, cold" in runs[0]:
+        lines += peer_ratios(runs, fmt)
+    return "\n".join(lines)
+
+
+def peer_ratios(runs: list[dict], fmt) -> list[str]:
+    """Ours over the best peer of each run (issue 25's targets beside each)."""
+    def best(r, kind, i, pick):
+        return pick(r[f"{p}, {kind}"][i] for p in ("mosaic streaming", "litdata"))
+
+    lines = []
+    for ours in ("cold", "cold + prefetch"):
+        lines.append(f"{ours} / best peer cold, items/s: {fmt([best(r, 'cold', 0, min) / r[ours][0] for r in runs])}   target >= 1")
+        lines.append(f"{ours} / best peer cold, time to first batch: {fmt([r[ours][1] / best(r, 'cold', 1, min) for r in runs])}   target <= 0.333")
+    lines.append(f"warm / best peer warm, items/s: {fmt([best(r, 'warm', 0, min) / r['warm'][0] for r in runs])}   target >= 1")
+    return lines
 
 
 def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, batch: int = 64, batches: int = 16,
                runs: int = 3, s3rver: str | None = None, endpoint: str | None = None, access_key: str = "S3RVER",
-               secret_key: str = "S3RVER") -> dict:
+               secret_key: str = "S3RVER", peers: bool | None = None) -> dict:
     """The side-by-side report (the ``latentfast bench`` suite interface): ``{"table", "runs", ...}``."""
     if quick:
         items, batches = 256, 4
+    if peers is None:  # by default: when both are installed (pip install 'latentfast[bench-compare]')
+        peers = all(importlib.util.find_spec(m) is not None for m in ("streaming", "litdata"))
     s3rver = s3rver or shutil.which("s3rver") or "node_modules/.bin/s3rver"
     with tempfile.TemporaryDirectory(prefix="bench_remote_") as scratch:
         proc = None
@@ -219,14 +385,23 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
             start = time.perf_counter()
             push(path, url, options)
             pushed_s = time.perf_counter() - start
-            results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch)
-                       for seed in range(runs)]
+            if peers:
+                prepare_peers(os.path.join(path, DATA), row, items, scratch, options)
+            saved = {k: os.environ.get(k) for k in peer_env(options)}
+            os.environ.update(peer_env(options) if peers else {})
+            try:
+                results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch, peers)
+                           for seed in range(runs)]
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         finally:
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=30)
     n_items = batch * batches
-    return {"server": "s3rver (loopback)" if proc is not None else endpoint, "items": items, "item_bytes": row,
+    server = f"s3rver {s3rver_version(s3rver)} on 127.0.0.1 (filesystem-backed, Range GETs by seeking)" if proc is not None else endpoint
+    return {"server": server, "peers": peer_versions() if peers else "not run", "items": items, "item_bytes": row,
             "push_s": pushed_s, "runs": results, "table": summarize(results, n_items, n_items * row)}
 
 
@@ -242,11 +417,14 @@ def main(argv=None) -> None:
     parser.add_argument("--endpoint", help="an S3 endpoint already running (bucket 'bench' must exist) instead of s3rver")
     parser.add_argument("--access-key", default="S3RVER")
     parser.add_argument("--secret-key", default="S3RVER")
+    parser.add_argument("--no-peers", action="store_true", help="skip mosaic streaming and litdata")
     a = parser.parse_args(argv)
     report = run_report(a.quick, items=a.items, item_kib=a.item_kib, batch=a.batch, batches=a.batches, runs=a.runs,
-                        s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key)
+                        s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key,
+                        peers=False if a.no_peers else None)
     print(f"pushed {report['items']} x {report['item_bytes'] // 1024} KiB to {report['server']} in {report['push_s']:.1f} s")
     print(report["table"])
+    print(f"server: {report['server']}; peers: {report['peers']}")
 
 
 if __name__ == "__main__":

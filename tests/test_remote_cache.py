@@ -1,10 +1,12 @@
 """The node-shared local chunk cache: warm reads make no requests, several processes share one
 cache with one download per chunk (counted at a loopback proxy), LRU eviction keeps the byte
-budget (on disk too), prefetch, and a corrupt local chunk is caught and fetched again."""
+budget (on disk too) by a shared counter, prefetch, a corrupt local chunk is caught and fetched again,
+and DataLoader workers read through it, spawned or forked after the parent used the client."""
 from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 import zlib
 
 import numpy as np
@@ -88,6 +90,8 @@ def test_worker_processes_share_one_download_per_chunk(server, tmp_path):
     assert len(chunks) == len(set(chunks)), "a chunk was downloaded twice"
     spans = np.random.default_rng(0).integers(0, len(PAYLOAD) - 3000, size=60)
     assert set(chunks) == {c for s in spans for c in range(s // CHUNK, (s + 2999) // CHUNK + 1)}
+    cache = ChunkCache(str(tmp_path), 1 << 30, CHUNK)
+    assert cache.used.get() == cache.used_bytes() > 0  # four processes' downloads, each counted once
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
@@ -97,7 +101,7 @@ def test_lru_eviction_keeps_the_byte_budget(server, tmp_path):
         reader = cached_reader(proxy.endpoint, tmp_path, budget=budget)
         for c in range(30):  # one chunk at a time: chunk 29 is the newest
             read(reader, [c * CHUNK], [CHUNK])
-            assert reader.cache.used_bytes() <= budget
+            assert reader.cache.used.get() == reader.cache.used_bytes() <= budget
         data_files = [f for f in os.listdir(tmp_path) if f.endswith(".data")]
         assert os.stat(tmp_path / data_files[0]).st_blocks * 512 <= budget + CHUNK  # holes really punched
         n = len(proxy.gets)
@@ -105,7 +109,18 @@ def test_lru_eviction_keeps_the_byte_budget(server, tmp_path):
         assert len(proxy.gets) == n  # the ten newest stayed
         np.testing.assert_array_equal(read(reader, [0], [CHUNK]), PAYLOAD[:CHUNK])
         assert len(proxy.gets) == n + 1  # the oldest went
-        assert reader.cache.used_bytes() <= budget
+        assert reader.cache.used.get() == reader.cache.used_bytes() <= budget
+
+
+def test_under_budget_a_download_reads_the_counter_not_the_marks(server, tmp_path, monkeypatch):
+    reader = cached_reader(server, tmp_path, budget=3 * CHUNK)
+    read(reader, [0], [2 * CHUNK])
+    monkeypatch.setattr(reader.cache, "_all_objects", lambda: pytest.fail("evict scanned the chunk marks under budget"))
+    np.testing.assert_array_equal(read(reader, [2 * CHUNK], [CHUNK]), PAYLOAD[2 * CHUNK:3 * CHUNK])  # 3 chunks: at the budget
+    monkeypatch.undo()
+    read(reader, [5 * CHUNK], [CHUNK])  # over it: the scan evicts chunk 0, the oldest
+    assert reader.cache.used.get() == reader.cache.used_bytes() == 3 * CHUNK
+    assert reader.cache.object(f"{reader.folder.url}/{DATA}\0{reader._head(DATA)[1]}", len(PAYLOAD)).present[[0, 1, 2, 5]].tolist() == [0, 1, 1, 1]
 
 
 def test_prefetch_fills_the_cache_without_blocking(server, tmp_path):
@@ -140,6 +155,7 @@ def test_a_corrupt_local_chunk_is_caught_and_fetched_again(server, tmp_path):
     np.testing.assert_array_equal(read(reader, offsets, lengths, crc), want(offsets, lengths))
     assert reader.stats["requests"] == before + 1
     np.testing.assert_array_equal(read(reader, offsets, lengths, crc), want(offsets, lengths))  # and healed
+    assert reader.cache.used.get() == reader.cache.used_bytes()  # the dropped chunk uncounted, its refetch counted
 
 
 class Spans:
@@ -160,16 +176,68 @@ class Spans:
 def test_dataloader_workers_read_through_the_cache(server, tmp_path):
     import torch.utils.data as tud
 
-    from latentfast.cache.remote import RemoteForkError
-
     reader = cached_reader(server, tmp_path)
     read(reader, [0], [10])  # the parent uses the client before its workers start
     loader = tud.DataLoader(Spans(reader), batch_size=4, num_workers=2, multiprocessing_context="spawn")
     got = np.concatenate([b.numpy().reshape(-1) for b in loader])
     np.testing.assert_array_equal(got, want(np.arange(16) * 5000, np.full(16, 4000)))
-    forked = tud.DataLoader(Spans(reader), batch_size=4, num_workers=1, multiprocessing_context="fork")
-    with pytest.raises(RemoteForkError, match="multiprocessing_context='spawn'"):  # obstore hangs after fork: say so instead
-        next(iter(forked))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cached", [True, False], ids=["local-cache", "no-cache"])
+def test_forked_dataloader_workers_read_after_the_parent_did(server, tmp_path, cached):
+    """fork (Linux's default start method) after the parent used obstore, whose runtime a fork
+    kills: the workers' calls go through their helper processes, bytes equal."""
+    import torch.utils.data as tud
+
+    reader = cached_reader(server, tmp_path) if cached else RemoteReader("s3://lfcache/f", s3_options(server))
+    np.testing.assert_array_equal(read(reader, [7], [5000]), PAYLOAD[7:5007])
+    loader = tud.DataLoader(Spans(reader), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    for _epoch in range(2):  # the second epoch forks new workers again
+        got = np.concatenate([b.numpy().reshape(-1) for b in loader])
+        np.testing.assert_array_equal(got, want(np.arange(16) * 5000, np.full(16, 4000)))
+    np.testing.assert_array_equal(read(reader, [90 * CHUNK], [CHUNK]), PAYLOAD[90 * CHUNK:91 * CHUNK])  # the parent still reads
+
+
+def _forked_child_reads(reader, queue) -> None:
+    from latentfast.cache.remote import client
+
+    try:
+        ok = np.array_equal(read(reader, [3], [9000]), PAYLOAD[3:9003])
+        first = client.helper().proc
+        first.kill()  # a helper that dies is replaced: the reader's retry goes to a new one
+        first.wait()
+        ok = ok and np.array_equal(read(reader, [50 * CHUNK + 1], [9000]), PAYLOAD[50 * CHUNK + 1:50 * CHUNK + 9001])
+        ok = ok and client.helper().proc.pid != first.pid
+        try:
+            reader.size("no-such-object")
+            missing = "no error"
+        except Exception as exc:  # noqa: BLE001 (sent back to the test)
+            missing = f"{type(exc).__name__}: {exc}"
+        queue.put((ok, missing, client.helper().proc.pid))
+    except Exception as exc:  # noqa: BLE001
+        queue.put((False, repr(exc), None))
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_gets_errors_that_name_the_object_and_a_new_helper_if_one_dies(server, tmp_path):
+    reader = cached_reader(server, tmp_path)
+    read(reader, [0], [10])
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_forked_child_reads, args=(reader, queue))
+    child.start()
+    ok, missing, helper_pid = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert ok and child.exitcode == 0
+    assert missing.startswith("RemoteNotFoundError") and "s3://lfcache/f/no-such-object" in missing, missing
+    for _ in range(200):  # the helper sees its pipe close and exits
+        if not os.path.exists(f"/proc/{helper_pid}") or open(f"/proc/{helper_pid}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"helper process {helper_pid} still running after its forked child exited")
 
 
 def test_cache_arguments_are_checked(tmp_path):

@@ -8,15 +8,15 @@ node-shared local chunk cache, and ``push`` / ``pull`` of whole cache folders.
     reader.read_spans(names, offsets, lengths, out, dest_offsets, crc32)  # a batch's span table
     reader.prefetch_spans(names, offsets, lengths)                        # the next batch's, ahead
 
-DataLoader workers: the reader pickles; start them with ``multiprocessing_context="spawn"`` or
-``"forkserver"`` once the parent has used it (obstore's runtime does not survive ``fork()``;
-:class:`RemoteForkError` says so instead of hanging).
+DataLoader workers: the reader pickles (``spawn`` / ``forkserver``) and survives ``fork`` (a worker
+forked after the parent used the client makes its calls through a helper process: obstore's runtime
+does not survive ``fork()``, see :mod:`.client`).
 """
 from .chunks import CHUNK_BYTES, ChunkCache
-from .errors import RemoteCorruptError, RemoteForkError, RemoteNotFoundError, RemoteReadError
+from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
 from .reader import COALESCE_BYTES, RemoteReader, coalesce
 from .storage import ObjectFolder, is_remote
 from .transfer import pull, push
 
-__all__ = ["CHUNK_BYTES", "COALESCE_BYTES", "ChunkCache", "ObjectFolder", "RemoteCorruptError", "RemoteForkError",
+__all__ = ["CHUNK_BYTES", "COALESCE_BYTES", "ChunkCache", "ObjectFolder", "RemoteCorruptError",
            "RemoteNotFoundError", "RemoteReadError", "RemoteReader", "coalesce", "is_remote", "pull", "push"]

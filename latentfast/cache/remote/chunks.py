@@ -3,8 +3,8 @@
 Layout under ``directory``, per remote object version (``key`` = a hash of URL, name, size, ETag):
 
 - ``key.data``    a sparse file the size of the object; chunk ``c`` sits at its own offset, so a warm
-                  read is one ``preadv`` per run straight into the caller's array (as fast as a local
-                  cache file);
+                  read is one copy per span out of its memory map straight into the caller's array
+                  (as fast as reading a local cache file);
 - ``key.present`` one byte per chunk, memory-mapped by every process: 1 once the chunk's bytes are
                   written (into the node's page cache, which every process reads), so a reader never
                   sees a torn or missing chunk; a folder from an earlier boot (where marks may have
@@ -12,6 +12,10 @@ Layout under ``directory``, per remote object version (``key`` = a hash of URL, 
 - ``key.atime``   int64 per chunk, CLOCK_MONOTONIC ns of its last use (node-wide clock): the LRU order;
 - ``key.claims``  empty; a POSIX byte-range lock on ``[c0, c1)`` is the right to download chunks
                   ``c0..c1-1``: one download per chunk per node. The kernel drops it if the holder dies.
+
+The folder's ``used_bytes`` holds one int64, the bytes of chunks present over all objects: every
+download adds to it, eviction sets it, under a ``lockf`` of the file; so a download checks the
+budget by reading one number, and only eviction scans the chunk marks.
 
 A reader holds ``flock(LOCK_SH)`` on ``key.present`` while it reads; the evictor takes ``LOCK_EX``,
 clears bits and punches the chunks' holes (``fallocate(PUNCH_HOLE)``: the disk space really goes).
@@ -78,11 +82,42 @@ def chunk_indices(c0s: np.ndarray, c1s: np.ndarray) -> np.ndarray:
     return firsts + np.arange(int(counts.sum()))
 
 
+class UsedBytes:
+    """The shared ``used_bytes`` counter of a cache folder. Downloads mark chunks present before they
+    count them, so a concurrent recount can only make it too high (evicting a little early), never too
+    low; :meth:`ChunkCache.evict` recounts exactly whenever it is over the budget."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.created = os.fstat(self.fd).st_size < 8
+        if self.created:
+            os.ftruncate(self.fd, 8)
+        self._map = mmap.mmap(self.fd, 8)
+        self.value = np.frombuffer(self._map, dtype=np.int64)
+        self._thread_lock = threading.Lock()  # lockf excludes processes, not the threads of one
+
+    @contextlib.contextmanager
+    def locked(self):
+        with self._thread_lock:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    def add(self, n_bytes: int) -> None:
+        with self.locked():
+            self.value[0] += n_bytes
+
+    def get(self) -> int:
+        return int(self.value[0])
+
+
 class ObjectChunks:
     """One object's local copy: the four files above, opened by this process."""
 
-    def __init__(self, base: str, size: int, chunk_bytes: int):
-        self.base, self.size, self.chunk_bytes = base, int(size), int(chunk_bytes)
+    def __init__(self, base: str, size: int, chunk_bytes: int, used: UsedBytes):
+        self.base, self.size, self.chunk_bytes, self.used = base, int(size), int(chunk_bytes), used
         self.n_chunks = max(1, -(-self.size // self.chunk_bytes))
         self.data_fd = os.open(base + ".data", os.O_RDWR)
         self._reader_fds: dict[int, int] = {}  # flock: readers SH (one fd per thread), evictor EX
@@ -90,6 +125,15 @@ class ObjectChunks:
         self._maps = [_shared_map(base + ".present"), _shared_map(base + ".atime")]
         self.present = np.frombuffer(self._maps[0], dtype=np.uint8, count=self.n_chunks)  # plain views:
         self.atime = np.frombuffer(self._maps[1], dtype=np.int64, count=self.n_chunks)  # np.memmap slices slowly
+        self._data = None
+
+    @property
+    def data(self) -> np.ndarray:
+        """The local copy, memory-mapped read-only (uint8): read only chunks marked present, under
+        :meth:`reading` (a punched hole reads as zeros, never faults: the file keeps its size)."""
+        if self._data is None:
+            self._data = np.zeros(0, np.uint8) if self.size == 0 else np.frombuffer(mmap.mmap(self.data_fd, self.size, prot=mmap.PROT_READ), dtype=np.uint8)
+        return self._data
 
     @contextlib.contextmanager
     def reading(self):
@@ -132,6 +176,18 @@ class ObjectChunks:
             done += os.pwrite(self.data_fd, view[done:], start + done)
         self.atime[c0:c1] = now_ns()
         self.present[c0:c1] = 1
+        self.used.add(self._span_bytes(c0, c1))
+
+    def drop(self, c0: int, c1: int) -> None:
+        """Mark chunks ``c0..c1-1`` missing (a corrupt copy: the next read fetches them again)."""
+        with self.used.locked():
+            present = np.flatnonzero(self.present[c0:c1]) + c0
+            self.present[present] = 0
+            self.used.value[0] -= sum(self._span_bytes(int(c), int(c) + 1) for c in present)
+
+    def _span_bytes(self, c0: int, c1: int) -> int:
+        start, end = self.chunk_span(c0, c1)
+        return end - start
 
     def used_bytes(self) -> int:
         n = int(np.count_nonzero(self.present))
@@ -158,7 +214,15 @@ class ChunkCache:
         os.makedirs(self.directory, exist_ok=True)
         self._objects: dict[str, ObjectChunks] = {}
         self._pid = os.getpid()
+        self.used = UsedBytes(os.path.join(self.directory, "used_bytes"))
         self._forget_other_boots()
+        if self.used.created:  # a folder from before the counter existed: count it once
+            fd = self._global_lock(fcntl.LOCK_EX)
+            try:
+                with self.used.locked():
+                    self.used.value[0] = self.used_bytes()
+            finally:
+                os.close(fd)
 
     def _forget_other_boots(self) -> None:
         """Chunks are marked present after their bytes are written, not synced: after a crash the
@@ -182,6 +246,8 @@ class ChunkCache:
             with open(stamp + ".tmp", "w") as fh:
                 fh.write(boot_id())
             os.replace(stamp + ".tmp", stamp)
+            with self.used.locked():
+                self.used.value[0] = 0
         finally:
             os.close(fd)
 
@@ -204,6 +270,7 @@ class ChunkCache:
         """After a fork the parent's handles are not ours to lock with: open our own."""
         if self._pid != os.getpid():
             self._objects, self._pid = {}, os.getpid()
+            self.used = UsedBytes(os.path.join(self.directory, "used_bytes"))  # lockf locks are per process
 
     def object(self, identity: str, size: int) -> ObjectChunks:
         """The local copy of one remote object version (``identity`` names it), created on first use."""
@@ -213,7 +280,7 @@ class ChunkCache:
             base = os.path.join(self.directory, key)
             if not os.path.exists(base + ".present"):
                 self._create(base, size)
-            self._objects[key] = ObjectChunks(base, size, self.chunk_bytes)
+            self._objects[key] = ObjectChunks(base, size, self.chunk_bytes, self.used)
         return self._objects[key]
 
     def _create(self, base: str, size: int) -> None:
@@ -240,23 +307,28 @@ class ChunkCache:
             key = os.path.basename(path)[: -len(".present")]
             if key not in self._objects:
                 size = os.path.getsize(path[: -len(".present")] + ".data")
-                self._objects[key] = ObjectChunks(path[: -len(".present")], size, self.chunk_bytes)
+                self._objects[key] = ObjectChunks(path[: -len(".present")], size, self.chunk_bytes, self.used)
             found.append(self._objects[key])
         return found
 
     def evict(self) -> int:
         """Drop least recently used chunks until at most ``capacity`` bytes remain; returns bytes freed.
-        Skips if another process is evicting (it will get us under the budget)."""
+        Under the budget by the shared counter: returns at once, no scan. Skips if another process
+        is evicting (it will get us under the budget)."""
+        self._fresh_process()
+        if self.used.get() <= self.capacity:
+            return 0
         try:
             lock = self._global_lock(fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return 0
         try:
-            objects = self._all_objects()
-            excess = sum(obj.used_bytes() for obj in objects) - self.capacity
-            if excess <= 0:
-                return 0
-            return self._evict_oldest(objects, excess)
+            with self.used.locked():  # the exact count, and the counter set to it
+                objects = self._all_objects()
+                used = sum(obj.used_bytes() for obj in objects)
+                freed = self._evict_oldest(objects, used - self.capacity) if used > self.capacity else 0
+                self.used.value[0] = used - freed
+            return freed
         finally:
             os.close(lock)
 

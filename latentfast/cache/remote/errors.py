@@ -15,6 +15,3 @@ class RemoteNotFoundError(RemoteReadError, FileNotFoundError):
 class RemoteCorruptError(CacheCorruptError):
     """Fetched bytes failed their expected CRC-32 on every attempt."""
 
-
-class RemoteForkError(CacheError, RuntimeError):
-    """The object-store client was used before this process was forked: it cannot run here."""

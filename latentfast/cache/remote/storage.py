@@ -26,11 +26,12 @@ wait, seconds, default 0.1), ``retry_max_backoff`` (default 15), ``retry_timeout
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
 
 from ...errors import InvalidArgumentError
-from .errors import RemoteForkError, RemoteNotFoundError, RemoteReadError
+from .errors import RemoteNotFoundError, RemoteReadError
 
 _ALIASES = {"endpoint_url": "endpoint", "key": "access_key_id", "aws_access_key_id": "access_key_id",
             "secret": "secret_access_key", "aws_secret_access_key": "secret_access_key",
@@ -41,17 +42,13 @@ MULTIPART_BYTES = 64 << 20  # files above this upload in parts (obstore's 5 MiB 
 _client_started_in = {"pid": None}  # inherited by a fork: how a child knows the parent's runtime is dead
 
 
-def _runtime_here() -> None:
-    """obstore's tokio runtime does not survive ``fork()``: a forked child that calls it hangs for
-    ever (tokio-rs/tokio#4301). Fail clearly instead, and say what works."""
+def _forked_after_use() -> bool:
+    """True in a process forked from one that had used obstore: its calls must go to a helper
+    process (see :mod:`.client` for why and how); marks this process as a user otherwise."""
     pid = _client_started_in["pid"]
     if pid is None:
-        _client_started_in["pid"] = os.getpid()
-    elif pid != os.getpid():
-        raise RemoteForkError(
-            f"this process was forked from process {pid} after it used the object-store client (obstore), whose "
-            "runtime does not survive fork(): start DataLoader workers with multiprocessing_context='spawn' or "
-            "'forkserver', or make the parent touch no remote cache before the workers start")
+        _client_started_in["pid"] = pid = os.getpid()
+    return pid != os.getpid()
 
 
 def is_remote(url: str) -> bool:
@@ -87,20 +84,15 @@ def _split_options(url: str, storage_options) -> tuple[dict, dict, dict]:
     return config, client, retry
 
 
-def _open_store(url: str, storage_options):
-    import obstore.store
-
+def _store_spec(url: str, storage_options) -> tuple:
+    """What :func:`.client.open_store` needs (picklable: a helper process opens it too)."""
     if not is_remote(url):
         if storage_options:
             raise InvalidArgumentError(f"storage_options are for object-store URLs, not the local folder {url!r}")
         path = url[len("file://"):] if url.startswith("file://") else url
         os.makedirs(path, exist_ok=True)
-        return obstore.store.LocalStore(os.path.abspath(path))
-    config, client, retry = _split_options(url, storage_options)
-    try:
-        return obstore.store.from_url(url, config=config or None, client_options=client or None, retry_config=retry or None)
-    except Exception as exc:  # obstore's configuration errors (unknown key, bad URL) as ours
-        raise InvalidArgumentError(f"cannot open object store {url!r} with storage_options {sorted(storage_options or {})}: {exc}") from exc
+        return ("local", os.path.abspath(path))
+    return ("url", url, *_split_options(url, storage_options))
 
 
 def _import_obstore():
@@ -113,13 +105,15 @@ def _import_obstore():
 class ObjectFolder:
     """The objects under ``url``; names are relative to it (``"train.latents.f16.dat"``).
 
-    Picklable (DataLoader workers): the client is made again in each process, on first use.
+    Picklable (DataLoader workers): the client is made again in each process, on first use. In a
+    process forked after this one used the client (DataLoader workers with ``fork``, the default on
+    Linux), calls go through a helper process instead (:mod:`.client` says why).
     """
 
     def __init__(self, url: str, storage_options: dict | None = None):
         _import_obstore()
         self.url = str(url).rstrip("/")
-        _split_options(self.url, storage_options)  # bad options fail here, not in a worker
+        self._spec = _store_spec(self.url, storage_options)  # bad options fail here, not in a worker
         self.storage_options = dict(storage_options or {})
         self._store, self._pid = None, None
 
@@ -134,9 +128,14 @@ class ObjectFolder:
 
     @property
     def store(self):
-        _runtime_here()
+        """This process's obstore store (not for a process forked after the client was used)."""
+        from . import client
+
         if self._store is None or self._pid != os.getpid():
-            self._store, self._pid = _open_store(self.url, self.storage_options), os.getpid()
+            try:
+                self._store, self._pid = client.open_store(self._spec), os.getpid()
+            except Exception as exc:  # obstore's configuration errors (unknown key, bad URL) as ours
+                raise InvalidArgumentError(f"cannot open object store {self.url!r} with storage_options {sorted(self.storage_options)}: {exc}") from exc
         return self._store
 
     def where(self, name: str, start: int | None = None, end: int | None = None) -> str:
@@ -145,69 +144,57 @@ class ObjectFolder:
         return place if start is None else f"{place} bytes [{start}, {end})"
 
     def _error(self, exc: Exception, name: str, start=None, end=None) -> RemoteReadError:
-        import obstore.exceptions as oe
+        from . import client
 
-        cls = RemoteNotFoundError if isinstance(exc, (oe.NotFoundError, FileNotFoundError)) else RemoteReadError
+        not_found = exc.not_found if isinstance(exc, client.HelperError) else client.is_not_found(exc)
+        cls = RemoteNotFoundError if not_found else RemoteReadError
         return cls(f"{self.where(name, start, end)}: {type(exc).__name__}: {exc}")
+
+    def _call(self, op: str, name: str, *args):
+        """A synchronous client call, here or (forked) in the helper; errors name ``name``."""
+        from . import client
+
+        try:
+            if _forked_after_use():
+                return client.helper().call(self._spec, op, *args)
+            return client.SYNC_CALLS[op](self.store, *args)
+        except InvalidArgumentError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, name) from exc
 
     async def get_range(self, name: str, start: int, end: int):
         """The bytes ``[start, end)`` of ``name`` (a buffer); short answers are the caller's to check."""
-        import obstore
+        from . import client
 
-        store = self.store  # outside the try: a RemoteForkError stays itself
         try:
-            return await obstore.get_range_async(store, name, start=int(start), end=int(end))
+            if _forked_after_use():
+                return await asyncio.wrap_future(client.helper().submit(self._spec, "get_range", name, int(start), int(end)))
+            return await client.get_range(self.store, name, start, end)
+        except InvalidArgumentError:
+            raise
         except Exception as exc:
             raise self._error(exc, name, start, end) from exc
 
     def get(self, name: str) -> bytes:
         """The whole of a (small) object."""
-        import obstore
-
-        store = self.store
-        try:
-            return obstore.get(store, name).bytes().to_bytes()
-        except Exception as exc:
-            raise self._error(exc, name) from exc
+        return self._call("get", name, name)
 
     def head(self, name: str) -> tuple[int, str]:
         """``(size, version)``: the version (ETag, else mtime) keys local copies of the object."""
-        import obstore
-
-        store = self.store
-        try:
-            meta = obstore.head(store, name)
-        except Exception as exc:
-            raise self._error(exc, name) from exc
-        return int(meta["size"]), str(meta.get("e_tag") or meta.get("last_modified"))
+        return self._call("head", name, name)
 
     def list(self) -> list[str]:
         """Every object name under the folder (recursive), sorted."""
-        import obstore
-
-        store = self.store
-        try:
-            return sorted(m["path"] for batch in obstore.list(store) for m in batch)
-        except Exception as exc:
-            raise self._error(exc, "*") from exc
+        return self._call("list", "*")
 
     def put_file(self, name: str, path: str) -> None:
         """Upload the local file ``path`` as ``name``; multipart above :data:`MULTIPART_BYTES`."""
-        import obstore
+        self._call("put_file", name, name, path, os.path.getsize(path) > MULTIPART_BYTES)  # read at call time: tests lower it
 
-        multipart = os.path.getsize(path) > MULTIPART_BYTES  # read at call time: tests lower it
-        store = self.store
-        try:
-            with open(path, "rb") as fh:
-                obstore.put(store, name, fh, use_multipart=multipart)
-        except Exception as exc:
-            raise self._error(exc, name) from exc
+    def download(self, name: str, path: str) -> int:
+        """Stream ``name`` into the new local file ``path`` (fsynced); returns the bytes written."""
+        return self._call("download", name, name, path)
 
     def delete(self, name: str) -> None:
-        import obstore
-
-        store = self.store
-        try:
-            obstore.delete(store, name)
-        except Exception as exc:
-            raise self._error(exc, name) from exc
+        self._call("delete", name, name)

@@ -63,21 +63,14 @@ def pull(url: str, local_dir: str, storage_options: dict | None = None) -> list[
 
 
 def _download(folder: ObjectFolder, name: str, path: str) -> None:
-    import obstore
-
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     size, _ = folder.head(name)
     tmp = path + _TEMP_SUFFIX
-    written, store = 0, folder.store
     try:
-        with open(tmp, "wb") as fh:
-            for part in obstore.get(store, name).stream(min_chunk_size=8 << 20):
-                fh.write(part)
-                written += len(part)
-            fh.flush()
-            os.fsync(fh.fileno())
+        written = folder.download(name, tmp)
     except Exception as exc:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         if isinstance(exc, RemoteReadError):
             raise
         raise RemoteReadError(f"pull: {folder.where(name)}: {type(exc).__name__}: {exc}") from exc
