@@ -194,7 +194,7 @@ class LatentCacheWriter:
         self._check_shape(key, half.shape)
         record = {"k": key, "s": list(half.shape), "c": zlib.crc32(half)}
         if source_hash is not None:
-            record["h"] = source_hash.hex() if isinstance(source_hash, bytes) else str(source_hash)
+            record["h"] = checked_source_hash(key, source_hash)
         if info:
             record["i"] = json.loads(json.dumps(info, sort_keys=True))  # as a resumed log reads it back
         pwrite_all(self._fd, half, self._end)
@@ -260,10 +260,11 @@ class LatentCacheWriter:
                 start, end = int(offsets[i]) * 2, int(offsets[i + 1]) * 2
                 fh.seek(start)
                 if zlib.crc32(fh.read(end - start)) != int(sums[i]):
+                    after = len(self._records) - i - 1  # counted before the records go
                     self._truncate_log(i, start)
                     raise CacheCorruptError(
                         f"latent cache {self._partial}: item {i} (key {record['k']!r}) on disk differs from what "
-                        f"was written; it and the {len(self._records) - i - 1} items after it were dropped from the "
+                        f"was written; it and the {after} items after it were dropped from the "
                         f"progress log: run the same build again to rewrite them"
                     )
 
@@ -336,14 +337,21 @@ class LatentCacheWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None and not self.finished:
-            self.finish()
-        else:
             try:
-                self.close()
-            except OSError as err:  # the original error matters more than a failed last flush
-                warnings.warn(f"could not flush the latent cache writer: {err}", RuntimeWarning, stacklevel=2)
-                self._close_files()
-                self._lock.release()
+                self.finish()
+            except BaseException:  # a failed finish leaves the job resumable and the lock free for the retry
+                self._close_quietly()
+                raise
+        else:
+            self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        try:
+            self.close()
+        except OSError as err:  # the original error matters more than a failed last flush
+            warnings.warn(f"could not flush the latent cache writer: {err}", RuntimeWarning, stacklevel=3)
+            self._close_files()
+            self._lock.release()
 
 
 def open_for_sources(out_dir, split: str, *, encoder: Any, meta: dict, lock: BuildLock,
@@ -358,6 +366,18 @@ def open_for_sources(out_dir, split: str, *, encoder: Any, meta: dict, lock: Bui
         writer.close()
         raise
     return writer
+
+
+def checked_source_hash(key: str, source_hash) -> str:
+    """``source_hash`` (bytes of :data:`HASH_BYTES` or their hex) as hex; anything else raises naming the key."""
+    if isinstance(source_hash, (bytes, bytearray)) and len(source_hash) == HASH_BYTES:
+        return bytes(source_hash).hex()
+    if isinstance(source_hash, str) and len(source_hash) == 2 * HASH_BYTES:
+        with contextlib.suppress(ValueError):
+            return bytes.fromhex(source_hash).hex()
+    raise InvalidArgumentError(
+        f"source_hash of key {key!r} must be {HASH_BYTES} bytes or their {2 * HASH_BYTES} hex digits "
+        f"(e.g. durable.content_hash(path)), got {source_hash!r:.80}")
 
 
 def _json_bytes(value) -> bytes:
