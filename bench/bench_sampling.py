@@ -6,15 +6,17 @@ Providers (float32 mean, std and output, batches of 64 latents):
   batch and on everything drawn before it, which is what the counter-based sampler avoids);
 - ``reference``: :func:`latentfast.sampling.sample_latents_reference` (pure torch, Philox on int64
   tensors: the oracle, not meant to be fast);
-- ``triton``: the kernel in ``kernels/sample_latents.py`` (CUDA only: on a CPU it runs only under
-  Triton's interpreter, which is not timed).
+- ``cpp``: the op ``ops.sample_latents(..., backend="cpp")``, the C++ kernel of
+  ``csrc/cpu/sample_latents_kernel.cpp`` (CPU only; on torch's ``--threads``, as torch is);
+- ``triton``: the op's Triton kernel (``kernels/sample_latents.py``; CUDA only: on a CPU it runs only
+  under Triton's interpreter, which is not timed).
 
 Two settings, each compared only within itself:
 
 - ``alloc``: every call allocates its output (torch: ``mean + std * torch.randn(shape)``);
 - ``reuse``: every call writes into an output allocated once (torch: ``torch.randn(out=eps)`` and
   ``torch.addcmul(mean, std, eps, out=out)``; the reference still allocates its temporaries and only
-  reuses the output, the Triton kernel allocates nothing).
+  reuses the output, the C++ and Triton kernels allocate nothing).
 
 GB/s counts the useful bytes alike for every provider: mean and std read, the output written (12 bytes
 per element). Samples are taken round-robin; each ratio is the median and range over ``--runs``
@@ -29,9 +31,10 @@ import sys
 
 import torch
 
+from latentfast import ops
 from latentfast.bench.common import format_table, interleaved_median_seconds
 from latentfast.sampling import item_seeds, sample_latents_reference
-from latentfast.testing import torch_threads
+from latentfast.testing import runnable_backends, torch_threads
 
 BATCH = 64
 # latent shapes per item: SD 512px (4x64x64), Flux/SD3 512px (16x64x64)
@@ -40,15 +43,10 @@ QUICK_ITEM_SHAPES = ((4, 64, 64),)
 BYTES_PER_ELEMENT = 12
 
 
-def triton_kernel(device: str):
-    """The Triton kernel module when it can be timed here (CUDA and Triton installed), else None."""
-    if device != "cuda":
-        return None
-    try:
-        from latentfast.kernels import sample_latents
-    except ImportError:
-        return None
-    return sample_latents
+def kernels(device: str) -> list[str]:
+    """The op's compiled backends that can be timed here: cpp on CPU, triton on CUDA (not the interpreter)."""
+    wanted = {"cpu": ("cpp",), "cuda": ("triton",)}[device]
+    return [name for name in runnable_backends("sample_latents_into", device) if name in wanted]
 
 
 def providers(device: str) -> dict:
@@ -65,15 +63,10 @@ def providers(device: str) -> dict:
     alloc = {"torch": torch_alloc, "reference": lambda mean, std, seeds, out, eps: sample_latents_reference(mean, std, seeds)}
     reuse = {"torch": torch_reuse,
              "reference": lambda mean, std, seeds, out, eps: sample_latents_reference(mean, std, seeds, out=out)}
-    kernel = triton_kernel(device)
-    if kernel is not None:
-        def triton_alloc(mean, std, seeds, out, eps):
-            result = torch.empty_like(mean)
-            kernel.sample_latents_into(mean, std, seeds, result)
-            return result
-
-        alloc["triton"] = triton_alloc
-        reuse["triton"] = lambda mean, std, seeds, out, eps: kernel.sample_latents_into(mean, std, seeds, out)
+    for name in kernels(device):
+        alloc[name] = lambda mean, std, seeds, out, eps, name=name: ops.sample_latents(mean, std, seeds, backend=name)
+        reuse[name] = lambda mean, std, seeds, out, eps, name=name: ops.sample_latents(mean, std, seeds, out=out,
+                                                                                        backend=name)
     return {"alloc": alloc, "reuse": reuse}
 
 
@@ -117,7 +110,7 @@ def run_report(quick: bool = False, runs: int = 3, device: str | None = None, th
         print(format_table(f"{title}, {setting}", header, cells))
     print("  GB/s: 12 bytes per element (mean + std read, output written); x: provider GB/s / torch GB/s, "
           "median [range] over the runs")
-    if triton_kernel(device) is None:
+    if device == "cpu":
         print("  triton: not timed here (needs CUDA; on a CPU the kernel only runs under Triton's interpreter)")
     return {"device": device, "rows": {"x".join(map(str, s)): r for s, r in rows.items()}}
 

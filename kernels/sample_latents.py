@@ -1,8 +1,8 @@
 """Triton kernel of latent sampling: ``out = mean + std * eps`` with the counter-based ``eps`` of
 :mod:`latentfast.sampling` (Philox4x32-10 keyed by the item seed, Box-Muller in float32).
 
-Not yet an op of ``latentfast._ops``: :func:`sample_latents_into` is the kernel form the op will
-register (``sample_latents_into(Tensor mean, Tensor std, Tensor item_seeds, Tensor(a!) out) -> ()``).
+:func:`sample_latents_into` is the ``triton`` backend of the op ``latentfast::sample_latents_into``
+(``latentfast.ops.sample_latents``; the C++ CPU kernel is ``csrc/cpu/sample_latents_kernel.cpp``).
 """
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ SCHEMAS: dict[str, str] = {
     # per-branch leaf gradients -> every (microbatch, branch) block once per scale, one arena
     "scatter_cotangents_into": "scatter_cotangents_into(Tensor[] grads, int[] batch_sizes, float[] scales, "
     "Tensor(a!) arena) -> ()",
+    # out[b] = mean[b] + std[b] * eps(item_seeds[b], element): reproducible latent sampling (latentfast.sampling)
+    "sample_latents_into": "sample_latents_into(Tensor mean, Tensor std, Tensor item_seeds, Tensor(a!) out) -> ()",
 }
 
 
@@ -231,3 +233,39 @@ def _scatter_cotangents_into_check(grads, batch_sizes, scales, arena, backend="a
         arena.numel() == needed,
         lambda: f"arena must hold len(scales) * b_local * sum(N*D) = {needed} elements, got {arena.numel()}",
     )
+
+
+SAMPLE_DTYPES = FLOAT_OUT_DTYPES
+
+
+def _check_sample_tensor(name: str, tensor: torch.Tensor, mean: torch.Tensor) -> None:
+    torch._check_value(tensor.dtype in SAMPLE_DTYPES,
+                       lambda: f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
+    torch._check_value(tensor.shape == mean.shape and tensor.device == mean.device,
+                       lambda: f"{name} must match mean's shape {list(mean.shape)} on {mean.device}, "
+                       f"got {list(tensor.shape)} on {tensor.device}")
+
+
+def _check_distinct_elements(name: str, out: torch.Tensor) -> None:
+    """Refuse an output whose elements share memory (a stride-0 or self-overlapping view: two threads
+    would write one address). Sufficient test, as the C++ kernel's: sorted by stride, each dim of size > 1
+    steps past the span of the dims inside it."""
+    span = 0
+    for stride, size in sorted((abs(st), sz) for st, sz in zip(out.stride(), out.shape) if sz > 1):
+        torch._check_value(stride > span, lambda: f"{name} has elements that share memory (strides {tuple(out.stride())}); "
+                           "it must be a tensor whose elements are distinct")
+        span += stride * (size - 1)
+
+
+@_shape_check("sample_latents_into")
+def _sample_latents_into_check(mean, std, item_seeds, out, backend="auto"):
+    torch._check_value(mean.dim() >= 1, lambda: "mean must be a [B, ...] batch (one item per row), got a 0-d tensor")
+    for name, tensor in (("mean", mean), ("std", std), ("out", out)):
+        _check_sample_tensor(name, tensor, mean)
+    torch._check_value(
+        item_seeds.dtype == torch.int64 and item_seeds.dim() == 1 and item_seeds.shape[0] == mean.shape[0]
+        and item_seeds.device in (mean.device, torch.device("cpu")),
+        lambda: f"item_seeds must be int64 [{mean.shape[0]}] (one per item, from item_seeds()) on {mean.device} or "
+        f"the CPU, got {item_seeds.dtype} {list(item_seeds.shape)} on {item_seeds.device}",
+    )
+    _check_distinct_elements("out", out)

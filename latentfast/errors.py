@@ -83,6 +83,13 @@ class MissingCostError(LatentfastError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownKeyError(CacheError, KeyError):
+    """A latent cache holds no item with this key."""
+
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
 class DeviceUnavailableError(LatentfastError, RuntimeError):
     """The requested device (e.g. ``"cuda"``) does not exist or cannot be used in this process."""
 
@@ -103,6 +110,7 @@ __all__ = [
     "MissingCostError",
     "NonFiniteError",
     "NonFiniteReplayError",
+    "UnknownKeyError",
     "OffloadEncodeError",
     "ReplayError",
 ]

@@ -252,3 +252,31 @@ def read_spans(fd: int, offsets, lengths, *, threads: int = 16, out: torch.Tenso
     out = _prefix_out(out, torch.uint8, total, "bytes")
     torch.ops.latentfast.read_spans_into(fd, offsets, lengths, threads, out, backend)
     return out[:total]
+
+
+# ---- latent sampling: mean + std * eps, eps keyed by (seed, epoch, item key) ----------------------------
+SAMPLE_DTYPES = _ops.SAMPLE_DTYPES
+
+
+def sample_latents(mean: torch.Tensor, std: torch.Tensor, item_seeds: torch.Tensor, *,
+                   out: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """``out[b] = mean[b] + std[b] * eps(item_seeds[b], element)`` for a ``[B, ...]`` batch, in one pass.
+
+    ``eps`` is :mod:`latentfast.sampling`'s counter-based draw (Philox4x32-10 keyed by the item seed,
+    Box-Muller in float32): an item's draw depends only on its seed and its own shape, never on the
+    batch. ``mean``, ``std``: the same shape, float16 / bfloat16 / float32 each, any strides.
+    ``item_seeds``: int64 ``[B]`` from :func:`latentfast.sampling.item_seeds`. ``out``: any strides and
+    float dtype, of mean's shape and device (written in place and returned), else a new tensor of
+    mean's dtype. The math is float32, rounded once to out's dtype.
+    """
+    for name, value in (("mean", mean), ("std", std), ("item_seeds", item_seeds)) + ((("out", out),) if out is not None else ()):
+        if not isinstance(value, torch.Tensor):
+            raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if out is None:
+        if mean.dtype not in SAMPLE_DTYPES:
+            raise InvalidArgumentError(f"mean must be float16, bfloat16 or float32, got {mean.dtype}")
+        if not torch.compiler.is_compiling() and mean.numel() * mean.element_size() > INT64_MAX:
+            raise InvalidArgumentError(f"out would take {mean.numel() * mean.element_size()} bytes, more than int64 counts")
+        out = torch.empty(mean.shape, dtype=mean.dtype, device=mean.device)
+    torch.ops.latentfast.sample_latents_into(mean, std, item_seeds, out, backend)
+    return out

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from .sampling import sample_latents_reference
+
 
 def normalize_uint8_into(x: torch.Tensor, out: list[torch.Tensor]) -> None:
     """``out[v] = (x[..., v*F:(v+1)*F, :, :] / 127.5 - 1)`` in float32, rounded to ``out[v].dtype``.
@@ -157,3 +159,10 @@ def scatter_cotangents_into(
                 torch.mul(block, scale, out=arena[offset : offset + count].view_as(block))
                 offset += count
         row += size
+
+
+# ---- latent sampling -------------------------------------------------------------------------
+def sample_latents_into(mean, std, item_seeds, out) -> None:
+    """``out[b] = mean[b] + std[b] * eps(item_seeds[b], element)`` in float32, rounded once to out's dtype:
+    :func:`latentfast.sampling.sample_latents_reference` (which states ``eps`` bit for bit)."""
+    sample_latents_reference(mean, std, item_seeds, out=out)

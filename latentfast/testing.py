@@ -2,6 +2,7 @@
 
 - :func:`poisoned_like` -- an output buffer full of garbage, so a kernel that skips an element is caught;
 - :func:`runnable_backends` -- every backend that can run an op on a device type in this process;
+- :func:`assert_sampled_like_reference` -- a sampled latent batch against the sampling reference;
 - :func:`random_rows` / :func:`write_cache` -- latent caches with arbitrary rows, written with plain
   numpy in the original (seed) layouts and opened by the real :class:`~latentfast.cache.LatentCache`;
   :func:`write_random_cache` -- the same for caches of any size (larger than RAM), written in chunks.
@@ -34,6 +35,22 @@ def poisoned_like(shape, dtype, device="cpu") -> torch.Tensor:
     else:
         t.fill_(0x5A)
     return t
+
+
+# output dtype -> relative tolerance of a sampled latent against the reference: one rounding of the output
+# (the float32 math differs from the reference only in the transcendental functions' last bits and, on a
+# GPU, a fused multiply-add: |d eps| <= 1e-5, latentfast.sampling's stated tolerance)
+SAMPLE_ROUNDING = {torch.float32: 2**-21, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def assert_sampled_like_reference(got, mean, std, seeds) -> None:
+    """``got`` (a sampled batch of any float dtype) equals :func:`latentfast.sampling.sample_latents_reference`
+    of the same arguments within that tolerance."""
+    from .sampling import sample_latents_reference
+
+    want = sample_latents_reference(mean, std, seeds, out=torch.empty(mean.shape, dtype=got.dtype, device=got.device))
+    atol = 2e-5 * float(std.abs().max()) + 1e-30 if std.numel() else 0.0
+    torch.testing.assert_close(got.double(), want.double(), rtol=SAMPLE_ROUNDING[got.dtype], atol=atol)
 
 
 def random_rows(rng: np.random.Generator, n: int, channels: int, latent_h: int, w_max: int, min_width: int = 1):

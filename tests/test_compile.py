@@ -127,3 +127,23 @@ def test_scatter_cotangents_fullgraph(backend):
     expected = [block for r in rows for block in (*(x[r] for x in grads), *(x[r] * 3.0 for x in grads))]
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", runnable_backends("sample_latents_into", "cpu"))
+def test_sample_latents_fullgraph(backend):
+    from latentfast.sampling import item_seeds, sample_latents_reference
+    from latentfast.testing import assert_sampled_like_reference
+
+    g = torch.Generator().manual_seed(5)
+    mean, std = torch.randn(3, 4, 5, 7, generator=g), torch.rand(3, 4, 5, 7, generator=g).to(torch.bfloat16)
+    seeds = item_seeds(["a", "b", "c"], 7, 2)
+
+    def f(m, s, k):
+        return ops.sample_latents(m * 2, s, k, backend=backend) + 1
+
+    got = _compile(f)(mean, std, seeds)
+    assert_sampled_like_reference(got - 1, mean * 2, std, seeds)
+    if backend != "torch":  # the traced graph runs the same kernel as the eager call
+        torch.testing.assert_close(got, f(mean, std, seeds), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(got, sample_latents_reference(mean * 2, std, seeds) + 1, rtol=0, atol=0)

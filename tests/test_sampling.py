@@ -25,7 +25,7 @@ import torch
 from latentfast import sampling
 from latentfast.errors import ArgumentTypeError, InvalidArgumentError
 from latentfast.sampling import item_seeds, normal_eps, philox_words, sample_latents_reference
-from latentfast.testing import poisoned_like
+from latentfast.testing import assert_sampled_like_reference, poisoned_like
 
 M64 = (1 << 64) - 1
 
@@ -269,17 +269,6 @@ def triton_device():
     pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1")
 
 
-# output dtype -> relative tolerance: one rounding of the output (the float32 math differs from the
-# reference only in the transcendental functions' last bits and a fused multiply-add)
-ROUNDING = {torch.float32: 2**-21, torch.float16: 2**-10, torch.bfloat16: 2**-7}
-
-
-def assert_matches_reference(got, mean, std, seeds):
-    want = sample_latents_reference(mean, std, seeds, out=torch.empty(mean.shape, dtype=got.dtype, device=got.device))
-    atol = 2e-5 * float(std.abs().max()) + 1e-30
-    torch.testing.assert_close(got.double(), want.double(), rtol=ROUNDING[got.dtype], atol=atol)
-
-
 def test_triton_words_equal_the_reference_bit_for_bit(triton_device):
     from latentfast.kernels import sample_latents as kernel
 
@@ -306,7 +295,7 @@ def test_triton_sample_latents_matches_reference(triton_device, dtype_in, dtype_
         seeds = item_seeds([f"img/{i}" for i in range(shape[0])], 17, 4).to(triton_device)
         out = poisoned_like(shape, dtype_out, triton_device)
         kernel.sample_latents_into(mean, std, seeds, out)
-        assert_matches_reference(out, mean, std, seeds)
+        assert_sampled_like_reference(out, mean, std, seeds)
 
 
 def test_triton_sample_latents_non_contiguous(triton_device):
@@ -324,7 +313,7 @@ def test_triton_sample_latents_non_contiguous(triton_device):
         seeds = item_seeds([str(i) for i in range(mean.shape[0])], 0, 9).to(triton_device)
         out = poisoned_like(mean.shape, torch.float32, triton_device)
         kernel.sample_latents_into(mean, std, seeds, out)
-        assert_matches_reference(out, mean, std, seeds)
+        assert_sampled_like_reference(out, mean, std, seeds)
         wide = poisoned_like((*mean.shape[:-1], 2 * mean.shape[-1]), torch.float32, triton_device)
         strided = wide[..., 1::2]  # a strided out, written in place; the other columns stay poisoned
         kernel.sample_latents_into(mean, std, seeds, strided)

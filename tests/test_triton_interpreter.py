@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 TESTS = pathlib.Path(__file__).parent
 # test module -> pytest -k expression selecting its Triton-backend cases
 TRITON_CASES = {"test_normalize.py": "triton", "test_compile.py": "triton", "test_decode.py": "triton",
-                "test_sampling.py": "triton"}
+                "test_sampling.py": "triton", "test_sample_latents_op.py": "triton"}
 
 
 @pytest.mark.slow

@@ -31,7 +31,10 @@ ENTRY_POINTS = {  # op -> exported kernel
     "gather_rows_packed_into": "latentfast_gather_rows_packed_into",
     "read_spans_into": "latentfast_read_spans_into",
     "scatter_cotangents_into": "latentfast_scatter_cotangents_into",
+    "sample_latents_into": "latentfast_sample_latents_into",
 }
+# entry points that are no op's kernel: test hooks
+HOOKS = {"sample_latents_philox_words": "latentfast_sample_latents_philox_words"}
 # torch's ScalarType numbers (csrc/native.h's Dtype); 99: a dtype no kernel takes
 _DTYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
            torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
@@ -105,7 +108,7 @@ def _open() -> tuple[ctypes.CDLL | None, str | None]:
             return None, f"{PATH} has ABI version {version}, this latentfast needs {ABI_VERSION} (a stale build)"
         for name in ("latentfast_build_info", "latentfast_last_error", "latentfast_cpu_paths"):
             getattr(lib, name).restype = ctypes.c_char_p
-        for name in ENTRY_POINTS.values():
+        for name in (*ENTRY_POINTS.values(), *HOOKS.values()):
             fn = getattr(lib, name)
             fn.argtypes = (ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64)  # packed int64s, doubles
             fn.restype = ctypes.c_int
@@ -212,6 +215,26 @@ def scatter_cotangents_into(grads, batch_sizes, scales, arena) -> None:
     _put(args, arena)
     args.append(torch.get_num_threads())
     _call("latentfast_scatter_cotangents_into", args, scales)
+
+
+def sample_latents_into(mean, std, item_seeds, out) -> None:
+    args = []
+    for t in (mean, std, item_seeds, out):
+        _put(args, t)
+    args.append(torch.get_num_threads())
+    _call("latentfast_sample_latents_into", args)
+
+
+def sample_latents_philox_words(item_seeds, n: int, *, first_group: int = 0) -> torch.Tensor:
+    """int64 ``[B, 4 * ceil(n / 4)]``: the Philox words the C++ sampling kernel draws for ``n`` elements of
+    each item from group ``first_group`` on (:func:`latentfast.sampling.philox_words`'s stream; a test hook)."""
+    out = torch.empty(item_seeds.shape[0], 4 * ((n + 3) // 4), dtype=torch.int64)
+    args = []
+    _put(args, item_seeds)
+    args.append(first_group)
+    _put(args, out)
+    _call("latentfast_sample_latents_philox_words", args)
+    return out
 
 
 KERNELS = {op: globals()[op] for op in ENTRY_POINTS}  # op -> the Python function that calls its kernel

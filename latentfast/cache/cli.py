@@ -9,6 +9,7 @@ stand-alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -189,14 +190,13 @@ def run_build(args) -> int:
         raise CliError("--lines builds a text-line cache of one --line-height; --buckets is for image or video caches")
     encoder = make_encoder(args.encoder, toy_seed=args.toy_seed, toy_channels=args.toy_channels, sample=args.sample,
                            vae_dtype=args.vae_dtype)
-    from .store.durable import lock_path
-
-    lock = lock_path(args.out, args.split)
-    created = _missing(args.out, lock)
+    new_folder = not os.path.isdir(args.out)
     try:
         path = _build(args, encoder)
     except BaseException:
-        _remove_new_lock(lock, created)
+        if new_folder:  # the lock file went with its lock (durable.BuildLock); the folder goes if we made it and it is empty
+            with contextlib.suppress(OSError):
+                os.rmdir(args.out)
         raise
     if not args.quiet:
         print(f"latent cache written: {path}")
@@ -232,31 +232,6 @@ def _build(args, encoder) -> str:
                              bucket_step=args.bucket_step, skip_bad_images=args.skip_bad_images, **common)
 
 
-def _missing(out_dir: str, lock: str) -> tuple[bool, bool]:
-    """(the output folder is missing, its lock file is missing): what a failed build should not leave behind."""
-    return not os.path.isdir(out_dir), not os.path.exists(lock)
-
-
-def _remove_new_lock(lock: str, created: tuple[bool, bool]) -> None:
-    """After a failed build: remove the lock file this command created (if no other build took it
-    meanwhile) and the output folder if it made it and nothing else is in it."""
-    import contextlib
-    import fcntl
-
-    new_folder, new_lock = created
-    if new_lock and os.path.exists(lock):
-        with contextlib.suppress(OSError):
-            fd = os.open(lock, os.O_RDWR)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while another build holds it
-                os.unlink(lock)
-            finally:
-                os.close(fd)
-    if new_folder:
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(lock))  # only if empty
-
-
 def run_import(args) -> int:
     from .build.importers import import_latents
 
@@ -278,7 +253,8 @@ def run_inspect(args) -> int:
         return 0
     meta = info["meta"]
     print(f"latent cache {args.cache_dir} split={args.split!r}")
-    for key in sorted(k for k in meta if k not in ("skipped", "encoder")):
+    hidden = {"skipped", "encoder", "files"} | (set(_LINE_ONLY) if "shape_counts" in info else set())
+    for key in sorted(k for k in meta if k not in hidden):
         print(f"  {key}: {meta[key]}")
     if "encoder" in meta:
         print(f"  encoder: {json.dumps(meta['encoder'], sort_keys=True)}")
@@ -289,10 +265,7 @@ def run_inspect(args) -> int:
     for name, field in info["fields"].items():
         print(f"  {name:>16} {field['dtype']:>9} {field['ndim']}-D   logical {field['logical_bytes']:>15,}   stored {field['stored_bytes']:>15,}")
     if "shape_counts" in info:
-        print(f"bytes on disk: {info['bytes_on_disk']:,}   data: {info['data_bytes']:,}")
-        print("items per shape:")
-        for shape, count in info["shape_counts"][:40]:
-            print(f"  {'x'.join(map(str, shape)):>20} {count:>9}")
+        _print_shaped(info)
         return 0
     print(f"bytes on disk: {info['bytes_on_disk']:,}   data: {info['data_bytes']:,}   padded layout would be: {info['padded_layout_bytes']:,}")
     print(f"padding waste: {info['padding_waste_pct']:.1f}% of the data file")
@@ -304,6 +277,37 @@ def run_inspect(args) -> int:
     for lo, hi, count in info["histogram"]:
         print(f"  {lo:>5}-{hi:<5} {count:>9}  {'#' * round(40 * count / peak)}")
     return 0
+
+
+_LINE_ONLY = ("latent_h", "w_max", "line_height", "max_line_width")  # a shaped cache's meta holds these for the original format only
+
+
+def human_size(nbytes: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``; bytes below 1 KiB as they are."""
+    size, unit = float(nbytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def _print_shaped(info: dict) -> None:
+    """An image/video cache: sizes, residency, items per bucket, the fields items carry, items per latent shape."""
+    print(f"size on disk: {human_size(info['bytes_on_disk'])}   data: {human_size(info['data_bytes'])}")
+    if info["resident_bytes"] is not None:
+        share = info["resident_bytes"] / info["data_bytes"] if info["data_bytes"] else 1.0
+        print(f"in the page cache: {human_size(info['resident_bytes'])} ({share:.0%} of the data file)")
+    if info["bucket_counts"]:
+        print("items per bucket (pixels -> latent shape):")
+        for entry in info["bucket_counts"][:40]:
+            pixels, shape = "x".join(map(str, entry["bucket"])), "x".join(map(str, entry["latent_shape"]))
+            print(f"  {pixels:>16} -> {shape:<18} {entry['items']:>9}")
+    if info["item_fields"]:
+        print(f"fields per item: {', '.join(info['item_fields'])}")
+    print("items per latent shape:")
+    for shape, count in info["shape_counts"][:40]:
+        print(f"  {'x'.join(map(str, shape)):>20} {count:>9}")
 
 
 def run_verify(args) -> int:

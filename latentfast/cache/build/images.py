@@ -216,6 +216,8 @@ def _previous_cache(out_dir, split, identity, meta):
         cache = LatentCache(out_dir, split)
     except (OSError, ValueError, CacheError):
         return None
+    if fmt.damaged_files(cache.cache_dir, split, cache.meta):
+        return None  # a damaged index file (keys, hashes, checksums, info): nothing of it is copied, all is encoded
     # other buckets are fine: an item is copied only if its own bucket is unchanged
     same = cache.shaped and cache.meta.get("encoder") == identity and all(
         cache.meta.get(k) == meta.get(k) for k in ("kind", "resize", "frame_stride", "encode_dtype"))
@@ -339,7 +341,7 @@ def _old_rows(cache) -> dict[str, tuple[int, bytes]]:
 
 
 def _stored_checksums(cache):
-    return fmt.load_checksums(cache.cache_dir, cache.split, len(cache), 1)
+    return fmt.load_checksums(cache.cache_dir, cache.split, len(cache), 1, cache.meta)
 
 
 def _item_seed(key: str) -> int:

@@ -419,6 +419,8 @@ def _open_progress(paths, plan: _Plan) -> _Progress | None:
         if finished is not None:
             redo = _batches_to_redo(finished, plan)
             if not redo:
+                if fmt.damaged_files(os.path.dirname(paths["meta"]) or ".", finished.split, finished.meta):
+                    _finalize(paths, paths["data"], plan)  # the data is intact: its index files are rewritten from the plan
                 return None
             keep = [{"b": b, "crc": None, "src": plan.batch_digest(b)} for b in range(len(plan.batches)) if b not in redo]
             rewrite_log(paths["progress"], header_for(plan.fingerprint), keep)
@@ -457,12 +459,15 @@ def _batches_to_redo(cache, plan: _Plan) -> set[int]:
     from ..store.reader import bad_blocks
 
     owner = plan.batch_of_rows()
-    hashes = cache.content_hashes()
+    try:
+        hashes = cache.content_hashes()
+        found, _ = bad_blocks(cache) if hashes is not None else ([], None)
+    except (OSError, CacheError):  # content hashes or checksums lost or damaged: nothing can be vouched for
+        hashes = None
     if hashes is None:
         return set(range(len(plan.batches)))
     wanted = np.frombuffer(b"".join(x.digest for x in plan.lines), dtype=np.uint8).reshape(-1, hashes.shape[1])
     redo = set(owner[np.flatnonzero(np.any(hashes != wanted, axis=1))].tolist())
-    found, _ = bad_blocks(cache)
     for _, r0, r1, _ in found:
         redo.update(owner[r0:r1].tolist())
     return redo

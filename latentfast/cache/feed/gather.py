@@ -34,7 +34,7 @@ _CPU = torch.device("cpu")
 
 
 def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, backend: str = "auto",
-               cold="auto", fields=None, pad=None, pad_to=None):
+               cold="auto", return_keys: bool = False, fields=None, pad=None, pad_to=None):
     """Rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`, read through its
     :class:`~latentfast.cache.store.layout.Items`) as one batch.
 
@@ -54,6 +54,8 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
             I/O before copying it, and stops checking once batches keep being found in memory
             (see :mod:`latentfast.cache.feed.coldread`); ``True`` always asks for the pages first (a
             cache known to be far larger than RAM); ``False`` never (pages fault in as touched).
+        return_keys: also return each item's key (``cache.keys``), a list of B strings, as a third
+            element: what a trainer joins captions or conditions on.
 
         fields: names of the cache's record fields (see ``cache.fields``) to read: the batch is then a
             dict (see below) and ``out`` is not taken.
@@ -87,10 +89,16 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows, out=out,
                            dtype=dtype, device=_CPU if on_cpu else device)
     if table.shape is not None:
-        return _shaped_batch(table, device, dtype, out, backend, cold)
-    if dtype not in FLOAT_DTYPES:
-        raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-    return _copy(table, on_cpu, device, dtype, out, backend, cold), torch.from_numpy(table.widths)
+        batch = _shaped_batch(table, device, dtype, out, backend, cold)
+    else:
+        if dtype not in FLOAT_DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+        batch = _copy(table, on_cpu, device, dtype, out, backend, cold), torch.from_numpy(table.widths)
+    if return_keys:
+        layout.recheck(table)  # an unchecked index must not pick a key from the end of the list
+        keys = cache.keys
+        return (*batch, [keys[i] for i in table.index_np.tolist()])
+    return batch
 
 
 def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold) -> dict:

@@ -15,7 +15,12 @@ place, the meta (the completion mark) last, the log removed.
 - :class:`BuildLock` is an exclusive ``fcntl.flock`` on ``.{split}.latents.lock`` in the cache
   folder, held for a whole build: a second build of the same split into the same folder waits up to
   ``timeout`` seconds, then raises :class:`~latentfast.errors.CacheLockedError` naming the holder.
-  The lock file is never deleted (deleting a lock file races with the next locker).
+  The holder deletes the lock file on release, still holding the lock; a locker that took the lock
+  on a file already deleted (its inode no longer the one at the path) lets go and tries again.
+- :func:`publish` stamps the meta with the CRC-32 of each index file (``files``; the checksums file
+  among them covers the data): the meta names one generation of the cache's content, so a reader
+  that finds the meta unchanged reads one generation whole (or raises), and verify and the rebuild
+  find a damaged index file. Publishing the same content twice gives the same bytes.
 """
 from __future__ import annotations
 
@@ -90,7 +95,8 @@ def publish(paths: dict, data_src: str, files: dict, meta: dict, renames=()) -> 
     index file of ``files`` (kind -> bytes, or None: remove a leftover of another cache) written
     durably, the data at ``data_src`` renamed to ``paths["data"]``, the meta (the completion mark)
     last, then the progress log removed. ``renames``: more ``(partial, final)`` data files (a
-    cache's fields) renamed with the data."""
+    cache's fields) renamed with the data. The meta records the index files' CRC-32s (``files``)."""
+    meta = {**meta, "files": fmt.file_crcs(files)}
     folder = os.path.dirname(paths["meta"]) or "."
     with contextlib.suppress(FileNotFoundError):
         os.remove(paths["meta"])
@@ -144,26 +150,37 @@ class BuildLock:
         self._fd = -1
         os.makedirs(cache_dir, exist_ok=True)
         self.path = lock_path(cache_dir, split)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + max(0.0, float(timeout))
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = self._holder()
-                    os.close(self._fd)
-                    self._fd = -1
-                    raise CacheLockedError(
-                        f"another build holds the lock {self.path} ({holder}); wait for it to finish "
-                        f"(or pass a lock timeout to wait for it)"
-                    ) from None
-                time.sleep(0.05)
+        while not self._try_lock():
+            if time.monotonic() >= deadline:
+                raise CacheLockedError(
+                    f"another build holds the lock {self.path} ({self._holder()}); wait for it to finish "
+                    f"(or pass a lock timeout to wait for it)"
+                ) from None
+            time.sleep(0.05)
         os.ftruncate(self._fd, 0)
         note = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "command": " ".join(sys.argv)[:300]}
         os.pwrite(self._fd, (json.dumps(note) + "\n").encode(), 0)  # informative only: a short write is harmless
+
+    def _try_lock(self) -> bool:
+        """Take the lock on the file now at the path; False if another holds it. A file its holder
+        deleted while we waited is not the lock any more: try again on the path's new file."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        try:
+            current = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current != os.fstat(fd).st_ino:
+            os.close(fd)  # deleted by its last holder after we opened it
+            return self._try_lock()
+        self._fd, self._pid = fd, os.getpid()
+        return True
 
     def _holder(self) -> str:
         try:
@@ -174,10 +191,14 @@ class BuildLock:
             return "holder unknown"
 
     def release(self) -> None:
-        if self._fd >= 0:
+        if self._fd < 0:
+            return
+        if self._pid == os.getpid():  # a forked child's copy closes its descriptor only: the lock is its parent's
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # while still holding it: a waiter sees the inode change and retries
             fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = -1
+        os.close(self._fd)
+        self._fd = -1
 
     def __enter__(self) -> "BuildLock":
         return self

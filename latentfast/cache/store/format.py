@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import tokenize
 import zlib
 from typing import Any, Mapping
 
@@ -274,14 +275,55 @@ def load_npy(path: str, what: str) -> np.ndarray:
         return np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise FileNotFoundError(f"latent cache {what} file {path} does not exist") from None
-    except (ValueError, EOFError, OSError, MemoryError) as exc:
-        raise CacheCorruptError(f"latent cache {what} file {path} is not a valid .npy array: {exc}") from None
+    except (ValueError, EOFError, OSError, MemoryError, SyntaxError, tokenize.TokenError) as exc:
+        # a damaged header makes numpy's header parser raise tokenize/syntax errors, not ValueError
+        raise CacheCorruptError(f"latent cache {what} file {path} is not a valid .npy array: {type(exc).__name__}: {exc}") from None
 
 
-def load_checksums(cache_dir: str, split: str, n: int, block_rows: int) -> np.ndarray:
+def load_checksums(cache_dir: str, split: str, n: int, block_rows: int, meta: Mapping[str, Any] | None = None) -> np.ndarray:
     spath = cache_path(cache_dir, split, "checksums")
     sums = load_npy(spath, "checksums")
     blocks = -(-n // block_rows)
     if sums.shape != (blocks,):
         raise CacheCorruptError(f"latent cache checksums {spath} must hold {blocks} entries, got shape {list(sums.shape)}")
+    if meta is not None:
+        check_recorded(cache_dir, split, meta, ("checksums",))
     return sums
+
+
+# ---- checksums of the index files: every file of a cache is covered ---------------------------------
+def file_crcs(payloads: Mapping[str, bytes | None]) -> dict:
+    """``{kind: CRC-32}`` of the index files a publish writes (what the meta's ``files`` records)."""
+    return {kind: zlib.crc32(payload) for kind, payload in sorted(payloads.items()) if payload is not None}
+
+
+def damaged_files(cache_dir: str, split: str, meta: Mapping[str, Any], kinds=None) -> list[str]:
+    """One line per index file (of ``kinds``, default all) the meta's ``files`` record names that is
+    missing or fails its CRC-32 (empty for caches written before the record existed)."""
+    record = meta.get("files") or {}
+    if not isinstance(record, Mapping) or not all(isinstance(c, int) and not isinstance(c, bool) for c in record.values()):
+        return [f"latent cache meta of {cache_dir} (split {split!r}): files must map file kinds to CRC-32 integers, got {record!r:.200}"]
+    problems = []
+    for kind, crc in sorted(record.items()):
+        if kinds is not None and kind not in kinds:
+            continue
+        # a record field's index ("text.spans", "text.crc32") is {split}.field.<kind>.npy
+        path = cache_path(cache_dir, split, kind) if kind in _SUFFIXES else os.path.join(os.fspath(cache_dir), f"{split}.field.{kind}.npy")
+        try:
+            with open(path, "rb") as fh:
+                actual = zlib.crc32(fh.read())
+        except FileNotFoundError:
+            problems.append(f"latent cache {kind} file {path} is missing")
+            continue
+        if actual != crc:
+            problems.append(f"latent cache {kind} file {path} fails its CRC-32 checksum (the meta records {crc}, the file has {actual})")
+    return problems
+
+
+def check_recorded(cache_dir: str, split: str, meta: Mapping[str, Any], kinds) -> None:
+    """Raise :class:`CacheCorruptError` naming the first file of ``kinds`` that fails the meta's record:
+    damaged, or written by a rebuild after the meta was read."""
+    problems = damaged_files(cache_dir, split, meta, kinds)
+    if problems:
+        raise CacheCorruptError(f"{problems[0]}: damaged, or rewritten by a rebuild after this reader opened the cache "
+                                f"(open it again; if it persists, rerun the build to repair it)")

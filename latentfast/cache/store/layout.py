@@ -67,12 +67,35 @@ class Items:
         self._mm: np.ndarray | None = None
         self._data: torch.Tensor | None = None
         self._block_checks: BlockChecks | None = None
+        self._stamp = (-1, -1)  # (size, mtime_ns) of the data file when this process opened it
 
     def fd(self) -> int:
-        """This process's descriptor of the data file (what reads and the size check use)."""
+        """This process's descriptor of the data file (what reads and the size check use). Opened
+        lazily, in each process: the meta must still be the one the cache was opened with, or the
+        file is another generation's (a rebuild published since) and the index would misread it."""
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                self._check_generation()
+                st = os.fstat(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd, self._stamp = fd, (st.st_size, st.st_mtime_ns)
         return self._fd
+
+    def _check_generation(self) -> None:
+        meta_path = fmt.cache_path(self.cache_dir, self.split, "meta")
+        try:
+            current = fmt.read_meta(meta_path)
+        except (OSError, CacheCorruptError):
+            current = None
+        if current != self.meta:
+            raise CacheCorruptError(
+                f"latent cache {self.cache_dir} (split {self.split!r}) was rebuilt after this reader opened it "
+                f"(its meta {meta_path} changed or is gone): its index does not describe the data file now; "
+                f"open the cache again"
+            )
 
     def memmap(self) -> np.ndarray:
         """The whole data file as a flat read-only float16 array, opened once per process."""
@@ -90,11 +113,17 @@ class Items:
         reading a page past a truncated file's end would kill the process with SIGBUS."""
         if self._fd is None:
             return
-        size, expected = os.fstat(self._fd).st_size, int(self.row_starts[-1]) * 2
+        st = os.fstat(self._fd)
+        size, expected = st.st_size, int(self.row_starts[-1]) * 2
         if size != expected:
             raise CacheCorruptError(
                 f"latent cache data file {self.path} changed size under this reader ({expected} bytes when opened, "
                 f"{size} now): it was truncated or rewritten in place; rebuild the cache or reopen it"
+            )
+        if st.st_mtime_ns != self._stamp[1]:  # written in place (a repair rebuild): not the bytes the index describes
+            raise CacheCorruptError(
+                f"latent cache data file {self.path} was modified under this reader (a rebuild repairing it in "
+                f"place?): open the cache again once the rebuild has finished"
             )
 
     def source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -179,7 +208,7 @@ def resolve(cache: Items, indices, *, width=None, clip: bool = False, out=None, 
         index_np = index.numpy()
     table.index, table.index_np = index, index_np
     if cache.verify_rows:  # before any other check of the batch: a damaged block is the news
-        cache.block_checks.check(cache.memmap(), table.row_starts, index_np)
+        cache.block_checks.check(cache, table.row_starts, index_np)
     table.pitch = int(table.source[3])
     if cache.shaped:
         _resolve_shaped(table, cache, width)
@@ -298,15 +327,21 @@ class BlockChecks:
         self.block_rows = fmt.checksum_block_rows(meta, fmt.cache_path(cache_dir, split, "meta"))
         if self.block_rows is None:
             raise InvalidArgumentError(f"verify_rows: latent cache {cache_dir} (split {split!r}) stores no checksums")
-        self.sums = fmt.load_checksums(cache_dir, split, n, self.block_rows)
+        self.sums = fmt.load_checksums(cache_dir, split, n, self.block_rows, meta)
         self.n = n
         self.verified: set[int] = set()
 
-    def check(self, data: np.ndarray, starts: np.ndarray, index_np: np.ndarray) -> None:
-        """Check every block holding items ``index_np`` (in range) of the flat ``data`` once;
-        :class:`CacheCorruptError` names the first failing block."""
+    def check(self, items: Items, starts: np.ndarray, index_np: np.ndarray) -> None:
+        """Check every block holding items ``index_np`` (in range) of ``items``' data file once;
+        :class:`CacheCorruptError` names the first failing block. The file's size is checked before
+        the map is read (a block past a truncated end would be SIGBUS)."""
         blocks = np.unique(np.asarray(index_np, dtype=np.int64) // self.block_rows).tolist()
-        for block in (b for b in blocks if b not in self.verified):
+        todo = [b for b in blocks if b not in self.verified]
+        if not todo:
+            return
+        data = items.memmap()
+        items.check_unchanged()
+        for block in todo:
             r0, r1 = block * self.block_rows, min(self.n, (block + 1) * self.block_rows)
             if zlib.crc32(data[int(starts[r0]) : int(starts[r1])]) != int(self.sums[block]):
                 raise CacheCorruptError(f"latent cache {self.data_path}: block {block} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")

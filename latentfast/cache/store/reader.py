@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import CacheCorruptError, IncompleteCacheError, IndexOutOfRangeError, InvalidArgumentError
+from ...errors import (CacheCorruptError, CacheError, IncompleteCacheError, IndexOutOfRangeError, InvalidArgumentError,
+                       UnknownKeyError)
 from ..feed import coldread, gather
 from . import fields as fieldstore
 from . import format as fmt
@@ -49,6 +50,18 @@ class LatentCache:
                     f"before writing {meta_path}. Re-run the same `latentfast cache build` command to resume it (or the same LatentCacheWriter job)."
                 )
             raise FileNotFoundError(f"latent cache meta {meta_path} does not exist (no cache for split {split!r} in {self.cache_dir})")
+        for _ in range(3):  # a rebuild that publishes while we read the index: read the new generation
+            self._open_generation(meta_path, expected, white_column)
+            if self.meta is not None and _meta_now(meta_path) == self.meta:
+                break
+        else:
+            raise CacheCorruptError(f"latent cache {meta_path} kept changing while it was opened (a rebuild "
+                                    f"publishing?): open it again when the rebuild has finished")
+        self._reset_process_state()
+
+    def _open_generation(self, meta_path: str, expected: Any, white_column: Any) -> None:
+        """Read the meta, check it, load the index and the white column (one try of :meth:`__init__`)."""
+        split = self.split
         meta = fmt.read_meta(meta_path)
         if "format_version" in meta and meta.get("complete") is not True:
             raise IncompleteCacheError(
@@ -65,17 +78,23 @@ class LatentCache:
                 )
         self.meta = meta
         self._data_path = fmt.cache_path(self.cache_dir, split, "data")
-        self._load_index()
-        self._field_index = {name: fieldstore.load_field_index(self.cache_dir, split, name, entry, len(self))
-                             for name, entry in self._declared_fields().items()}
-        self.white_column = self._resolve_white(white_column) if not self.shaped else None
-        self._reset_process_state()
+        try:
+            self._load_index()
+            self._field_index = {name: fieldstore.load_field_index(self.cache_dir, split, name, entry, len(self))
+                                 for name, entry in self._declared_fields().items()}
+            self.white_column = self._resolve_white(white_column) if not self.shaped else None
+            fmt.check_recorded(self.cache_dir, split, meta, ("widths", "offsets", "shapes", "white"))
+        except (OSError, CacheError):
+            if _meta_now(meta_path) == meta:
+                raise  # the cache is as it was: the error is the news
+            self.meta = None  # a rebuild published meanwhile: the caller tries again
 
     def _reset_process_state(self) -> None:
         """What each process opens for itself: the map, its file descriptor, the tensor views."""
         self.items = layout.Items(self)  # what the read path reads: geometry and this process's map
         self.field_items = {name: fieldstore.FieldItems(self, name, *index) for name, index in self._field_index.items()}
         self._keys: list[str] | None = None
+        self._key_index: dict[str, int] | None = None
         self._row_shape = (self.channels, self.latent_h, self.w_max)
         self._line_elements = self.channels * self.latent_h
         self._row_elements = self._line_elements * self.w_max
@@ -207,7 +226,9 @@ class LatentCache:
                 keys = _load_json(path, "keys")
                 if not isinstance(keys, list) or len(keys) != len(self) or not all(isinstance(k, str) for k in keys):
                     raise CacheCorruptError(f"latent cache keys {path} must be a JSON list of {len(self)} strings")
+                fmt.check_recorded(self.cache_dir, self.split, self.meta, ("keys",))
             else:
+                self._check_not_lost("keys", path)
                 keys = [str(i) for i in range(len(self))]
             self._keys = keys
         return self._keys
@@ -241,14 +262,32 @@ class LatentCache:
         for fd in self.__dict__.get("_field_fds", {}).values():
             os.close(fd)
 
+    def index(self, key: str) -> int:
+        """The item whose key is ``key`` (see :attr:`keys`); :class:`~latentfast.errors.UnknownKeyError`
+        (a ``KeyError``) names a key the cache does not hold."""
+        if self._key_index is None:
+            keys = self.keys
+            self._key_index = {k: i for i, k in reversed(list(enumerate(keys)))}  # the first of duplicates
+        try:
+            return self._key_index[key]
+        except (KeyError, TypeError):
+            raise UnknownKeyError(f"latent cache {self.cache_dir} (split {self.split!r}) holds no item with key {key!r}") from None
+
+    def _check_not_lost(self, kind: str, path: str) -> None:
+        """Raise if the meta records a file ``kind`` that is gone (a cache without one returns None)."""
+        if kind in (self.meta.get("files") or {}):
+            raise CacheCorruptError(f"latent cache {kind} file {path} is missing; rerun the build to repair it")
+
     def info(self, i: int) -> dict:
         """The small dict stored with item ``i`` (e.g. ``original_size``, ``crop_top_left``), or ``{}``."""
         i = self._checked_index(i)
         if not hasattr(self, "_info"):
             path = fmt.cache_path(self.cache_dir, self.split, "info")
-            self._info = _load_json(path, "info") if os.path.exists(path) else None
+            self._info = _load_json(path, "info") if os.path.exists(path) else self._check_not_lost("info", path)
             if self._info is not None and (not isinstance(self._info, list) or len(self._info) != len(self)):
                 raise CacheCorruptError(f"latent cache info {path} must be a JSON list of {len(self)} objects")
+            if self._info is not None:
+                fmt.check_recorded(self.cache_dir, self.split, self.meta, ("info",))
         return dict(self._info[i]) if self._info else {}
 
     def content_hashes(self) -> np.ndarray | None:
@@ -259,6 +298,7 @@ class LatentCache:
         hashes = fmt.load_npy(path, "hashes")
         if hashes.shape != (len(self), 16) or hashes.dtype != np.uint8:
             raise CacheCorruptError(f"latent cache hashes {path} must be uint8 [{len(self)}, 16], got {hashes.dtype} {list(hashes.shape)}")
+        fmt.check_recorded(self.cache_dir, self.split, self.meta, ("hashes",))
         return hashes
 
     def __len__(self) -> int:
@@ -295,6 +335,7 @@ class LatentCache:
         if self.verify_rows:
             self.verify_items([i])
         fd = self.items.fd()
+        self.check_unchanged()
         start = int(self.row_starts[i])
         if self.shaped:
             row = np.empty(self._shapes[i], dtype=np.float16)
@@ -313,7 +354,7 @@ class LatentCache:
         """Check the checksum block of every row in ``indices`` (each block once per process);
         :class:`CacheCorruptError` names the first failing block. A cache without checksums
         (the original format) has nothing to check against: ``InvalidArgumentError``."""
-        self.items.block_checks.check(self._memmap(), self.row_starts, np.asarray(indices, dtype=np.int64))
+        self.items.block_checks.check(self.items, self.row_starts, np.asarray(indices, dtype=np.int64))
 
     def gather_source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(data, row_offsets, widths, pitch)`` for batch gathers; checks the file size first (one fstat).
@@ -336,7 +377,7 @@ class LatentCache:
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("items", "field_items", "_field_fds", "row_starts", "_keys", "_info"):
+        for key in ("items", "field_items", "_field_fds", "row_starts", "_keys", "_info", "_key_index"):
             state.pop(key, None)  # row_starts: recomputed from the index (validated equal on open)
         return state
 
@@ -348,6 +389,14 @@ class LatentCache:
     def _line_row_starts(self) -> np.ndarray:
         return layout.row_starts(self.layout, len(self), channels=self.channels, latent_h=self.latent_h,
                                  w_max=self.w_max, widths=self.widths)
+
+
+def _meta_now(meta_path: str) -> dict | None:
+    """The meta at ``meta_path`` now, or None if it is missing or unreadable (a publish under way)."""
+    try:
+        return fmt.read_meta(meta_path)
+    except (OSError, CacheCorruptError):
+        return None
 
 
 def _load_json(path: str, what: str):
@@ -365,7 +414,7 @@ def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tu
     meta_path = fmt.cache_path(cache.cache_dir, cache.split, "meta")
     block_rows = fmt.checksum_block_rows(cache.meta, meta_path)
     n = len(cache)
-    sums = None if block_rows is None else fmt.load_checksums(cache.cache_dir, cache.split, n, block_rows)
+    sums = None if block_rows is None else fmt.load_checksums(cache.cache_dir, cache.split, n, block_rows, cache.meta)
     if block_rows is None:
         block_rows = max(1, fmt.CHECKSUM_BLOCK_BYTES // (2 * max(1, int(cache.row_starts[-1]) // max(1, n))))
     data = cache._memmap()
@@ -397,6 +446,9 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train") -> dict:
     run over a cache that fits in RAM measures a hot page cache, not the disk)."""
     start = time.perf_counter()
     cache = LatentCache(cache_dir, split)  # validates sizes, widths, shapes and offsets
+    damaged = fmt.damaged_files(cache.cache_dir, split, cache.meta)
+    if damaged:
+        raise CacheCorruptError(damaged[0] + "; rerun the build to repair it")
     found, block_rows = bad_blocks(cache, first_only=True)
     if found:
         b, r0, r1, row = found[0]
@@ -446,6 +498,7 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
         order = np.argsort(-counts, kind="stable")
         info["shape_counts"] = [(shapes[k].tolist(), int(counts[k])) for k in order]
         info["padding_waste_pct"] = 0.0
+        info.update(_bucket_summary(cache))
         return info
     real = int(cache.widths.sum(dtype=np.int64)) * cache.channels * cache.latent_h * 2
     edges = np.unique(np.linspace(1, cache.w_max + 1, min(bins, cache.w_max) + 1).astype(np.int64))
@@ -456,3 +509,18 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
         histogram=[(int(lo), int(hi) - 1, int(c)) for lo, hi, c in zip(edges[:-1], edges[1:], counts)],  # inclusive bounds
     )
     return info
+
+
+def _bucket_summary(cache: LatentCache) -> dict:
+    """A shaped cache's items per bucket (the pixel size each was resized to, from its info) with the
+    latent shape of each, and the info fields its items carry."""
+    per_bucket: dict[tuple, list] = {}
+    fields: set[str] = set()
+    for i in range(len(cache)):
+        item = cache.info(i)
+        fields.update(item)
+        entry = per_bucket.setdefault(tuple(item.get("bucket") or ()), [0, cache.shapes[i].tolist()])
+        entry[0] += 1
+    buckets = [{"bucket": list(b), "items": c, "latent_shape": shape}
+               for b, (c, shape) in sorted(per_bucket.items(), key=lambda kv: -kv[1][0]) if b]
+    return {"bucket_counts": buckets, "item_fields": sorted(fields)}

@@ -213,7 +213,7 @@ class LatentCacheWriter:
         if extra:
             record["f"] = {name: self._fields[name].put(key, *value) for name, value in extra.items()}
         if source_hash is not None:
-            record["h"] = source_hash.hex() if isinstance(source_hash, bytes) else str(source_hash)
+            record["h"] = checked_source_hash(key, source_hash)
         if info:
             record["i"] = json.loads(json.dumps(info, sort_keys=True))  # as a resumed log reads it back
         pwrite_all(self._fd, half, self._end)
@@ -373,9 +373,9 @@ class LatentCacheWriter:
         paths, meta, renames = dict(self._paths), self._meta(shapes), []
         for name, store in self._fields.items():
             spans, crc, meta.setdefault("fields", {})[name] = store.index_files([r["f"][name] for r in self._records])
-            for kind, payload in (("spans", spans), ("crc", crc)):
-                paths[f"{name}.{kind}"] = field_path(self.out_dir, self.split, name, kind)
-                files[f"{name}.{kind}"] = payload
+            for kind, label, payload in (("spans", "spans", spans), ("crc", "crc32", crc)):  # label: as format.damaged_files finds it
+                paths[f"{name}.{label}"] = field_path(self.out_dir, self.split, name, kind)
+                files[f"{name}.{label}"] = payload
             store.close()
             renames.append((store.partial, store.path))
         publish(paths, self._partial, files, meta, renames=renames)
@@ -407,14 +407,21 @@ class LatentCacheWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None and not self.finished:
-            self.finish()
-        else:
             try:
-                self.close()
-            except OSError as err:  # the original error matters more than a failed last flush
-                warnings.warn(f"could not flush the latent cache writer: {err}", RuntimeWarning, stacklevel=2)
-                self._close_files()
-                self._lock.release()
+                self.finish()
+            except BaseException:  # a failed finish leaves the job resumable and the lock free for the retry
+                self._close_quietly()
+                raise
+        else:
+            self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        try:
+            self.close()
+        except OSError as err:  # the original error matters more than a failed last flush
+            warnings.warn(f"could not flush the latent cache writer: {err}", RuntimeWarning, stacklevel=3)
+            self._close_files()
+            self._lock.release()
 
 
 def open_for_sources(out_dir, split: str, *, encoder: Any, meta: dict, lock: BuildLock,
@@ -429,6 +436,18 @@ def open_for_sources(out_dir, split: str, *, encoder: Any, meta: dict, lock: Bui
         writer.close()
         raise
     return writer
+
+
+def checked_source_hash(key: str, source_hash) -> str:
+    """``source_hash`` (bytes of :data:`HASH_BYTES` or their hex) as hex; anything else raises naming the key."""
+    if isinstance(source_hash, (bytes, bytearray)) and len(source_hash) == HASH_BYTES:
+        return bytes(source_hash).hex()
+    if isinstance(source_hash, str) and len(source_hash) == 2 * HASH_BYTES:
+        with contextlib.suppress(ValueError):
+            return bytes.fromhex(source_hash).hex()
+    raise InvalidArgumentError(
+        f"source_hash of key {key!r} must be {HASH_BYTES} bytes or their {2 * HASH_BYTES} hex digits "
+        f"(e.g. durable.content_hash(path)), got {source_hash!r:.80}")
 
 
 def _json_bytes(value) -> bytes:
