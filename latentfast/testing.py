@@ -7,6 +7,7 @@
   numpy in the original (seed) layouts and opened by the real :class:`~latentfast.cache.LatentCache`;
   :func:`write_random_cache` -- the same for caches of any size (larger than RAM), written in chunks.
 - :func:`spawn_gloo` -- run a function on every rank of a real spawned gloo process group.
+- :func:`kill_and_resume` -- a writer script SIGKILLed mid-build, then run again to completion.
 """
 from __future__ import annotations
 
@@ -379,3 +380,33 @@ def s3_with_objects(folder: str, url: str, files: dict):
         create_bucket(endpoint, url[len("s3://"):].split("/")[0])
         push(folder, url, s3_options(endpoint))
         yield endpoint
+
+
+def kill_and_resume(script: str, folder: str, reference: str, *, after_lines: int = 12, between=None) -> tuple[int, int]:
+    """Run the writer ``script`` (``python -c script FOLDER``, printing the items it wrote last) into
+    ``folder``, SIGKILL it once its progress log holds more than ``after_lines`` lines, call
+    ``between()``, run it again to completion, and once more into ``reference`` (a build never
+    interrupted). Returns ``(items logged before the kill, items the rerun wrote)``."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    progress = os.path.join(folder, "train.latents.progress")
+    proc = subprocess.Popen([sys.executable, "-c", script, folder], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress, "rb").read().count(b"\n") > after_lines):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if proc.returncode != -signal.SIGKILL:
+        raise AssertionError(f"the writer ended before it was killed (rc {proc.returncode}): {proc.stderr.read().decode()}")
+    logged = open(progress, "rb").read().count(b"\n") - 1
+    if between is not None:
+        between()
+    for out in (folder, reference):
+        done = subprocess.run([sys.executable, "-c", script, out], capture_output=True, text=True, timeout=90)
+        if done.returncode != 0:
+            raise AssertionError(f"the writer failed on {out}: {done.stderr}")
+        written = int(done.stdout.split()[-1]) if out == folder else written
+    return logged, written

@@ -6,9 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import signal
-import subprocess
-import sys
 import time
 import zlib
 
@@ -26,7 +23,7 @@ from latentfast.cache import (
     verify_cache,
 )
 from latentfast.errors import CacheCorruptError, CacheError, CacheLockedError, InvalidArgumentError, NonFiniteError
-from latentfast.testing import poisoned_like, random_rows, write_cache
+from latentfast.testing import kill_and_resume, poisoned_like, random_rows, write_cache
 
 SHAPES = [(4, 6, 8), (4, 8, 6), (4, 6, 6), (4, 6, 8), (4, 10, 3)]
 
@@ -241,25 +238,16 @@ print("written", written)
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_writer_sigkill_and_resume(tmp_path):
-    folder = str(tmp_path / "out")
-    progress = cache_path(folder, "train", "progress")
-    proc = subprocess.Popen([sys.executable, "-c", WRITER_SCRIPT, folder], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress, "rb").read().count(b"\n") > 12):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    logged = open(progress, "rb").read().count(b"\n") - 1
-    with pytest.raises(IncompleteCacheError):
-        LatentCache(folder)
-    done = subprocess.run([sys.executable, "-c", WRITER_SCRIPT, folder], capture_output=True, text=True, timeout=90)
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout.split()[-1]) <= 60 - logged  # the logged items were not written again
-    ref = subprocess.run([sys.executable, "-c", WRITER_SCRIPT, str(tmp_path / "ref")], capture_output=True, text=True, timeout=90)
-    assert ref.returncode == 0
+    folder, ref = str(tmp_path / "out"), str(tmp_path / "ref")
+
+    def incomplete():
+        with pytest.raises(IncompleteCacheError):
+            LatentCache(folder)
+
+    logged, written = kill_and_resume(WRITER_SCRIPT, folder, ref, between=incomplete)
+    assert written <= 60 - logged  # the logged items were not written again
     for kind in ("data", "shapes", "offsets", "keys", "checksums", "meta"):
-        assert open(cache_path(folder, "train", kind), "rb").read() == open(cache_path(str(tmp_path / "ref"), "train", kind), "rb").read(), kind
+        assert open(cache_path(folder, "train", kind), "rb").read() == open(cache_path(ref, "train", kind), "rb").read(), kind
 
 
 # -- the sampler -------------------------------------------------------------------------------

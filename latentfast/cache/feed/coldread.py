@@ -76,12 +76,13 @@ SUPPORTED = hasattr(os, "posix_fadvise") and sys.platform.startswith("linux")
 
 
 # ---- byte spans ----------------------------------------------------------------------------------
-def row_spans(row_starts: np.ndarray, index: np.ndarray, element_bytes: int = ELEMENT_BYTES):
+def row_spans(row_starts: np.ndarray, index: np.ndarray, element_bytes: int = ELEMENT_BYTES, row_ends=None):
     """``(offsets, lengths)`` int64: the bytes of rows ``index`` (element offsets ``row_starts[i]`` to
-    ``row_starts[i + 1]``), widened to whole pages, sorted, overlapping or touching spans merged, and
+    ``row_starts[i + 1]``, or to ``row_ends[i]`` where given: a field's items may share values), widened to whole pages, sorted, overlapping or touching spans merged, and
     cut into pieces of at most :data:`CHUNK_BYTES`. ``index`` must already be in range."""
     starts, index = np.asarray(row_starts, dtype=np.int64), np.asarray(index, dtype=np.int64)
-    first_byte, end_byte = starts[index] * element_bytes, starts[index + 1] * element_bytes
+    ends = starts[index + 1] if row_ends is None else np.asarray(row_ends, dtype=np.int64)[index]
+    first_byte, end_byte = starts[index] * element_bytes, ends * element_bytes
     nonempty = end_byte > first_byte
     if not nonempty.any():
         empty = np.zeros(0, dtype=np.int64)
@@ -217,7 +218,8 @@ class DataFile:
 
 
 def data_path(cache) -> str:
-    return fmt.cache_path(cache.cache_dir, cache.split, "data")
+    """The file a cache's batches are read from (a field's :class:`FieldItems` names its own ``path``)."""
+    return getattr(cache, "path", None) or fmt.cache_path(cache.cache_dir, cache.split, "data")
 
 
 def resident_bytes(path: str) -> int | None:
@@ -319,9 +321,13 @@ class ColdReads:
         """Advise the pages of the span table's items that are not resident (all of them when
         ``always``). Indices out of range are left to the copy, which reports them."""
         index, row_starts = table.index_np, table.row_starts
-        if index.size == 0 or int(index.min()) < 0 or int(index.max()) >= len(row_starts) - 1:
+        last = len(row_starts) - (1 if table.row_ends is None else 0)
+        if index.size == 0 or int(index.min()) < 0 or int(index.max()) >= last:
             return
-        offsets, lengths = row_spans(row_starts, index)
+        if table.row_ends is None:
+            offsets, lengths = row_spans(row_starts, index)
+        else:  # a field's table: items sharing a value end where the value ends
+            offsets, lengths = row_spans(row_starts, index, row_ends=table.row_ends)
         head = self.file.missing(offsets[:PROBE_SPANS], lengths[:PROBE_SPANS]) if not always else None
         if always or (head.all() and len(offsets) > PROBE_SPANS):  # a cold batch: ask for all, unchecked
             self.streak = 0 if not always else self.streak
@@ -447,6 +453,11 @@ def prefetch(cache, indices) -> None:
         return
     offsets, lengths = row_spans(np.asarray(cache.row_starts, dtype=np.int64), index)
     _background().jobs.put((state.file, offsets, lengths))
+    for field in getattr(cache, "__dict__", {}).get("field_items", {}).values():  # a cache of records: its fields too
+        field_state = cold_reads(field)
+        if field_state is not None:
+            offsets, lengths = row_spans(field.row_starts, index, row_ends=field.row_ends)
+            _background().jobs.put((field_state.file, offsets, lengths))
 
 
 def wait_for_prefetches() -> None:

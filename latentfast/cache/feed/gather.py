@@ -34,7 +34,7 @@ _CPU = torch.device("cpu")
 
 
 def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, backend: str = "auto",
-               cold="auto", return_keys: bool = False):
+               cold="auto", return_keys: bool = False, fields=None, pad=None, pad_to=None):
     """Rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`, read through its
     :class:`~latentfast.cache.store.layout.Items`) as one batch.
 
@@ -57,8 +57,17 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         return_keys: also return each item's key (``cache.keys``), a list of B strings, as a third
             element: what a trainer joins captions or conditions on.
 
+        fields: names of the cache's record fields (see ``cache.fields``) to read: the batch is then a
+            dict (see below) and ``out`` is not taken.
+        pad: ``{field: value}``: these fields' items may differ in their first dimension; each is
+            padded with ``value`` to the batch's largest (or ``pad_to``). A field not named here
+            must have one shape across the batch. The latent is padded by its layout (``width``).
+        pad_to: the first dimension padded fields are padded to: an int, or ``{field: int}``.
+
     Returns:
-        Line caches: ``(latents [B, C, h, W] of dtype on device, widths [B] int32 on the CPU)``;
+        With ``fields``: ``{field: [B, *shape] tensor, "<field>_shape": int64 [B, ndim] (the true
+        shapes, on the CPU)}``; the latent in ``dtype``, every other field in its stored dtype,
+        bit for bit. Without, line caches: ``(latents [B, C, h, W] of dtype on device, widths [B] int32 on the CPU)``;
         columns from a row's width up to W hold the cache's white column. Shaped caches:
         ``(latents [B, *shape], shapes [B, ndim] int64 on the CPU)``; items of different shapes
         raise ``InvalidArgumentError`` naming them.
@@ -73,6 +82,10 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     # the cache as plain attributes, so nothing below calls back into the reader; an object that only
     # presents a cache's attributes (a wrapper) is read through Items made from it for this call
     items = getattr(cache, "__dict__", {}).get("items") or layout.Items(cache, source=cache.gather_source)
+    if fields is not None or pad is not None or pad_to is not None:
+        if fields is None or out is not None:
+            raise InvalidArgumentError("pad= and pad_to= need fields=, and a batch of fields takes no out=")
+        return _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold)
     table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows, out=out,
                            dtype=dtype, device=_CPU if on_cpu else device)
     if table.shape is not None:
@@ -86,6 +99,47 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         keys = cache.keys
         return (*batch, [keys[i] for i in table.index_np.tolist()])
     return batch
+
+
+def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold) -> dict:
+    """A batch of records: each field's span table resolved once for the batch, then one gather per field."""
+    field_items = getattr(cache, "__dict__", {}).get("field_items") or {}
+    batches = layout.resolve_fields(items, field_items, indices, fields, pad, pad_to, width=width, dtype=dtype,
+                                    device=_CPU if on_cpu else device)
+    out = {}
+    for name, batch in batches.items():
+        if isinstance(batch, layout.SpanTable):  # the latent
+            if batch.shape is not None:
+                out[name], shapes = _shaped_batch(batch, device, dtype, None, backend, cold)
+            else:
+                if dtype not in FLOAT_DTYPES:
+                    raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+                out[name] = _copy(batch, on_cpu, device, dtype, None, backend, cold)
+                shapes = torch.tensor([[batch.channels, batch.latent_h, 0]], dtype=torch.int64).repeat(len(batch.widths), 1)
+                shapes[:, 2] = torch.from_numpy(batch.widths)
+        else:
+            out[name], shapes = _field_values(batch, on_cpu, device, backend, cold), torch.from_numpy(batch.shapes)
+        out[name + "_shape"] = shapes
+    return out
+
+
+def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
+    """One field's batch: its values gathered as 2-byte units by the same compiled gather, viewed in their
+    own dtype as ``[B, *shape]``, the padding past each item's first dimension filled with ``batch.pad``."""
+    table, B = batch.table, batch.table.index.numel()
+    nbytes = int(np.prod(batch.shape, dtype=np.int64)) * torch.empty(0, dtype=batch.dtype).element_size()
+    if B == 0 or nbytes == 0:
+        return torch.empty((B, *batch.shape), dtype=batch.dtype, device=device)
+    units = _copy(table, on_cpu, device, torch.float16, None, backend, cold)
+    raw = units.view(B, -1).view(torch.uint8)
+    if raw.shape[1] != nbytes:  # a 1-byte dtype with an odd count: drop the unit's spare byte
+        raw = raw[:, :nbytes].contiguous()
+    values = raw.view(batch.dtype).view(B, *batch.shape)
+    if batch.pad is not None and batch.pad != 0 and batch.shape[0]:
+        lengths = torch.from_numpy(batch.shapes[:, 0]).to(values.device)
+        tail = torch.arange(batch.shape[0], device=values.device)[None, :] >= lengths[:, None]
+        values.view(B, batch.shape[0], -1).masked_fill_(tail[:, :, None], batch.pad)
+    return values
 
 
 def _shaped_batch(table, device, dtype, out, backend, cold):

@@ -31,34 +31,42 @@ class CacheBatchDataset(Dataset):
     compiled gather. Use with ``DataLoader(batch_size=None, sampler=<batch sampler>)`` (see
     :func:`batch_loader`, which also reads ahead), so each worker reads a batch in one call instead of
     collating items. ``indices`` must be integers (floats are refused, never rounded); ``dtype``,
-    ``width`` and ``cold`` go to :func:`~latentfast.cache.read_batch`."""
+    ``width``, ``cold`` and (records) ``fields``, ``pad``, ``pad_to`` go to
+    :func:`~latentfast.cache.read_batch`; with ``fields`` an item is read_batch's dict plus ``"index"``."""
 
-    def __init__(self, cache, *, dtype: torch.dtype | None = None, width: int | None = None, cold="auto"):
+    def __init__(self, cache, *, dtype: torch.dtype | None = None, width: int | None = None, cold="auto",
+                 fields=None, pad=None, pad_to=None):
         self.cache, self.dtype, self.width, self.cold = cache, dtype, width, cold
+        self.fields, self.pad, self.pad_to = fields, pad, pad_to
 
     def __len__(self) -> int:
         return len(self.cache)
 
     def __getitem__(self, indices):
         index = as_row_indices(indices, len(self.cache))
+        if self.fields is not None:
+            batch = read_batch(self.cache, index, dtype=self.dtype, width=self.width, cold=self.cold,
+                               fields=self.fields, pad=self.pad, pad_to=self.pad_to)
+            return {**batch, "index": index}
         latents, widths = read_batch(self.cache, index, dtype=self.dtype, width=self.width, cold=self.cold)
         return latents, widths, index
 
 
 def batch_loader(
     cache, batch_sampler: Iterable[list[int]], *, dtype=None, width=None, lookahead: int = DEFAULT_LOOKAHEAD,
-    cold="auto", **dataloader_kwargs
+    cold="auto", fields=None, pad=None, pad_to=None, **dataloader_kwargs
 ) -> DataLoader:
     """A DataLoader yielding ``(latents [B, C, h, W], widths [B], indices [B])`` for each batch of
     ``batch_sampler``; ``dataloader_kwargs`` (num_workers, pin_memory, multiprocessing_context, ...)
-    go to the DataLoader.
+    go to the DataLoader. With ``fields`` (and ``pad``, ``pad_to``) each batch is a dict of records
+    (see :func:`~latentfast.cache.read_batch`) plus ``"index"``.
 
     ``lookahead``: while a batch is read, the rows of the next ``lookahead`` batches are read into the
     page cache in the background (:class:`~latentfast.cache.feed.sampler.LookaheadSampler`; 0 turns it
     off). It costs nothing measurable when the cache is in RAM and hides the disk when it is not.
     A sampler with ``upcoming()`` (as :class:`WidthBucketBatchSampler`) is peeked, not advanced."""
     sampler = LookaheadSampler(batch_sampler, cache, lookahead)
-    dataset = CacheBatchDataset(cache, dtype=dtype, width=width, cold=cold)
+    dataset = CacheBatchDataset(cache, dtype=dtype, width=width, cold=cold, fields=fields, pad=pad, pad_to=pad_to)
     return DataLoader(dataset, batch_size=None, sampler=sampler, **dataloader_kwargs)
 
 

@@ -90,11 +90,12 @@ def append_log(fh, records) -> None:
     os.fsync(fh.fileno())
 
 
-def publish(paths: dict, data_src: str, files: dict, meta: dict) -> None:
+def publish(paths: dict, data_src: str, files: dict, meta: dict, renames=()) -> None:
     """The finish step: the old meta out (an older cache here no longer opens as complete), each
     index file of ``files`` (kind -> bytes, or None: remove a leftover of another cache) written
     durably, the data at ``data_src`` renamed to ``paths["data"]``, the meta (the completion mark)
-    last, then the progress log removed. The meta records the index files' CRC-32s (``files``)."""
+    last, then the progress log removed. ``renames``: more ``(partial, final)`` data files (a
+    cache's fields) renamed with the data. The meta records the index files' CRC-32s (``files``)."""
     meta = {**meta, "files": fmt.file_crcs(files)}
     folder = os.path.dirname(paths["meta"]) or "."
     with contextlib.suppress(FileNotFoundError):
@@ -108,6 +109,8 @@ def publish(paths: dict, data_src: str, files: dict, meta: dict) -> None:
             fmt.write_bytes_durably(paths[kind], payload)
     if data_src != paths["data"]:
         os.replace(data_src, paths["data"])
+    for src, dst in renames:
+        os.replace(src, dst)
     fmt.fsync_dir(folder)
     fmt.write_meta(paths["meta"], meta)
     with contextlib.suppress(FileNotFoundError):

@@ -307,7 +307,8 @@ def damaged_files(cache_dir: str, split: str, meta: Mapping[str, Any], kinds=Non
     for kind, crc in sorted(record.items()):
         if kinds is not None and kind not in kinds:
             continue
-        path = cache_path(cache_dir, split, kind)
+        # a record field's index ("text.spans", "text.crc32") is {split}.field.<kind>.npy
+        path = cache_path(cache_dir, split, kind) if kind in _SUFFIXES else os.path.join(os.fspath(cache_dir), f"{split}.field.{kind}.npy")
         try:
             with open(path, "rb") as fh:
                 actual = zlib.crc32(fh.read())

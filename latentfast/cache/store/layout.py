@@ -179,9 +179,10 @@ class SpanTable:
     indices were range-checked here (if not, the kernel checks each before copying). ``source`` is
     the cache's ``(data, row_offsets, widths, pitch)`` and ``row_starts`` its item offsets (item
     ``i``'s bytes in ``cache.path`` are ``[2 * row_starts[i], 2 * row_starts[i + 1])``, its checksum
-    block ``i // block_rows``)."""
+    block ``i // block_rows``). ``row_ends`` is None, or (a field's table, where items sharing a
+    value share its bytes) each item's end, in the same units as ``row_starts``."""
 
-    __slots__ = ("cache", "source", "row_starts", "index", "index_np", "widths", "lines", "channels", "latent_h",
+    __slots__ = ("cache", "source", "row_starts", "row_ends", "index", "index_np", "widths", "lines", "channels", "latent_h",
                  "pitch", "width", "w_max", "white", "shape", "shapes", "checked")
 
 
@@ -199,7 +200,7 @@ def resolve(cache: Items, indices, *, width=None, clip: bool = False, out=None, 
     ``dtype`` on ``device``."""
     table = SpanTable()
     table.cache, table.source = cache, cache.source()
-    table.row_starts, table.white = cache.row_starts, cache.white
+    table.row_starts, table.white, table.row_ends = cache.row_starts, cache.white, None
     index, index_np = _as_int64_vector(indices) if clip and not cache.shaped else (None, None)
     table.checked = index is None
     if index is None:
@@ -345,3 +346,97 @@ class BlockChecks:
             if zlib.crc32(data[int(starts[r0]) : int(starts[r1])]) != int(self.sums[block]):
                 raise CacheCorruptError(f"latent cache {self.data_path}: block {block} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
             self.verified.add(block)
+
+
+# ---- records: one span table per field -------------------------------------------------------------
+class FieldBatch:
+    """One field of a batch of records: its :class:`SpanTable` (the item values as lines of 2-byte
+    units; ``None`` for the latent, which has its own table) and how to view the gathered units:
+    ``dtype``, the per-item output ``shape``, the true ``shapes`` ``[B, ndim]`` and the ``pad`` value."""
+
+    __slots__ = ("table", "dtype", "shape", "shapes", "pad")
+
+
+def resolve_fields(cache: Items, field_items: dict, indices, fields, pad, pad_to, *, width=None, dtype=torch.float16,
+                   device=_CPU) -> dict:
+    """``{name: SpanTable (the latent) or FieldBatch}`` of a batch of records: the indices converted and
+    range-checked once, then every requested field's spans resolved for the whole batch."""
+    names = _field_names(fields, field_items)
+    pad, pad_to = _pad_arguments(pad, pad_to, names, field_items)
+    index = as_row_indices(indices, cache.n)
+    index_np = index.numpy()
+    batches = {}
+    for name in names:
+        if name == "latent":
+            batches[name] = resolve(cache, index, width=width, dtype=dtype, device=device)
+        else:
+            batches[name] = _resolve_field(field_items[name], index, index_np, name in pad, pad.get(name), pad_to.get(name))
+    return batches
+
+
+def _field_names(fields, field_items: dict) -> list[str]:
+    names = [fields] if isinstance(fields, str) else list(fields)
+    known = ["latent", *field_items]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names or len(set(names)) != len(names):
+        raise InvalidArgumentError(f"fields must name distinct fields of this cache {known}, got {list(names)!r}")
+    return names
+
+
+def _pad_arguments(pad, pad_to, names: list[str], field_items: dict) -> tuple[dict, dict]:
+    pad = {} if pad is None else pad
+    if not isinstance(pad, dict) or any(n not in names or n == "latent" for n in pad):
+        raise InvalidArgumentError(f"pad must map requested fields other than 'latent' (padded by width=) to a pad value, got {pad!r}")
+    for name, value in pad.items():
+        if not isinstance(value, (bool, int, float)) or torch.tensor(value).to(field_items[name].dtype).item() != value:
+            raise InvalidArgumentError(f"pad[{name!r}] = {value!r} is not a value of the field's dtype {field_items[name].dtype}")
+    if pad_to is None:
+        return pad, {}
+    targets = dict.fromkeys(pad, pad_to) if not isinstance(pad_to, dict) else pad_to
+    for name, size in targets.items():
+        if name not in pad or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidArgumentError(f"pad_to must be a size >= 0 (or a dict of them) for fields named in pad {sorted(pad)}, got {pad_to!r}")
+    return pad, targets
+
+
+def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: bool, value, pad_to) -> FieldBatch:
+    if items.verify_rows:
+        items.check(index_np)
+    batch = FieldBatch()
+    batch.dtype, batch.pad = items.dtype, value if padded else None
+    batch.shapes = np.ascontiguousarray(items.shapes[index_np])
+    batch.shape = _padded_shape(items.name, batch.shapes, index_np, pad_to) if padded else _common_shape(items.name, batch.shapes, index_np)
+    table = batch.table = SpanTable()
+    table.cache, table.source = items, items.source()
+    table.row_starts, table.row_ends, table.index, table.index_np = items.row_starts, items.row_ends, index, index_np
+    table.widths = table.source[2].numpy()[index_np]
+    table.channels = table.latent_h = table.lines = 1
+    nbytes = int(np.prod(batch.shape, dtype=np.int64)) * torch.empty(0, dtype=items.dtype).element_size()
+    table.width = table.w_max = -(-nbytes // ELEMENT_BYTES)
+    table.pitch, table.checked, table.shapes = 0, True, batch.shapes
+    table.shape = (table.width,)
+    table.white = torch.zeros((1, 1, 1), dtype=torch.float16) if padded else None
+    return batch
+
+
+def _common_shape(name: str, shapes: np.ndarray, index_np: np.ndarray) -> tuple[int, ...]:
+    if len(shapes) and np.any(shapes != shapes[0]):
+        kinds, first = np.unique(shapes, axis=0, return_index=True)
+        listed = ", ".join(f"{kinds[k].tolist()} (indices[{int(first[k])}] = {int(index_np[first[k]])})" for k in np.argsort(first)[:6])
+        raise InvalidArgumentError(f"field {name!r}: the batch's items have {len(kinds)} shapes: {listed}; "
+                                   f"name the field in pad= to pad it to the largest")
+    return tuple(int(x) for x in shapes[0]) if len(shapes) else (0,) * shapes.shape[1]  # (an empty batch: zeros)
+
+
+def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to) -> tuple[int, ...]:
+    """The batch's shape of a padded field: the largest first dimension (or ``pad_to``), the rest shared."""
+    if shapes.shape[1] == 0:
+        raise InvalidArgumentError(f"field {name!r} holds scalars: there is nothing to pad")
+    _common_shape(name + " (past its first dimension)", shapes[:, 1:], index_np)
+    longest = int(shapes[:, 0].max(initial=0))
+    if pad_to is not None and pad_to < longest:
+        at = int(np.argmax(shapes[:, 0]))
+        raise InvalidArgumentError(f"pad_to[{name!r}] = {pad_to} is shorter than indices[{at}] = {int(index_np[at])}, "
+                                   f"of shape {shapes[at].tolist()}")
+    lead = longest if pad_to is None else pad_to
+    return (lead, *(int(x) for x in shapes[0, 1:])) if len(shapes) else (lead,) + (0,) * (shapes.shape[1] - 1)

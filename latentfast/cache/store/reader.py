@@ -14,6 +14,7 @@ import torch
 from ...errors import (CacheCorruptError, CacheError, IncompleteCacheError, IndexOutOfRangeError, InvalidArgumentError,
                        UnknownKeyError)
 from ..feed import coldread, gather
+from . import fields as fieldstore
 from . import format as fmt
 from . import layout
 
@@ -79,6 +80,8 @@ class LatentCache:
         self._data_path = fmt.cache_path(self.cache_dir, split, "data")
         try:
             self._load_index()
+            self._field_index = {name: fieldstore.load_field_index(self.cache_dir, split, name, entry, len(self))
+                                 for name, entry in self._declared_fields().items()}
             self.white_column = self._resolve_white(white_column) if not self.shaped else None
             fmt.check_recorded(self.cache_dir, split, meta, ("widths", "offsets", "shapes", "white"))
         except (OSError, CacheError):
@@ -89,6 +92,7 @@ class LatentCache:
     def _reset_process_state(self) -> None:
         """What each process opens for itself: the map, its file descriptor, the tensor views."""
         self.items = layout.Items(self)  # what the read path reads: geometry and this process's map
+        self.field_items = {name: fieldstore.FieldItems(self, name, *index) for name, index in self._field_index.items()}
         self._keys: list[str] | None = None
         self._key_index: dict[str, int] | None = None
         self._row_shape = (self.channels, self.latent_h, self.w_max)
@@ -96,6 +100,13 @@ class LatentCache:
         self._row_elements = self._line_elements * self.w_max
 
     # -- opening and validation -------------------------------------------------------------
+    def _declared_fields(self) -> dict:
+        fields = self.meta.get("fields", {})
+        if not isinstance(fields, dict) or fieldstore.LATENT in fields:
+            raise CacheCorruptError(f"latent cache meta {fmt.cache_path(self.cache_dir, self.split, 'meta')}: fields must be an object "
+                                    f"of the fields beside {fieldstore.LATENT!r}, got {fields!r}")
+        return fields
+
     def _load_index(self) -> None:
         if self.shaped:
             self._load_shapes()
@@ -222,6 +233,35 @@ class LatentCache:
             self._keys = keys
         return self._keys
 
+    @property
+    def fields(self) -> dict[str, dict]:
+        """Each field of the cache's records: name -> ``{"dtype", "ndim", "shapes" (int64 [N, ndim])}``.
+        ``latent`` (the float16 data file) is always one; a cache written with records has the others."""
+        described = {fieldstore.LATENT: {"dtype": torch.float16, "ndim": int(self.shapes.shape[1]), "shapes": self.shapes}}
+        for name, items in self.field_items.items():
+            described[name] = {"dtype": items.dtype, "ndim": int(items.shapes.shape[1]), "shapes": items.shapes}
+        return described
+
+    def record(self, i: int) -> dict[str, torch.Tensor]:
+        """Item ``i`` as a record: ``{"latent": cache[i], <field>: value, ...}`` (each field in its stored dtype)."""
+        i = self._checked_index(i)
+        record = {fieldstore.LATENT: self[i]}
+        for name, items in self.field_items.items():
+            if self.verify_rows:
+                items.check(np.asarray([i]))
+            record[name] = items.value(self._field_fd(name), i)
+        return record
+
+    def _field_fd(self, name: str) -> int:
+        fds = self.__dict__.setdefault("_field_fds", {})
+        if name not in fds:
+            fds[name] = os.open(self.field_items[name].path, os.O_RDONLY)
+        return fds[name]
+
+    def __del__(self) -> None:
+        for fd in self.__dict__.get("_field_fds", {}).values():
+            os.close(fd)
+
     def index(self, key: str) -> int:
         """The item whose key is ``key`` (see :attr:`keys`); :class:`~latentfast.errors.UnknownKeyError`
         (a ``KeyError``) names a key the cache does not hold."""
@@ -337,7 +377,7 @@ class LatentCache:
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("items", "row_starts", "_keys", "_info", "_key_index"):
+        for key in ("items", "field_items", "_field_fds", "row_starts", "_keys", "_info", "_key_index"):
             state.pop(key, None)  # row_starts: recomputed from the index (validated equal on open)
         return state
 
@@ -417,6 +457,9 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train") -> dict:
         raise CacheCorruptError(f"latent cache {cache._data_path}: block {b} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
     if cache.white_column is not None and not torch.isfinite(cache.white_column.float()).all():
         raise CacheCorruptError(f"latent cache {cache_dir}: the white column holds a non-finite value")
+    for items in cache.field_items.values():  # every field value against its CRC (a shared value once)
+        _, first = np.unique(items.row_starts, return_index=True)
+        items.check(first)
     cache.keys  # noqa: B018 - a malformed keys file fails verify
     seconds = time.perf_counter() - start
     nbytes = int(cache.row_starts[-1]) * 2
@@ -441,7 +484,13 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
         if os.path.exists(path):
             files[os.path.basename(path)] = os.path.getsize(path)
     data_bytes = int(cache.row_starts[-1]) * 2
-    info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files,
+    fields = {fieldstore.LATENT: {"dtype": "float16", "ndim": int(cache.shapes.shape[1]), "logical_bytes": data_bytes, "stored_bytes": data_bytes}}
+    for name, entry in cache.meta.get("fields", {}).items():
+        fields[name] = {k: entry[k] for k in ("dtype", "ndim", "logical_bytes", "stored_bytes")}
+        for kind in ("data", "spans", "crc"):
+            path = fieldstore.field_path(cache_dir, split, name, kind)
+            files[os.path.basename(path)] = os.path.getsize(path)
+    info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files, "fields": fields,
             "bytes_on_disk": sum(files.values()), "data_bytes": data_bytes,
             "resident_bytes": coldread.resident_bytes(cache._data_path)}  # in the page cache now (None: the OS cannot say)
     if cache.shaped:

@@ -28,13 +28,14 @@ import json
 import os
 import warnings
 import zlib
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
+from .fields import LATENT, FieldStore, as_stored, check_name, field_path
 from .durable import HASH_BYTES, BuildLock, append_log, file_size, publish, pwrite_all, read_log, rewrite_log
 
 _LOG_VERSION = 1
@@ -111,6 +112,7 @@ class LatentCacheWriter:
         self._index: dict[str, int] = {}
         self._logged = 0  # records already in the progress log
         self._end = 0  # bytes of data written
+        self._fields: dict[str, FieldStore] = {}  # the named fields beside the latent, by name
         self._fd = -1
         self._log = None
         self.finished = False
@@ -140,7 +142,7 @@ class LatentCacheWriter:
             with contextlib.suppress(FileNotFoundError):
                 os.replace(self._paths["data"], self._partial)
         needed = sum(2 * int(np.prod(r["s"])) for r in records or [])
-        if records is None or file_size(self._partial) < needed:
+        if records is None or file_size(self._partial) < needed or not self._open_fields(records):
             self._start_over()
             return False
         self._fd = os.open(self._partial, os.O_RDWR)
@@ -151,6 +153,14 @@ class LatentCacheWriter:
         self._logged, self._end = len(records), needed
         return bool(records)
 
+    def _open_fields(self, records: list[dict]) -> bool:
+        """Resume the field stores the logged records name (False: one cannot back its records)."""
+        for name in records[0].get("f", {}) if records else ():
+            store = self._fields[name] = FieldStore(self.out_dir, self.split, name)
+            if not store.open([r["f"][name] for r in records], restart=False):
+                return False
+        return True
+
     def _read_log(self) -> list[dict] | None:
         """The logged records if the progress log exists with this writer's header, else None."""
         return read_log(self._paths["progress"], self._header())
@@ -158,6 +168,9 @@ class LatentCacheWriter:
     def _start_over(self) -> None:
         """A fresh log (durably first), then an empty data file."""
         rewrite_log(self._paths["progress"], self._header())
+        for store in self._fields.values():
+            store.close()
+        self._fields = {}
         self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         fmt.fsync_dir(self.out_dir)
         self._log = open(self._paths["progress"], "ab")
@@ -182,17 +195,23 @@ class LatentCacheWriter:
         return self._records[self._index[key]].get("h")
 
     def append(self, key: str, latent: Any, *, source_hash: bytes | str | None = None, info: dict | None = None) -> None:
-        """Write one item. ``latent``: a tensor or array of any float dtype (stored as float16);
-        ``source_hash``: bytes or hex of the source's content hash (what a rebuild compares);
-        ``info``: a small JSON-able dict kept with the item (e.g. original size, crop)."""
+        """Write one item. ``latent``: a tensor or array of any float dtype (stored as float16), or a
+        record ``{"latent": z, "text": e, ...}`` of named fields: ``latent`` float16 (no cast: pass
+        ``z.half()``), every other field stored as given in its own dtype and shape (see
+        :mod:`~latentfast.cache.store.fields`); the first record fixes the set of fields and each
+        one's dtype and ndim. ``source_hash``: bytes or hex of the source's content hash (what a
+        rebuild compares); ``info``: a small JSON-able dict kept with the item (e.g. original size, crop)."""
         self._check_open()
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"key must be a non-empty str, got {key!r}")
         if key in self._index:
             raise InvalidArgumentError(f"key {key!r} was already written (check `key in writer` to resume)")
+        latent, extra = self._split_record(key, latent)
         half = as_float16(key, latent)
         self._check_shape(key, half.shape)
         record = {"k": key, "s": list(half.shape), "c": zlib.crc32(half)}
+        if extra:
+            record["f"] = {name: self._fields[name].put(key, *value) for name, value in extra.items()}
         if source_hash is not None:
             record["h"] = checked_source_hash(key, source_hash)
         if info:
@@ -202,6 +221,35 @@ class LatentCacheWriter:
         self._remember(record)
         if len(self._records) - self._logged >= self.flush_every:
             self.flush()
+
+    def _split_record(self, key: str, value: Any) -> tuple[Any, dict]:
+        """``(latent, {name: (dtype, shape, bytes)})`` of an item, every field checked before anything is written."""
+        if not isinstance(value, Mapping):
+            if self._records and "f" in self._records[0]:
+                raise InvalidArgumentError(f"key {key!r}: this cache's items are records of the fields "
+                                           f"{[LATENT, *self._fields]}; append a dict of them")
+            return value, {}
+        if LATENT not in value:
+            raise InvalidArgumentError(f"record of key {key!r} has no {LATENT!r} field (fields given: {sorted(value)})")
+        latent = value[LATENT]
+        found = getattr(latent, "dtype", None)
+        if found not in (torch.float16, np.float16):
+            raise InvalidArgumentError(f"field {LATENT!r} of key {key!r} must be float16 (the cache's latent file; no silent cast: "
+                                       f"pass z.half() or store it under another field name), got {found}")
+        names = [check_name(n) for n in value if n != LATENT]
+        declared = list(self._fields) if self._records else names
+        if sorted(names) != sorted(declared):
+            raise InvalidArgumentError(f"record of key {key!r} has the fields {sorted(names)}, but this cache's records have "
+                                       f"{sorted(declared)} (first item {self._records[0]['k'] if self._records else key!r})")
+        extra = {}
+        for name in declared:
+            stored = as_stored(key, name, value[name])
+            if name not in self._fields:
+                self._fields[name] = FieldStore(self.out_dir, self.split, name)
+                self._fields[name].start_over()
+            self._fields[name].check(key, stored[0], stored[1], self._records[0]["k"] if self._records else None)
+            extra[name] = stored
+        return latent, extra
 
     def append_bytes(self, key: str, shape, payload: bytes, crc: int, *, source_hash=None, info=None) -> None:
         """Copy an item already stored as float16 bytes (e.g. from an older cache) after checking its
@@ -227,6 +275,8 @@ class LatentCacheWriter:
         if self._logged == len(self._records):
             return
         os.fdatasync(self._fd)
+        for store in self._fields.values():
+            store.sync()
         append_log(self._log, self._records[self._logged:])
         self._logged = len(self._records)
 
@@ -256,17 +306,25 @@ class LatentCacheWriter:
         """Every item's bytes on disk against the CRC of what was meant; the first bad item and all
         after it are dropped from the log (a rerun writes them again) before raising."""
         with open(self._partial, "rb") as fh:
-            for i, record in enumerate(self._records):
+            for i in range(len(self._records)):
                 start, end = int(offsets[i]) * 2, int(offsets[i + 1]) * 2
                 fh.seek(start)
                 if zlib.crc32(fh.read(end - start)) != int(sums[i]):
-                    after = len(self._records) - i - 1  # counted before the records go
-                    self._truncate_log(i, start)
-                    raise CacheCorruptError(
-                        f"latent cache {self._partial}: item {i} (key {record['k']!r}) on disk differs from what "
-                        f"was written; it and the {after} items after it were dropped from the "
-                        f"progress log: run the same build again to rewrite them"
-                    )
+                    raise self._dropped(i, start, self._partial)
+        for name, store in self._fields.items():
+            bad = store.verify([r["f"][name] for r in self._records])
+            if bad is not None:
+                raise self._dropped(bad, int(offsets[bad]) * 2, store.partial)
+
+    def _dropped(self, i: int, start: int, path: str) -> CacheCorruptError:
+        """Drop item ``i`` (its latent starts at byte ``start``) and all after it; the error to raise."""
+        error = CacheCorruptError(
+            f"latent cache {path}: item {i} (key {self._records[i]['k']!r}) on disk differs from what was written; it "
+            f"and the {len(self._records) - i - 1} items after it were dropped from the progress log: run the same build "
+            f"again to rewrite them"
+        )
+        self._truncate_log(i, start)
+        return error
 
     def _truncate_log(self, keep: int, end: int) -> None:
         """Forget every item from ``keep`` on (its data starts at byte ``end``), durably (log first,
@@ -277,6 +335,8 @@ class LatentCacheWriter:
         for record in self._records[keep:]:
             del self._index[record["k"]]
         del self._records[keep:]
+        for name, store in self._fields.items():
+            store.rewind([r["f"][name] for r in self._records])
         self._logged = keep
         self._end = end
         os.ftruncate(self._fd, self._end)
@@ -310,7 +370,15 @@ class LatentCacheWriter:
                  "hashes": fmt.npy_bytes(_hash_array(hashes)) if any(hashes) else None,
                  "info": _json_bytes(info) if any(info) else None,
                  "widths": None, "white": None}  # a line cache's leftovers would contradict this one
-        publish(self._paths, self._partial, files, self._meta(shapes))
+        paths, meta, renames = dict(self._paths), self._meta(shapes), []
+        for name, store in self._fields.items():
+            spans, crc, meta.setdefault("fields", {})[name] = store.index_files([r["f"][name] for r in self._records])
+            for kind, label, payload in (("spans", "spans", spans), ("crc", "crc32", crc)):  # label: as format.damaged_files finds it
+                paths[f"{name}.{label}"] = field_path(self.out_dir, self.split, name, kind)
+                files[f"{name}.{label}"] = payload
+            store.close()
+            renames.append((store.partial, store.path))
+        publish(paths, self._partial, files, meta, renames=renames)
 
     # -- closing ------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -325,6 +393,8 @@ class LatentCacheWriter:
         self._lock.release()
 
     def _close_files(self) -> None:
+        for store in self._fields.values():
+            store.close()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

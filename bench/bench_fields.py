@@ -1,0 +1,180 @@
+"""Records of fields: batches of 64 items of a float16 latent + a variable-length bf16 text embedding.
+
+- latentfast: one cache of records (``text`` [L_i, D] bf16, captions repeating: ``distinct`` class
+  prompts), read with ``read_batch(idx, fields=("latent", "text"), pad={"text": 0.0})`` (one compiled
+  gather per field per batch), with all torch threads and with one (like the per-item reader);
+- musubi-style pairs: a latent ``.safetensors`` + a ``_te.safetensors`` per item, each read with
+  ``safetensors.torch.load_file``, then stacked and padded (``pad_sequence``) into the same batch;
+- memcpy: one copy of the batch's true bytes (latents + texts, unpadded) into a fresh buffer: the ceiling.
+
+Every reader allocates its batch. Hot: every file read once before timing. Cold: every file evicted
+from the page cache (``posix_fadvise(DONTNEED)``) before each pass. Ratios are per run (median and
+range of ``--runs`` runs). Bytes on disk: the cache with equal values stored once, the cache written
+with sharing disabled (the hash made unique per value), and the per-item pairs; file counts.
+
+    python bench/bench_fields.py [--quick] [--runs 3]
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from latentfast.cache import LatentCache, LatentCacheWriter
+from latentfast.cache.feed import coldread
+from latentfast.cache.store import fields as fieldstore
+from latentfast.testing import torch_threads
+
+BATCH = 64
+
+
+def make_items(n: int, dim: int, distinct: int, seed: int = 0):
+    """``(latents, captions, caption_of)``: n latents [4, 32, 32] f16, ``distinct`` bf16 [L, dim] captions
+    (L in 50..512), item i's caption index."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(50, 513, (distinct,), generator=gen).tolist()
+    captions = [torch.randn((L, dim), generator=gen).bfloat16() for L in lengths]
+    caption_of = torch.randint(0, distinct, (n,), generator=gen).tolist()
+    latents = [torch.randn((4, 32, 32), generator=gen).half() for _ in range(n)]
+    return latents, captions, caption_of
+
+
+def write_cache(folder: str, latents, captions, caption_of) -> None:
+    with LatentCacheWriter(folder) as writer:
+        for i, z in enumerate(latents):
+            writer.append(f"k{i:06d}", {"latent": z, "text": captions[caption_of[i]]})
+
+
+def write_pairs(folder: str, latents, captions, caption_of) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(folder)
+    for i, z in enumerate(latents):
+        save_file({"latents_32x32_float16": z}, os.path.join(folder, f"k{i:06d}_latent.safetensors"))
+        save_file({"varlen_t5_bf16": captions[caption_of[i]]}, os.path.join(folder, f"k{i:06d}_te.safetensors"))
+
+
+def read_pairs(folder: str, batch) -> dict:
+    from safetensors.torch import load_file
+
+    zs, texts = [], []
+    for i in batch:
+        zs.append(load_file(os.path.join(folder, f"k{i:06d}_latent.safetensors"))["latents_32x32_float16"])
+        texts.append(load_file(os.path.join(folder, f"k{i:06d}_te.safetensors"))["varlen_t5_bf16"])
+    return {"latent": torch.stack(zs), "text": torch.nn.utils.rnn.pad_sequence(texts, batch_first=True)}
+
+
+def disk(folder: str) -> tuple[int, int]:
+    names = [os.path.join(folder, f) for f in os.listdir(folder) if not f.startswith(".")]
+    return len(names), sum(os.path.getsize(p) for p in names)
+
+
+def evict_all(folder: str) -> None:
+    for name in os.listdir(folder):
+        if not name.startswith("."):
+            coldread.evict(os.path.join(folder, name))
+
+
+def time_pass(fn, batches, evict=None) -> float:
+    """Seconds per batch of one pass over ``batches`` (after ``evict()``, if given)."""
+    if evict is not None:
+        evict()
+    start = time.perf_counter()
+    for batch in batches:
+        fn(batch)
+    return (time.perf_counter() - start) / len(batches)
+
+
+def one_run(readers: dict, batches, evictors: dict, cold: bool) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in readers}
+    for _ in range(1 if cold else 3):  # round-robin: a busy neighbour slows every reader alike
+        for name, fn in readers.items():
+            times[name].append(time_pass(fn, batches, evictors.get(name) if cold else None))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run_report(quick: bool = False, runs: int = 3) -> dict:
+    n, dim, distinct = (256, 512, 16) if quick else (256, 4096, 16)
+    latents, captions, caption_of = make_items(n, dim, distinct)
+    rng = np.random.default_rng(0)
+    batches = [rng.choice(n, BATCH, replace=False).tolist() for _ in range(4 if quick else 8)]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        shared, unshared, pairs = (os.path.join(tmp, d) for d in ("cache", "cache_unshared", "pairs"))
+        write_cache(shared, latents, captions, caption_of)
+        real_hash = fieldstore.value_hash
+        fieldstore.value_hash = lambda payload: os.urandom(16)  # no candidates: every value stored
+        try:
+            write_cache(unshared, latents, captions, caption_of)
+        finally:
+            fieldstore.value_hash = real_hash
+        write_pairs(pairs, latents, captions, caption_of)
+        cache = LatentCache(shared)
+        source = torch.empty(sum(z.nbytes for z in latents) + sum(captions[c].nbytes for c in caption_of), dtype=torch.uint8)
+        source.random_()
+        item_bytes = [latents[i].nbytes + captions[caption_of[i]].nbytes for i in range(n)]
+
+        def lf(batch):
+            return cache.read_batch(batch, fields=("latent", "text"), pad={"text": 0.0})
+
+        def memcpy(batch):
+            nbytes = sum(item_bytes[i] for i in batch)
+            return torch.empty(nbytes, dtype=torch.uint8).copy_(source[:nbytes])
+
+        readers = {"latentfast": lf, "latentfast 1 thread": lambda b: _one_thread(lf, b),
+                   "musubi pairs": lambda b: read_pairs(pairs, b), "memcpy": memcpy}
+        for batch in batches:  # the same values from both readers; every file read once (hot)
+            a, b = lf(batch), read_pairs(pairs, batch)
+            assert torch.equal(a["latent"], b["latent"]) and torch.equal(a["text"].view(torch.int16), b["text"].view(torch.int16))
+        evictors = {"latentfast": lambda: evict_all(shared), "latentfast 1 thread": lambda: evict_all(shared),
+                    "musubi pairs": lambda: evict_all(pairs)}
+        result = {"items": n, "dim": dim, "distinct_captions": distinct, "batch": BATCH, "threads": torch.get_num_threads(),
+                  "mib_per_batch": statistics.mean(sum(item_bytes[i] for i in b) for b in batches) / 2**20,
+                  "padded_mib_per_batch": statistics.mean(sum(v.nbytes for v in lf(b).values()) for b in batches) / 2**20}
+        for mode in ("hot", "cold"):
+            per_run = [one_run({k: v for k, v in readers.items() if mode == "hot" or k != "memcpy"}, batches, evictors, mode == "cold")
+                       for _ in range(runs)]
+            result[mode] = summarize(per_run)
+        result["disk"] = {"latentfast (equal values once)": disk(shared), "latentfast (no sharing)": disk(unshared),
+                          "musubi pairs": disk(pairs)}
+    print_report(result)
+    return result
+
+
+def _one_thread(fn, batch):
+    with torch_threads(1):
+        return fn(batch)
+
+
+def summarize(per_run: list[dict]) -> dict:
+    """Median ms per batch of each reader, and per-run ratios (median, min, max)."""
+    out = {"ms": {k: 1e3 * statistics.median(r[k] for r in per_run) for k in per_run[0]}, "ratios": {}}
+    pairs = [("musubi pairs / latentfast", "musubi pairs", "latentfast"),
+             ("musubi pairs / latentfast 1 thread", "musubi pairs", "latentfast 1 thread"),
+             ("memcpy / latentfast (share of the ceiling)", "memcpy", "latentfast")]
+    for label, num, den in pairs:
+        if num in per_run[0]:
+            values = [r[num] / r[den] for r in per_run]
+            out["ratios"][label] = (statistics.median(values), min(values), max(values))
+    return out
+
+
+def print_report(result: dict) -> None:
+    print(f"records: batches of {result['batch']} of latent [4,32,32] f16 + text [L,{result['dim']}] bf16 (L 50..512, "
+          f"{result['distinct_captions']} distinct captions over {result['items']} items), {result['mib_per_batch']:.1f} MiB "
+          f"of true bytes per batch ({result['padded_mib_per_batch']:.1f} MiB padded, what the readers return), {result['threads']} torch threads")
+    for mode in ("hot", "cold"):
+        print(f"  {mode}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in result[mode]["ms"].items()))
+        for label, (med, lo, hi) in result[mode]["ratios"].items():
+            print(f"    {label}: {med:.2f}x (range {lo:.2f}-{hi:.2f})")
+    for name, (files, nbytes) in result["disk"].items():
+        print(f"  disk {name}: {files} files, {nbytes / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    runs = int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else 3
+    run_report(quick="--quick" in sys.argv, runs=runs)
