@@ -26,9 +26,9 @@ from typing import NamedTuple
 import torch
 
 from .. import backends  # noqa: F401  (registers the kernels of torch.ops.latentfast.*)
+from .._ops import SCATTER_DTYPES  # the op's schema owns the dtypes it takes
 from ..errors import ArgumentTypeError, InvalidArgumentError, ReplayError
 
-SCATTER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def arena_numel(grad_shapes: Sequence[Sequence[int]], batch_sizes: Sequence[int], copies: int = 2) -> int:
