@@ -33,7 +33,8 @@ core (``while True: pass``); median [min-max] ms per batch over 7 passes (the fa
 the stalls this measures).
 
 Per-call section -- microseconds per call on tiny inputs (the fixed cost of dispatch and of entering
-the compiled kernel): the gather_rows_into op per backend and read_batch of 4 small rows.
+the compiled kernel): the gather_rows_into op per backend and read_batch of 4 small rows, uncontended
+and with a busy process per core.
 
 Run:  python bench/bench_decode.py [--quick] [--hot-only | --cold-only | --contended-only | --per-call-only]
       pytest bench/bench_decode.py --benchmark-enable (pytest-benchmark, hot, one test per provider)
@@ -364,11 +365,12 @@ def print_contended(c: dict) -> dict:
     return ratios
 
 
-def per_call_overhead(root: str, rounds: int = 7) -> dict:
+def per_call_overhead(root: str, rounds: int = 7, busy: int = 0) -> dict:
     """Microseconds per call on inputs too small to cost anything but the fixed overhead (CPU):
     the kernel-form gather_rows_into op on one row of [4, 2, 8] per backend, and read_batch of 4 rows
     of a small hot cache (the small-batch decode); thread CPU time (see cpu_us_per_call), median
-    [min-max] of ``rounds`` rounds. Single-threaded: the inputs are far below the kernels' thread threshold."""
+    [min-max] of ``rounds`` rounds. Single-threaded: the inputs are far below the kernels' thread threshold.
+    ``busy``: that many other processes spin on a core meanwhile (contended: caches and cores shared)."""
     from latentfast import backends
     from latentfast.bench.common import cpu_us_per_call
 
@@ -383,10 +385,18 @@ def per_call_overhead(root: str, rounds: int = 7) -> dict:
     small = np.array([3, 77, 12, 200])
     calls["read_batch of 4 rows (4x8x32)"] = lambda: read_batch(cache, small)
     table = {}
-    for name, call in calls.items():
-        samples = cpu_us_per_call(call, rounds=rounds)
-        table[name] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
-        print(f"{name}: {table[name]['us_median']:.2f} us per call [{table[name]['us_min']:.2f}-{table[name]['us_max']:.2f}]")
+    loops = busy_processes(busy)
+    try:
+        time.sleep(0.2 if busy else 0)  # the busy loops are running
+        for name, call in calls.items():
+            samples = cpu_us_per_call(call, rounds=rounds)
+            table[name] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
+            print(f"{name}, busy={busy}: {table[name]['us_median']:.2f} us per call "
+                  f"[{table[name]['us_min']:.2f}-{table[name]['us_max']:.2f}]")
+    finally:
+        for proc in loops:
+            proc.kill()
+            proc.wait()
     return table
 
 
@@ -708,7 +718,7 @@ def run_report(quick: bool = False, sections=("hot", "cold", "contended", "per-c
                     report["summary"][f"loop_{tag}_{name}_share_under_1ms"] = round(loop["share_under_1ms"], 3)
     if "per-call" in sections:
         with tempfile.TemporaryDirectory(prefix="latentfast-bench-decode-") as root:
-            report["per_call"] = per_call_overhead(root)
+            report["per_call"] = {busy: per_call_overhead(root, busy=busy) for busy in (0, os.cpu_count() or 1)}
     if "contended" in sections:
         with tempfile.TemporaryDirectory(prefix="latentfast-bench-decode-") as root:
             c = measure_contended(root, busy_counts=(0, 1) if quick else (0, 1, os.cpu_count() or 1))
