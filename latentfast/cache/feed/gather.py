@@ -34,7 +34,8 @@ _CPU = torch.device("cpu")
 
 
 def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, backend: str = "auto",
-               cold="auto", return_keys: bool = False, fields=None, pad=None, pad_to=None):
+               cold="auto", return_keys: bool = False, fields=None, pad=None, pad_to=None, sample: bool = False,
+               flip=None, seed=None, epoch: int = 0):
     """Rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`, read through its
     :class:`~latentfast.cache.store.layout.Items`) as one batch.
 
@@ -63,6 +64,16 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
             padded with ``value`` to the batch's largest (or ``pad_to``). A field not named here
             must have one shape across the batch. The latent is padded by its layout (``width``).
         pad_to: the first dimension padded fields are padded to: an int, or ``{field: int}``.
+        sample: return ``latent + latent_std * eps`` in the ``latent`` entry (a cache built with
+            ``DiffusersVAE(sample="store")``), one :func:`latentfast.ops.sample_latents` call per batch
+            on the batch's device; ``eps`` depends only on ``(seed, epoch, the item's key)``
+            (:mod:`latentfast.sampling`), never on the batch, the worker or where a run resumed. The
+            batch's latents must have one shape (no padding to draw over).
+        flip: a probability: each item's ``latent`` entry is its ``latent_flipped`` (a cache built
+            with ``flip=True``) with this probability, drawn from the same item seed (its own stream);
+            the batch gets a ``flipped`` bool ``[B]`` entry. With ``sample`` the flipped items draw
+            around ``latent_flipped`` with ``latent_flipped_std``.
+        seed, epoch: the draws' run seed (an int, required with ``sample`` / ``flip``) and epoch (>= 0).
 
     Returns:
         With ``fields``: ``{field: [B, *shape] tensor, "<field>_shape": int64 [B, ndim] (the true
@@ -82,6 +93,11 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     # the cache as plain attributes, so nothing below calls back into the reader; an object that only
     # presents a cache's attributes (a wrapper) is read through Items made from it for this call
     items = getattr(cache, "__dict__", {}).get("items") or layout.Items(cache, source=cache.gather_source)
+    if sample is not False or flip is not None:
+        if out is not None or width is not None:
+            raise InvalidArgumentError("sample= and flip= read a dict of records: they take no out= or width=")
+        return _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, backend, cold,
+                           sample, flip, seed, epoch)
     if fields is not None or pad is not None or pad_to is not None:
         if fields is None or out is not None:
             raise InvalidArgumentError("pad= and pad_to= need fields=, and a batch of fields takes no out=")
@@ -121,6 +137,59 @@ def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dt
             out[name], shapes = _field_values(batch, on_cpu, device, backend, cold), torch.from_numpy(batch.shapes)
         out[name + "_shape"] = shapes
     return out
+
+
+def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, backend, cold,
+                sample, flip, seed, epoch) -> dict:
+    """A batch of records whose ``latent`` entry is drawn: a flipped variant picked per item, a sample
+    of each item's latent distribution, or both (see :func:`read_batch`)."""
+    from ... import ops, sampling
+
+    if sample is not True and sample is not False:
+        raise InvalidArgumentError(f"sample must be True or False, got {sample!r}")
+    names = ["latent"] if fields is None else ([fields] if isinstance(fields, str) else list(fields))
+    if "latent" not in names:
+        raise InvalidArgumentError(f"sample= and flip= draw the 'latent' entry: fields must include 'latent', got {names!r}")
+    if seed is None:
+        raise InvalidArgumentError("sample= and flip= need seed= (an int: the run's seed; with epoch= it keys every draw)")
+    have = getattr(cache, "__dict__", {}).get("field_items") or {}
+    need = (["latent_std"] if sample else []) + (["latent_flipped"] if flip is not None else [])
+    need += ["latent_flipped_std"] if sample and flip is not None else []
+    for name in need:
+        if name not in have:
+            how = "DiffusersVAE(vae, sample='store')" if name.endswith("_std") else "build_image_cache(..., flip=True)"
+            raise InvalidArgumentError(f"{'sample=True' if name.endswith('_std') else 'flip='} needs the field {name!r}, which "
+                                       f"this cache {getattr(cache, 'cache_dir', '')} lacks (fields: {sorted(['latent', *have])}); "
+                                       f"build it with {how}")
+    index = layout.as_row_indices(indices, len(cache))
+    index_np = index.numpy()
+    keys = cache.keys
+    seeds = sampling.item_seeds([keys[i] for i in index_np.tolist()], seed, epoch)
+    flipped = sampling.flip_draws(seeds, flip) if flip is not None else torch.zeros(len(index_np), dtype=torch.bool)
+    extra = [n for n in ("latent_std",) if sample and n not in names]
+    batch = _read_records(cache, items, index, names + extra, pad, pad_to, on_cpu, device, dtype, None, backend, cold)
+    latent = batch["latent"]
+    if flipped.any():  # the flipped items' variants, read for them only, put in their rows
+        rows = flipped.nonzero().reshape(-1)
+        mirror = _read_records(cache, items, index[rows], need[1:] if sample else need, None, None, on_cpu, device,
+                               dtype, None, backend, cold)
+        at = rows.to(latent.device)
+        latent[at] = mirror["latent_flipped"].to(latent.dtype)
+        if sample:
+            batch["latent_std"][at] = mirror["latent_flipped_std"].to(batch["latent_std"].dtype)
+    if sample:
+        std, shapes = batch["latent_std"], batch["latent_shape"]
+        if len(shapes) and (not torch.equal(shapes, batch["latent_std_shape"]) or bool((shapes != shapes[0]).any())
+                            or list(shapes[0]) != list(latent.shape[1:])):
+            raise InvalidArgumentError(f"sample=True draws over each item's own shape: the batch's latents must have one shape, "
+                                       f"equal to latent_std's, got latent shapes {shapes.unique(dim=0).tolist()} in a batch of "
+                                       f"{list(latent.shape)} (a line cache's rows of several widths cannot be sampled in one batch)")
+        batch["latent"] = ops.sample_latents(latent, std, seeds.to(latent.device), backend=backend)  # (out may not alias mean)
+        if "latent_std" in extra:
+            del batch["latent_std"], batch["latent_std_shape"]
+    if flip is not None:
+        batch["flipped"] = flipped
+    return batch
 
 
 def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
