@@ -35,7 +35,7 @@ _CPU = torch.device("cpu")
 
 def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, backend: str = "auto",
                cold="auto", return_keys: bool = False, fields=None, pad=None, pad_to=None, sample: bool = False,
-               flip=None, seed=None, epoch: int = 0):
+               flip=None, seed=None, epoch: int = 0, packed=()):
     """Rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`, read through its
     :class:`~latentfast.cache.store.layout.Items`) as one batch.
 
@@ -64,6 +64,9 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
             padded with ``value`` to the batch's largest (or ``pad_to``). A field not named here
             must have one shape across the batch. The latent is padded by its layout (``width``).
         pad_to: the first dimension padded fields are padded to: an int, or ``{field: int}``.
+        packed: fields whose items may differ in their first dimension, returned back to back
+            (``[sum L_i, *rest]``, no padding written: what varlen attention takes, with
+            ``cu_seqlens`` the cumulative sum of ``<field>_shape[:, 0]``).
         sample: return ``latent + latent_std * eps`` in the ``latent`` entry (a cache built with
             ``DiffusersVAE(sample="store")``), one :func:`latentfast.ops.sample_latents` call per batch
             on the batch's device; ``eps`` depends only on ``(seed, epoch, the item's key)``
@@ -97,11 +100,11 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         if out is not None or width is not None:
             raise InvalidArgumentError("sample= and flip= read a dict of records: they take no out= or width=")
         return _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, backend, cold,
-                           sample, flip, seed, epoch)
-    if fields is not None or pad is not None or pad_to is not None:
+                           sample, flip, seed, epoch, packed)
+    if fields is not None or pad is not None or pad_to is not None or packed:
         if fields is None or out is not None:
-            raise InvalidArgumentError("pad= and pad_to= need fields=, and a batch of fields takes no out=")
-        return _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold)
+            raise InvalidArgumentError("pad=, pad_to= and packed= need fields=, and a batch of fields takes no out=")
+        return _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold, packed)
     table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows, out=out,
                            dtype=dtype, device=_CPU if on_cpu else device)
     if table.shape is not None:
@@ -117,11 +120,11 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     return batch
 
 
-def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold) -> dict:
+def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold, packed=()) -> dict:
     """A batch of records: each field's span table resolved once for the batch, then one gather per field."""
     field_items = getattr(cache, "__dict__", {}).get("field_items") or {}
     batches = layout.resolve_fields(items, field_items, indices, fields, pad, pad_to, width=width, dtype=dtype,
-                                    device=_CPU if on_cpu else device)
+                                    device=_CPU if on_cpu else device, packed=packed)
     out = {}
     for name, batch in batches.items():
         if isinstance(batch, layout.SpanTable):  # the latent
@@ -140,7 +143,7 @@ def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dt
 
 
 def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, backend, cold,
-                sample, flip, seed, epoch) -> dict:
+                sample, flip, seed, epoch, packed=()) -> dict:
     """A batch of records whose ``latent`` entry is drawn: a flipped variant picked per item, a sample
     of each item's latent distribution, or both (see :func:`read_batch`)."""
     from ... import ops, sampling
@@ -167,7 +170,7 @@ def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtyp
     seeds = sampling.item_seeds([keys[i] for i in index_np.tolist()], seed, epoch)
     flipped = sampling.flip_draws(seeds, flip) if flip is not None else torch.zeros(len(index_np), dtype=torch.bool)
     extra = [n for n in ("latent_std",) if sample and n not in names]
-    batch = _read_records(cache, items, index, names + extra, pad, pad_to, on_cpu, device, dtype, None, backend, cold)
+    batch = _read_records(cache, items, index, names + extra, pad, pad_to, on_cpu, device, dtype, None, backend, cold, packed)
     latent = batch["latent"]
     if flipped.any():  # the flipped items' variants, read for them only, put in their rows
         rows = flipped.nonzero().reshape(-1)
@@ -196,6 +199,8 @@ def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
     """One field's batch: its values gathered as 2-byte units by the same compiled gather, viewed in their
     own dtype as ``[B, *shape]``, the padding past each item's first dimension filled with ``batch.pad``."""
     table, B = batch.table, batch.table.index.numel()
+    if batch.packed:
+        return _field_packed(batch, on_cpu, device, backend, cold)
     nbytes = int(np.prod(batch.shape, dtype=np.int64)) * torch.empty(0, dtype=batch.dtype).element_size()
     if B == 0 or nbytes == 0:
         return torch.empty((B, *batch.shape), dtype=batch.dtype, device=device)
@@ -209,6 +214,20 @@ def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
         tail = torch.arange(batch.shape[0], device=values.device)[None, :] >= lengths[:, None]
         values.view(B, batch.shape[0], -1).masked_fill_(tail[:, :, None], batch.pad)
     return values
+
+
+def _field_packed(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
+    """A packed field's batch: the items' values back to back, ``[sum L_i, *rest]``, by one compiled
+    packed gather (on the CPU; a CUDA batch is gathered into pinned memory and copied)."""
+    table = batch.table
+    units = int(table.widths.sum(dtype=np.int64))
+    out = torch.empty(units, dtype=torch.float16, pin_memory=not on_cpu)
+    if units:
+        _before_copy(table, cold)
+        data, row_offsets, widths, pitch = table.source
+        torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
+    values = out.view(torch.uint8).view(batch.dtype).view(batch.shape)
+    return values if on_cpu else values.to(device, non_blocking=True)
 
 
 def _shaped_batch(table, device, dtype, out, backend, cold):
