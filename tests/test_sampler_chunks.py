@@ -275,3 +275,15 @@ def test_item_chunks_of_a_real_cache_are_its_data_files_byte_offsets(tmp_path):
     sampler = ShapeBucketBatchSampler(cache.shapes, 3, chunks=ids, chunk_window=2)
     batches = list(sampler)
     assert sorted(i for b in batches for i in b) == list(range(40))
+
+
+def test_width_windows_still_batch_rows_of_similar_width():
+    widths, chunks = widths_and_chunks()
+
+    def mean_range(batches):
+        return float(np.mean([np.ptp(widths[b]) for b in batches if len(b) == 16]))
+
+    chunked = mean_range(WidthBucketBatchSampler(widths, 16, bucket_batches=8, chunks=chunks, chunk_window=40))
+    plain = mean_range(WidthBucketBatchSampler(widths, 16, bucket_batches=8))
+    unsorted = mean_range(np.random.default_rng(0).permutation(N)[: N // 16 * 16].reshape(-1, 16))
+    assert chunked < 2 * plain and chunked < 0.3 * unsorted, (chunked, plain, unsorted)

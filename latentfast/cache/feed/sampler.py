@@ -114,16 +114,22 @@ class ShardedBatchSampler(Sampler[list[int]]):
         _, self._chunk_of = np.unique(ids, return_inverse=True)  # dense 0..n_chunks-1
         self._n_chunks = int(self._chunk_of.max(initial=-1)) + 1
 
-    def _windows(self, rng: np.random.Generator) -> list[np.ndarray]:
-        """The items of each window of ``chunk_window`` chunks, windows in the epoch's chunk order,
-        each window's items in random order."""
+    def _stream(self, rng: np.random.Generator, buckets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(items, windows)``: every item, grouped by window of ``chunk_window`` chunks (windows in
+        the epoch's random chunk order), in random order within a window; with ``buckets``, grouped by
+        bucket first. ``windows``: each listed item's window."""
         rank_of_chunk = np.empty(self._n_chunks, dtype=np.int64)
         rank_of_chunk[rng.permutation(self._n_chunks)] = np.arange(self._n_chunks)
         window = rank_of_chunk[self._chunk_of] // self.chunk_window
         shuffled = rng.permutation(self.n_items)
-        items = shuffled[np.argsort(window[shuffled], kind="stable")]  # grouped by window, random within
-        ends = np.cumsum(np.bincount(window, minlength=-(-self._n_chunks // self.chunk_window)))[:-1]
-        return np.split(items, ends)
+        key = window if buckets is None else buckets * (int(window.max(initial=0)) + 1) + window  # < n**2: fits int64
+        items = shuffled[np.argsort(key[shuffled], kind="stable")]  # stable: random order within a group
+        return items, window[items]
+
+    @staticmethod
+    def _in_window_order(batch_windows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The order of batches: by window, shuffled within each."""
+        return np.lexsort((rng.permutation(len(batch_windows)), batch_windows))
 
     def _all_batches(self) -> list[list[int]]:
         raise NotImplementedError
@@ -241,15 +247,22 @@ class WidthBucketBatchSampler(ShardedBatchSampler):
         return batches
 
     def _windowed_batches(self, rng: np.random.Generator) -> list[list[int]]:
-        batches, carry = [], np.zeros(0, dtype=np.int64)
-        for items in self._windows(rng):
-            pool = np.concatenate([carry, items])
-            whole = len(pool) - len(pool) % self.batch_size
-            window = self._width_sorted_batches(pool[:whole])
-            batches += [window[k] for k in rng.permutation(len(window))]
-            carry = pool[whole:]
-        if len(carry) and not self.drop_last:
-            batches.append(carry[np.argsort(self.widths[carry], kind="stable")].tolist())  # the short batch, last
+        # the rows in window order; window w's pool is its rows plus the rows the windows before left
+        # over from whole batches: stream positions up to the last whole batch its rows reach
+        stream, windows = self._stream(rng)
+        bs = self.batch_size
+        pool_ends = np.cumsum(np.bincount(windows, minlength=int(windows.max(initial=0)) + 1)) // bs * bs
+        whole = int(pool_ends[-1]) if len(pool_ends) else 0
+        position = np.arange(whole)
+        pool = np.searchsorted(pool_ends, position, side="right")
+        part = (position - np.concatenate([[0], pool_ends[:-1]])[pool]) // (bs * self.bucket_batches)
+        segment = np.cumsum((np.diff(part, prepend=-1) != 0) | (np.diff(pool, prepend=-1) != 0))  # parts numbered along the stream
+        rows = stream[:whole][np.lexsort((self.widths[stream[:whole]], segment))]  # each part of a pool by width
+        order = self._in_window_order(pool[::bs], rng)
+        batches = [rows[k * bs : (k + 1) * bs].tolist() for k in order.tolist()]
+        short = stream[whole:]
+        if len(short) and not self.drop_last:
+            batches.append(short[np.argsort(self.widths[short], kind="stable")].tolist())  # the short batch, last
         return batches
 
     def _total_batches(self) -> int:
@@ -292,24 +305,17 @@ class ShapeBucketBatchSampler(ShardedBatchSampler):
         return [batches[k] for k in rng.permutation(len(batches))]
 
     def _windowed_batches(self, rng: np.random.Generator) -> list[list[int]]:
-        windows = self._windows(rng)
-        carry: dict[int, np.ndarray] = {}  # bucket -> its items left over from whole batches
-        batches = []
-        for w, items in enumerate(windows):
-            items = items[np.argsort(self.buckets[items], kind="stable")]  # by bucket, random within
-            cuts = np.flatnonzero(np.diff(self.buckets[items])) + 1
-            window = []
-            for part in np.split(items, cuts) if len(items) else []:
-                bucket = int(self.buckets[part[0]])
-                pool = np.concatenate([carry.pop(bucket), part]) if bucket in carry else part
-                whole = len(pool) - len(pool) % self.batch_size
-                window += [pool[k : k + self.batch_size].tolist() for k in range(0, whole, self.batch_size)]
-                if whole < len(pool):
-                    carry[bucket] = pool[whole:]
-            if w == len(windows) - 1 and not self.drop_last:  # every bucket's short batch, in the last window
-                window += [carry[b].tolist() for b in sorted(carry)]
-            batches += [window[k] for k in rng.permutation(len(window))]
-        return batches
+        # each bucket's items in window order, cut into batches in that order: a bucket's items left
+        # over from one window open its next batch; a batch belongs to the window of its last item
+        stream, windows = self._stream(rng, self.buckets)
+        sizes = np.array([len(m) for m in self._members], dtype=np.int64)
+        firsts = np.cumsum(sizes) - sizes
+        stops = sizes - sizes % self.batch_size if self.drop_last else sizes
+        starts = np.concatenate([first + np.arange(0, stop, self.batch_size) for first, stop in zip(firsts, stops)] or [np.zeros(0, np.int64)])
+        ends = np.minimum(starts + self.batch_size, np.repeat(firsts + sizes, (stops + self.batch_size - 1) // self.batch_size))
+        last_window = int(windows.max(initial=0))
+        batch_windows = np.where(ends - starts == self.batch_size, windows[ends - 1], last_window)  # short ones: the last window
+        return [stream[starts[k] : ends[k]].tolist() for k in self._in_window_order(batch_windows, rng).tolist()]
 
     def _total_batches(self) -> int:
         if self.drop_last:
