@@ -225,21 +225,17 @@ class WidthBucketBatchSampler(ShardedBatchSampler):
                          chunks=chunks, chunk_window=chunk_window)
         self.bucket_batches = as_int("bucket_batches", bucket_batches, minimum=1)
 
-    def _width_sorted_batches(self, order: np.ndarray) -> list[list[int]]:
-        """``order`` cut into parts of ``batch_size * bucket_batches`` rows, each sorted by width and cut into batches."""
-        part_rows = self.batch_size * self.bucket_batches
-        batches = []
-        for start in range(0, len(order), part_rows):
-            part = order[start : start + part_rows]
-            part = part[np.argsort(self.widths[part], kind="stable")]
-            batches += [part[k : k + self.batch_size].tolist() for k in range(0, len(part), self.batch_size)]
-        return batches
-
     def _all_batches(self) -> list[list[int]]:
         rng = np.random.default_rng([self.seed, self.epoch])
         if self.chunk_window is not None:
             return self._windowed_batches(rng)
-        batches = self._width_sorted_batches(rng.permutation(len(self.widths)))
+        order = rng.permutation(len(self.widths))
+        chunk = self.batch_size * self.bucket_batches
+        batches = []
+        for start in range(0, len(order), chunk):
+            part = order[start : start + chunk]
+            part = part[np.argsort(self.widths[part], kind="stable")]
+            batches += [part[k : k + self.batch_size].tolist() for k in range(0, len(part), self.batch_size)]
         if self.drop_last and batches and len(batches[-1]) < self.batch_size:
             batches.pop()  # only the very last batch can be short (chunks are whole batches)
         # shuffle the batch order, but keep a short batch last so drop_last-free shards stay full-sized
