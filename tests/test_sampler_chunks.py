@@ -10,6 +10,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 
 from latentfast.cache import LatentCache, LatentCacheWriter, ShapeBucketBatchSampler, WidthBucketBatchSampler, item_chunks
 
@@ -287,3 +288,16 @@ def test_width_windows_still_batch_rows_of_similar_width():
     plain = mean_range(WidthBucketBatchSampler(widths, 16, bucket_batches=8))
     unsorted = mean_range(np.random.default_rng(0).permutation(N)[: N // 16 * 16].reshape(-1, 16))
     assert chunked < 2 * plain and chunked < 0.3 * unsorted, (chunked, plain, unsorted)
+
+
+def test_item_chunks_of_a_records_cache_follow_the_latent_field(tmp_path):
+    rng = np.random.default_rng(5)
+    latents = [torch.from_numpy(rng.standard_normal((4, 8, 8 + 4 * (i % 3))).astype(np.float16)) for i in range(12)]
+    with LatentCacheWriter(str(tmp_path)) as writer:
+        for i, z in enumerate(latents):  # a text field of its own size beside each latent
+            writer.append(f"k{i}", {"latent": z, "text": torch.randn(3 + i, 16).bfloat16()})
+    cache = LatentCache(str(tmp_path))
+    raw = open(cache.items.path, "rb").read()
+    starts = [raw.find(z.numpy().tobytes()) for z in latents]
+    assert min(starts) >= 0
+    assert item_chunks(cache, 1024).tolist() == [s // 1024 for s in starts]
