@@ -211,3 +211,41 @@ def test_a_store_vae_build_samples_its_posterior(images, tmp_path):
     torch.testing.assert_close(batch["latent"][0], want, rtol=0, atol=2e-3)
     with pytest.raises(InvalidArgumentError, match="sample='store'"):
         DiffusersVAE(tiny_kl()).encode(pixels, with_std=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_draws_on_the_device_equal_the_host_draws(tmp_path):
+    records = write_distributions(tmp_path, n=12)
+    cache = LatentCache(tmp_path)
+    order = [11, 3, 0, 7, 7]
+    host = cache.read_batch(order, sample=True, flip=0.5, seed=2, epoch=1)
+    device = cache.read_batch(order, sample=True, flip=0.5, seed=2, epoch=1, device="cuda")
+    assert device["latent"].is_cuda and torch.equal(device["flipped"], host["flipped"])
+    torch.testing.assert_close(device["latent"].cpu(), host["latent"], rtol=0, atol=2e-3)
+    torch.testing.assert_close(host["latent"], expected(records, cache.keys, order, 2, 1, host["flipped"]), rtol=0, atol=2e-3)
+
+
+def test_a_store_video_vae_build_keeps_the_normalized_std(tmp_path):
+    pytest.importorskip("diffusers")
+    from test_cache_images import make_clips
+    from test_encoders import tiny_wan
+
+    from latentfast.cache.build.images import build_video_cache
+    from latentfast.encoders import DiffusersVAE
+
+    make_clips(str(tmp_path / "clips"))
+    vae = DiffusersVAE(tiny_wan(), sample="store")
+    build_video_cache(vae, str(tmp_path / "clips"), str(tmp_path / "out"), buckets=[(5, 16, 16)], quiet=True)
+    cache = LatentCache(tmp_path / "out")
+    assert sorted(cache.fields) == ["latent", "latent_std"] and cache.meta["latent_std"] is True
+    clip = torch.rand(1, 3, 5, 16, 24) * 2 - 1
+    mean, std = vae.encode_video(clip, with_std=True)
+    dist = vae.vae.encode(clip).latent_dist
+    shape = (1, -1, 1, 1, 1)
+    latents_mean, latents_std = (torch.tensor(vae.vae.config[k]).view(shape) for k in ("latents_mean", "latents_std"))
+    torch.testing.assert_close(mean, (dist.mean - latents_mean) / latents_std)  # Wan: (z - mean) / std, scale 1
+    torch.testing.assert_close(std, dist.std / latents_std)
+    i = cache.keys.index("clip0")
+    assert cache.record(i)["latent_std"].shape == cache.record(i)["latent"].shape and (cache.record(i)["latent_std"] > 0).all()
+    drawn = cache.read_batch([i], sample=True, seed=0)["latent"][0]
+    assert drawn.shape == cache[i].shape and not torch.equal(drawn, cache[i])
