@@ -136,6 +136,7 @@ def draws(loader):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_draws_are_the_same_with_any_workers_and_after_a_resume(tmp_path, context):

@@ -52,6 +52,7 @@ def test_the_readme_shows_the_examples_code():
 T2I = ROOT / "examples" / "train_text_to_image.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_text_to_image_example_trains_from_the_cache_and_on_the_fly(tmp_path, capsys):
     pytest.importorskip("diffusers")
