@@ -6,8 +6,9 @@
   and with ``packed=("text",)`` (the texts back to back, ``[sum L_i, D]``: the true bytes only);
 - musubi-style pairs: a latent ``.safetensors`` + a ``_te.safetensors`` per item, each read with
   ``safetensors.torch.load_file``, then stacked and padded (``pad_sequence``) into the same batch
-  (like-for-like with the padded read), or the texts kept as a list (musubi's varlen batches;
-  like-for-like with the packed read);
+  (like-for-like with the padded read), or the texts concatenated (``torch.cat``: the same
+  ``[sum L_i, D]`` batch, like-for-like with the packed read; a list of the loaded tensors alone
+  would leave the bytes in safetensors' file map, untouched until the step reads them);
 - memcpy: one copy of the batch's true bytes (latents + texts, unpadded) into a fresh buffer: the ceiling.
 
 And the example's step (``examples/train_text_to_image.py``, tiny models on the CPU): median step
@@ -67,13 +68,14 @@ def write_pairs(folder: str, latents, captions, caption_of) -> None:
 
 
 def read_pairs(folder: str, batch, pad: bool = True) -> dict:
+    """The per-item pairs as one batch: the texts padded (``pad_sequence``) or concatenated."""
     from safetensors.torch import load_file
 
     zs, texts = [], []
     for i in batch:
         zs.append(load_file(os.path.join(folder, f"k{i:06d}_latent.safetensors"))["latents_32x32_float16"])
         texts.append(load_file(os.path.join(folder, f"k{i:06d}_te.safetensors"))["varlen_t5_bf16"])
-    return {"latent": torch.stack(zs), "text": torch.nn.utils.rnn.pad_sequence(texts, batch_first=True) if pad else texts}
+    return {"latent": torch.stack(zs), "text": torch.nn.utils.rnn.pad_sequence(texts, batch_first=True) if pad else torch.cat(texts)}
 
 
 def disk(folder: str) -> tuple[int, int]:
@@ -137,15 +139,15 @@ def run_report(quick: bool = False, runs: int = 3) -> dict:
 
         readers = {"latentfast": lf, "latentfast 1 thread": lambda b: _one_thread(lf, b),
                    "musubi pairs": lambda b: read_pairs(pairs, b), "latentfast packed": lf_packed,
-                   "musubi pairs list": lambda b: read_pairs(pairs, b, pad=False), "memcpy": memcpy}
+                   "musubi pairs cat": lambda b: read_pairs(pairs, b, pad=False), "memcpy": memcpy}
         for batch in batches:  # the same values from every reader; every file read once (hot)
             a, b, c = lf(batch), read_pairs(pairs, batch), lf_packed(batch)
             assert torch.equal(a["latent"], b["latent"]) and torch.equal(a["text"].view(torch.int16), b["text"].view(torch.int16))
-            listed = torch.cat(read_pairs(pairs, batch, pad=False)["text"])
-            assert torch.equal(c["latent"], b["latent"]) and torch.equal(c["text"].view(torch.int16), listed.view(torch.int16))
+            joined = read_pairs(pairs, batch, pad=False)["text"]
+            assert torch.equal(c["latent"], b["latent"]) and torch.equal(c["text"].view(torch.int16), joined.view(torch.int16))
         evictors = {"latentfast": lambda: evict_all(shared), "latentfast 1 thread": lambda: evict_all(shared),
                     "musubi pairs": lambda: evict_all(pairs), "latentfast packed": lambda: evict_all(shared),
-                    "musubi pairs list": lambda: evict_all(pairs)}
+                    "musubi pairs cat": lambda: evict_all(pairs)}
         result = {"items": n, "dim": dim, "distinct_captions": distinct, "batch": BATCH, "threads": torch.get_num_threads(),
                   "mib_per_batch": statistics.mean(sum(item_bytes[i] for i in b) for b in batches) / 2**20,
                   "padded_mib_per_batch": statistics.mean(sum(v.nbytes for v in lf(b).values()) for b in batches) / 2**20}
@@ -170,7 +172,7 @@ def summarize(per_run: list[dict]) -> dict:
     pairs = [("musubi pairs / latentfast", "musubi pairs", "latentfast"),
              ("musubi pairs / latentfast 1 thread", "musubi pairs", "latentfast 1 thread"),
              ("memcpy / latentfast (share of the ceiling)", "memcpy", "latentfast"),
-             ("musubi pairs list / latentfast packed", "musubi pairs list", "latentfast packed"),
+             ("musubi pairs cat / latentfast packed", "musubi pairs cat", "latentfast packed"),
              ("memcpy / latentfast packed (share of the ceiling)", "memcpy", "latentfast packed")]
     for label, num, den in pairs:
         if num in per_run[0]:
