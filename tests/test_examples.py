@@ -38,15 +38,20 @@ def test_balanced_encode_example_runs_under_torchrun_with_two_gloo_processes(tmp
     assert re.search(r"predicted step: [\d.]+ ms unbalanced -> [\d.]+ ms balanced", proc.stdout), proc.stdout
 
 
-def test_the_readme_shows_the_examples_code():
-    """The README's torchrun block is marked as an excerpt of the script and is, line for line,
-    the script's marked region (so it cannot drift from the code the test above runs)."""
+def assert_readme_quotes(script: pathlib.Path, region: str) -> None:
+    """One README block is marked as an excerpt of ``script`` and is, line for line, its marked
+    ``region`` (so it cannot drift from the code the tests run)."""
     readme = (ROOT / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "examples/balanced_encode.py" in b]
-    assert len(blocks) == 1, "one README block quotes examples/balanced_encode.py"
+    name = f"examples/{script.name}"
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if name in b]
+    assert len(blocks) == 1, f"one README block quotes {name}"
     first, _, body = blocks[0].partition("\n")
-    assert first.startswith("# excerpt of examples/balanced_encode.py")
-    assert body == marked_region(EXAMPLE.read_text(), "balanced-encode")
+    assert first.startswith(f"# excerpt of {name}")
+    assert body == marked_region(script.read_text(), region)
+
+
+def test_the_readme_shows_the_examples_code():
+    assert_readme_quotes(EXAMPLE, "balanced-encode")
 
 
 T2I = ROOT / "examples" / "train_text_to_image.py"
@@ -77,9 +82,4 @@ def test_text_to_image_example_trains_from_the_cache_and_on_the_fly(tmp_path, ca
 
 
 def test_the_readme_shows_the_text_to_image_loop():
-    readme = (ROOT / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "examples/train_text_to_image.py" in b]
-    assert len(blocks) == 1, "one README block quotes examples/train_text_to_image.py"
-    first, _, body = blocks[0].partition("\n")
-    assert first.startswith("# excerpt of examples/train_text_to_image.py")
-    assert body == marked_region(T2I.read_text(), "cache-loop")
+    assert_readme_quotes(T2I, "cache-loop")
