@@ -442,3 +442,19 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.bool:
         return torch.equal(a, b)
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def records_via(folder, format: str, via: str, out_dir=None, **options) -> dict:
+    """``{key: Record}`` of a trainer's cache folder as the tests compare it with the trainer's own loaders:
+    ``via="reader"`` straight from :func:`~latentfast.cache.trainers.open_source`; ``"import"`` /
+    ``"auto"`` imported into a latentfast cache in ``out_dir`` by ``import_latents(format=format / "auto")``
+    and read back from that cache (``cache.record(i)``, ``cache.info(i)``)."""
+    from ..build.importers import import_latents
+    from ..store.reader import LatentCache
+    from . import Record, open_source
+
+    if via == "reader":
+        return {r.key: r for r in open_source(folder, format, **options)}
+    import_latents(folder, out_dir, format=format if via == "import" else "auto", quiet=True, **options)
+    cache = LatentCache(out_dir)
+    return {key: Record(key, cache.record(i), cache.info(i)) for i, key in enumerate(cache.keys)}
