@@ -1,4 +1,4 @@
-"""Import throughput of the trainer-cache readers (records/s) vs the trainer's own bare per-file reads.
+"""Trainer caches: the readers (records/s), ``import_latents`` (items/s) and reads of the imported cache, each vs the trainer's own bare per-file reads.
 
 Run: ``python bench/bench_trainers.py [--items N]``. Each trainer's fixture (latentfast.cache.trainers.
 fixtures, the fixtures' small tensors: the figures measure per-item overhead, not bandwidth) is written
@@ -8,6 +8,15 @@ once to a temp folder; then, median of 5 runs (after 1 warm-up, files in the pag
 - ``trainer reads``: only the bare per-file load call the trainer makes for the same files
   (``np.load`` + every array, ``safetensors.torch.load_file``, ``torch.load``, gzip + ``torch.load``,
   sqlite + seek + ``torch.load``), with none of the pairing, key parsing or dequantizing.
+
+Then, per trainer, median and range of 3 runs:
+
+- ``import``: ``import_latents(folder, out, format=fmt)`` into a fresh folder each run (scan, reads,
+  durable writes with fdatasync, CRC read-back, index): items/s;
+- ``cache epoch``: every item of the imported cache once, in random batches of ``--batch`` items of one
+  shape (a shaped cache's batch), every field read (variable-length ones padded), vs ``trainer reads`` of
+  every file once (an epoch of the trainer's own per-item loads). Both warm (page cache), both build new
+  tensors (read_batch allocates its outputs; the trainer's loads allocate theirs).
 
 Both sides read the same bytes and build new tensors (neither reuses buffers).
 """
@@ -27,6 +36,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from latentfast.cache import LatentCache, import_latents
 from latentfast.cache.trainers import fixtures as fx
 from latentfast.cache.trainers import open_source
 from latentfast.testing import torch_threads
@@ -82,6 +92,63 @@ def _median(fn, repeat=5):
     return statistics.median(samples), min(samples), max(samples)
 
 
+def _batches(cache: LatentCache, batch: int, seed: int = 0) -> list[list[int]]:
+    """Every item once, in random batches of one latent shape (the last of each shape may be smaller)."""
+    rng = np.random.default_rng(seed)
+    groups: dict[tuple, list[int]] = {}
+    for i, shape in enumerate(cache.shapes.tolist()):
+        groups.setdefault(tuple(shape), []).append(i)
+    out = []
+    for members in groups.values():
+        members = rng.permutation(members).tolist()
+        out.extend(members[k:k + batch] for k in range(0, len(members), batch))
+    return [out[k] for k in rng.permutation(len(out))]
+
+
+def _read_epoch(cache: LatentCache, batches, fields, pad: dict) -> None:
+    for indices in batches:
+        cache.read_batch(indices, fields=fields, pad=pad)
+
+
+def _fields_and_pad(cache: LatentCache, batches) -> tuple[tuple, dict, list]:
+    """``(fields read, pad, fields left out)``: a field whose first dimension varies within a batch is padded
+    (0 / False); one that varies past its first dimension (ai-toolkit's ``[1, L]`` masks) cannot be batched."""
+    fields, pad, left_out = [], {}, []
+    for name, f in cache.fields.items():
+        per_batch = [f["shapes"][b] for b in batches]
+        if name != "latent" and f["ndim"] > 1 and any(len(np.unique(s[:, 1:], axis=0)) > 1 for s in per_batch):
+            left_out.append(name)
+            continue
+        fields.append(name)
+        if name != "latent" and f["ndim"] and any(len(np.unique(s[:, 0])) > 1 for s in per_batch):
+            pad[name] = False if f["dtype"] == torch.bool else 0
+    return tuple(fields), pad, left_out
+
+
+def run_import(items: int, batch: int) -> list[tuple]:
+    rows = []
+    for fmt, (write, bare, options) in CASES.items():
+        with tempfile.TemporaryDirectory() as d:
+            write(d, items)
+            folder = os.path.join(d, "c") if fmt == "simpletuner" else d
+            opts = {k: os.path.join(d, v) for k, v in options.items()}
+            runs = []
+
+            def one_import():
+                out = tempfile.mkdtemp(dir=d)
+                import_latents(folder, out, format=fmt, quiet=True, **opts)
+                runs.append(out)
+            imported = _median(one_import, repeat=3)
+            cache = LatentCache(runs[-1])
+            batches = _batches(cache, batch)
+            fields, pad, left_out = _fields_and_pad(cache, batches)
+            ours = _median(lambda: _read_epoch(cache, batches, fields, pad), repeat=3)
+            theirs = _median(lambda: bare(folder), repeat=3)
+            rows.append((fmt, len(cache), len(cache) / imported[0], imported, ours, theirs, theirs[0] / ours[0], left_out,
+                         len(cache) / len(batches)))
+    return rows
+
+
 def run(items: int) -> list[tuple]:
     rows = []
     for fmt, (write, bare, options) in CASES.items():
@@ -99,13 +166,25 @@ def run(items: int) -> list[tuple]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=100, help="images per trainer fixture")
+    parser.add_argument("--batch", type=int, default=16, help="items per read_batch of the imported cache")
     args = parser.parse_args()
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(f"{'format':>15} {'records':>8} {'records/s':>10} {'records s (min-max)':>24} {'trainer reads s (min-max)':>26} {'ratio':>6}")
     with torch_threads(1):
         rows = run(args.items)
     for fmt, count, rate, ours, theirs, ratio in rows:
         print(f"{fmt:>15} {count:>8} {rate:>10.0f} {ours[0]:>8.3f} ({ours[1]:.3f}-{ours[2]:.3f}) "
               f"{theirs[0]:>10.3f} ({theirs[1]:.3f}-{theirs[2]:.3f}) {ratio:>6.2f}")
+    print()
+    print(f"{'format':>15} {'items':>6} {'batch':>6} {'import items/s':>15} {'import s (min-max)':>22} "
+          f"{'cache epoch s (min-max)':>26} {'trainer reads s (min-max)':>26} {'trainer / cache':>16}")
+    with torch_threads(1):
+        rows = run_import(args.items, args.batch)
+    for fmt, count, rate, imported, ours, theirs, ratio, left_out, per_batch in rows:
+        print(f"{fmt:>15} {count:>6} {per_batch:>6.1f} {rate:>15.0f} {imported[0]:>9.3f} ({imported[1]:.3f}-{imported[2]:.3f}) "
+              f"{ours[0]:>12.4f} ({ours[1]:.4f}-{ours[2]:.4f}) {theirs[0]:>12.4f} ({theirs[1]:.4f}-{theirs[2]:.4f}) {ratio:>16.1f}"
+              + (f"   (not batched: {', '.join(left_out)})" if left_out else ""))
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
 
 
 if __name__ == "__main__":
