@@ -113,6 +113,25 @@ def test_resume_and_edits(tmp_path):
     assert np.array_equal(cache[cache.keys.index(names(7)[0])].numpy(), zs[0].astype(np.float16))
 
 
+def test_other_files_are_listed_bf16_npz_bits_are_read_and_a_truncated_pt_is_named(tmp_path):
+    src = tmp_path / "src"
+    write_npz(str(src), latents(n=2))
+    write_safetensors(str(tmp_path / "st"), latents(n=1))
+    os.replace(tmp_path / "st" / "img_00.safetensors", src / "other.safetensors")
+    bits = torch.full((4, 1, 2), 2.5, dtype=torch.bfloat16)
+    np.savez(src / "bf16.npz", latents=bits.view(torch.int16).numpy().view("V2"))
+    stats = {}
+    import_latents(str(src), str(tmp_path / "out"), format="npz", quiet=True, stats=stats)
+    assert stats["summary"] == "npz: 3 files; skipped 1 files not .npz" and stats["skipped"][0][0].endswith("other.safetensors")
+    cache = LatentCache(tmp_path / "out")
+    assert cache[cache.index("bf16")].tolist() == [[[2.5, 2.5]]] * 4
+    torch.save(torch.zeros(4, 2, 2), tmp_path / "x.pt")
+    os.makedirs(tmp_path / "pt")
+    (tmp_path / "pt" / "x.pt").write_bytes((tmp_path / "x.pt").read_bytes()[:300])
+    with pytest.raises(CacheError, match=r"cannot read pt latents from .*x\.pt: .*truncated"):
+        import_latents(str(tmp_path / "pt"), str(tmp_path / "out2"), format="pt", quiet=True)
+
+
 def test_import_errors(tmp_path):
     src = tmp_path / "src"
     os.makedirs(src)

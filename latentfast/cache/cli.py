@@ -255,11 +255,11 @@ def run_import(args) -> int:
     path = import_latents(args.source_dir, args.out, args.split, format=args.format, key=args.key, quiet=args.quiet,
                           lock_timeout=args.lock_timeout, stats=stats, **trainer)
     if not args.quiet:
-        unit = "items" if "summary" in stats else "files"
+        unit = "items" if "evidence" in stats else "files"
         what = "unchanged" if stats.get("unchanged") else f"{stats['imported']} {unit} imported, {stats['resumed']} resumed"
-        if "summary" in stats:
+        if "evidence" in stats:
             print(stats["evidence"])
-            print(stats["summary"])
+        print(stats["summary"])
         print(f"latent cache written: {path} ({what})")
     return 0
 

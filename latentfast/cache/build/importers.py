@@ -33,6 +33,7 @@ from ..store import format as fmt
 from ..store.durable import BuildLock, content_hash
 from ..store.writer import LatentCacheWriter, encoder_identity, open_for_sources
 from .. import trainers
+from ..trainers.common import array_to_tensor, load_pt
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
 TRAINER_FORMATS = (*trainers.FORMATS, "auto")
@@ -86,7 +87,7 @@ def _pick(path: str, names: list[str], key: str | None, default_prefix: str) -> 
 def _read_npz(path: str, key: str | None):
     with np.load(path, allow_pickle=False) as archive:
         name = _pick(path, list(archive.files), key, "latents")
-        latent = archive[name]
+        latent = array_to_tensor(archive[name], path, name)  # bf16 bits saved by numpy (|V2) read as bfloat16
         info = {k: archive[k].tolist() for k in archive.files
                 if k != name and archive[k].size <= INFO_MAX_ELEMENTS and archive[k].dtype.kind in "iuf"}
     return latent, info
@@ -101,7 +102,7 @@ def _read_safetensors(path: str, key: str | None):
 
 
 def _read_pt(path: str, key: str | None):
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    obj = load_pt(path)  # gzip'd or not; a truncated file is named as such
     if isinstance(obj, torch.Tensor):
         if key is not None:
             raise InvalidArgumentError(f"{path} holds a bare tensor, not a dict with {key!r}")
@@ -148,6 +149,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     files = list_latent_files(source_dir, format)
     if not files:
         raise InvalidArgumentError(f"source_dir {source_dir} holds no .{format} files")
+    others = _other_files(source_dir, FORMATS[format])
     meta = {"kind": "import", "import_format": format, "import_key": key, "source": os.path.abspath(os.fspath(source_dir))}
     digests = [content_hash(path) for _, path in files]
     lock = BuildLock(out_dir, split, lock_timeout)
@@ -155,7 +157,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         if _unchanged(out_dir, split, encoder_identity(encoder), meta, files, digests):
             lock.release()
             if stats is not None:
-                stats.update(imported=0, resumed=0, unchanged=True)
+                stats.update(imported=0, resumed=0, unchanged=True, **_listed(format, files, others))
             return fmt.cache_path(out_dir, split, "data")
         writer = open_for_sources(out_dir, split, encoder=encoder, meta=meta, lock=lock,
                                   digests={k: d for (k, _), d in zip(files, digests)})
@@ -171,8 +173,24 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
             writer.append(name, latent, source_hash=digest, info=info)
             done += 1
     if stats is not None:
-        stats.update(imported=done, resumed=resumed, unchanged=False)
+        stats.update(imported=done, resumed=resumed, unchanged=False, **_listed(format, files, others))
     return fmt.cache_path(out_dir, split, "data")
+
+
+def _listed(format: str, files: list, others: list[str]) -> dict:
+    """``skipped`` and the one-line ``summary`` of an extension import."""
+    what = f"files not {FORMATS[format]}"
+    return {"skipped": [(p, what) for p in others],
+            "summary": f"{format}: {len(files)} files" + (f"; skipped {len(others)} {what}" if others else "")}
+
+
+def _other_files(source_dir, extension: str) -> list[str]:
+    """The files under ``source_dir`` an extension import does not read (listed, never dropped silently)."""
+    found = []
+    for folder, dirs, files in os.walk(os.fspath(source_dir)):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found.extend(os.path.join(folder, f) for f in files if not f.startswith(".") and not f.endswith(extension))
+    return sorted(found)
 
 
 def _unchanged(out_dir, split, identity, meta, files, digests) -> bool:
