@@ -275,6 +275,9 @@ def test_scaled_needs_factors_that_agree_and_vae_latents(tmp_path):
     vae = {"normalization": {"scaling_factor": 1.5305, "shift_factor": 0.0609}}  # an encoder's identity: the same factors
     import_latents(tmp_path / "kohya", tmp_path / "o3", format="kohya", scaled=True, encoder=vae, quiet=True)
     assert LatentCache(tmp_path / "o3").meta["encoder"] == vae
+    wan = {"normalization": {"scaling_factor": 1.0, "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}}
+    with pytest.raises(InvalidArgumentError, match="per-channel latents_mean / latents_std"):
+        import_latents(tmp_path / "kohya", tmp_path / "o8", format="kohya", scaled=True, encoder=wan, quiet=True)
     fx.write_ai_toolkit(tmp_path / "ai", n=1, resolutions=(64,), uint8=True)
     with pytest.raises(InvalidArgumentError, match=r"its latents are 'pixels' \(neither scaled nor raw VAE latents\)"):
         import_latents(tmp_path / "ai", tmp_path / "o4", format="ai-toolkit", scaled=True, scaling_factor=1.0, quiet=True)

@@ -125,8 +125,9 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     ``scaled`` (trainer formats): None keeps the trainer's latent convention; True stores latents
     scaled, ``(z - shift_factor) * scaling_factor``, False raw, converting those stored the other way
     (the factors: ``scaling_factor=`` / ``shift_factor=``, else what the trainer's files say, else
-    ``encoder``'s normalization). ``stats`` also receives ``format``, ``evidence``, ``skipped`` (a list of
-    ``(path, reason)``) and ``summary`` (one line).
+    ``encoder``'s normalization). ``stats`` also receives ``skipped`` (a list of ``(path, reason)``) and
+    ``summary`` (one line), and for trainer formats ``format``, ``evidence`` (what detection found) and
+    ``convention`` (what the stamp's ``latent_convention`` says).
 
     ``key``: the entry holding the latent (npz array name, safetensors tensor name, or the key of a
     ``.pt`` dict); by default ``latents`` / the one tensor named ``latent...`` / the only entry.
@@ -228,7 +229,7 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
     try:
         if _records_unchanged(out_dir, split, identity, meta, source, convert, convention):
             lock.release()
-            _report(stats, source, imported=0, resumed=0, unchanged=True)
+            _report(stats, source, imported=0, resumed=0, unchanged=True, convention=convention)
             return fmt.cache_path(out_dir, split, "data")
         writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock)
     except BaseException:
@@ -257,7 +258,7 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
     except BaseException:
         writer.__exit__(*sys.exc_info())  # flushed and resumable: a rerun continues after the last logged item
         raise
-    _report(stats, source, imported=done, resumed=resumed, unchanged=False)
+    _report(stats, source, imported=done, resumed=resumed, unchanged=False, convention=convention)
     return fmt.cache_path(out_dir, split, "data")
 
 
@@ -286,6 +287,9 @@ def latent_conversion(found: dict, scaled, scaling_factor, shift_factor, identit
     if kind not in ("scaled", "raw"):
         raise InvalidArgumentError(f"{root}: its latents are {kind!r} (neither scaled nor raw VAE latents): scaled={scaled} "
                                    f"cannot convert them")
+    if "latents_mean" in ((identity or {}).get("normalization") or {}):
+        raise InvalidArgumentError(f"{root}: the encoder normalizes with per-channel latents_mean / latents_std (Wan, "
+                                   f"Qwen-Image, LTX): scaled= converts only (z - shift_factor) * scaling_factor latents")
     if scale is None:
         raise InvalidArgumentError(f"{root}: scaled={scaled} converts {kind} latents, which needs the VAE config's scaling_factor: "
                                    f"pass scaling_factor= (and shift_factor=) or encoder= (the trainer's files do not say)")
@@ -296,7 +300,8 @@ def latent_conversion(found: dict, scaled, scaling_factor, shift_factor, identit
 
 def _one_factor(name: str, given, found, identity, root: str):
     """A VAE factor: the one passed, else the trainer's, else the encoder's; two that disagree raise."""
-    from_encoder = ((identity or {}).get("normalization") or {}).get(name)
+    normalization = (identity or {}).get("normalization") or {}
+    from_encoder = None if "latents_mean" in normalization else normalization.get(name)  # per-channel: not these factors
     known = [(w, float(v)) for w, v in (("passed", given), ("the trainer's files", found), ("the encoder", from_encoder)) if v is not None]
     if len({v for _, v in known}) > 1:
         raise InvalidArgumentError(f"{root}: {name} disagrees: " + ", ".join(f"{w} {v!r}" for w, v in known))
