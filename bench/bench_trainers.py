@@ -2,7 +2,8 @@
 
 Run: ``python bench/bench_trainers.py [--items N]``. Each trainer's fixture (latentfast.cache.trainers.
 fixtures, the fixtures' small tensors: the figures measure per-item overhead, not bandwidth) is written
-once to a temp folder; then, median of 5 runs (after 1 warm-up, files in the page cache), we time
+once to a temp folder (musubi-tuner and SimpleTuner items in 8 latent sizes, as buckets give; the other
+fixtures have their own bucket sets); then, median of 5 runs (after 1 warm-up, files in the page cache), we time
 
 - ``records``: ``open_source(folder, fmt)`` and iterating every record (scan + all reads, text included);
 - ``trainer reads``: only the bare per-file load call the trainer makes for the same files
@@ -74,9 +75,9 @@ def _shard_reads(folder):
 
 CASES = {  # format: (writer(folder, n), bare reads, reader options)
     "kohya": (lambda d, n: fx.write_kohya(d, arch="flux", n=n), _npz_reads, {}),
-    "musubi-tuner": (lambda d, n: fx.write_musubi(d, kind="wan_i2v", n=n), _safetensors_reads, {}),
+    "musubi-tuner": (lambda d, n: fx.write_musubi(d, kind="wan_i2v", n=n, buckets=8), _safetensors_reads, {}),
     "ai-toolkit": (lambda d, n: fx.write_ai_toolkit(d, n=n, uint8=True), _safetensors_reads, {}),
-    "simpletuner": (lambda d, n: fx.write_simpletuner(os.path.join(d, "c"), os.path.join(d, "i"), n=n), _pt_reads,
+    "simpletuner": (lambda d, n: fx.write_simpletuner(os.path.join(d, "c"), os.path.join(d, "i"), n=n, buckets=8), _pt_reads,
                     {"images": "i"}),
     "diffusion-pipe": (lambda d, n: fx.write_diffusion_pipe(d, n=n, shard_size_bytes=1 << 20), _shard_reads, {}),
 }

@@ -21,6 +21,8 @@ an import is crash-safe and resumable, and rerunning it over unchanged files wri
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from typing import Any
@@ -277,13 +279,13 @@ def is_vae_latent(name: str, value: torch.Tensor) -> bool:
 def latent_conversion(found: dict, scaled, scaling_factor, shift_factor, identity, root: str):
     """``(convert, convention)``: the function taking a latent of the source's convention to the cache's
     (None: kept as stored) and the cache's convention (what the stamp records)."""
+    if scaled is not None and not isinstance(scaled, bool):
+        raise InvalidArgumentError(f"scaled must be True, False or None (keep the trainer's convention), got {scaled!r}")
     kind = found.get("latent_convention", "unknown")
     scale = _one_factor("scaling_factor", scaling_factor, found.get("scaling_factor"), identity, root)
     shift = _one_factor("shift_factor", shift_factor, found.get("shift_factor"), identity, root)
-    if scaled is None or (kind == "scaled") == bool(scaled) and kind in ("scaled", "raw"):
+    if scaled is None or (kind == "scaled") == scaled and kind in ("scaled", "raw"):
         return None, {"latent_convention": kind, "scaling_factor": scale, "shift_factor": shift}
-    if not isinstance(scaled, bool):
-        raise InvalidArgumentError(f"scaled must be True, False or None (keep the trainer's convention), got {scaled!r}")
     if kind not in ("scaled", "raw"):
         raise InvalidArgumentError(f"{root}: its latents are {kind!r} (neither scaled nor raw VAE latents): scaled={scaled} "
                                    f"cannot convert them")
@@ -328,9 +330,6 @@ def _as_stored(record, convert, convention) -> tuple[dict, dict]:
 
 def record_hash(fields: dict, info: dict) -> bytes:
     """BLAKE2b-128 of a record: each field's name, dtype, shape and bytes, and the info (what a rerun compares)."""
-    import hashlib
-    import json
-
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(fields):
         value = fields[name].detach().to("cpu").contiguous()
