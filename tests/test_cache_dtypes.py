@@ -154,3 +154,16 @@ def test_the_device_path_returns_the_stored_dtype(tmp_path, dtype):
     assert batch.device.type == "cuda" and same_bits(batch.cpu(), torch.stack([latents[3], latents[0], latents[1]]))
     as_f32, _ = cache.read_batch([2, 4], device="cuda", dtype=torch.float32)
     assert same_bits(as_f32.cpu(), torch.stack([latents[2], latents[4]]).float())
+
+
+def test_dataloader_workers_read_bfloat16_records(tmp_path):
+    from latentfast.cache import batch_loader
+
+    latents, texts = _write(tmp_path, torch.bfloat16)
+    cache = LatentCache(tmp_path)
+    batches = [[0, 3], [2, 4], [1]]
+    loader = batch_loader(cache, batches, fields=("latent", "text"), pad={"text": 0.0}, num_workers=2,
+                          multiprocessing_context="fork")
+    for indices, batch in zip(batches, loader):
+        assert batch["index"].tolist() == indices
+        assert same_bits(batch["latent"], torch.stack([latents[i] for i in indices]))
