@@ -135,41 +135,42 @@ def _fields_and_pad(cache: LatentCache, batches) -> tuple[tuple, dict, list]:
     return tuple(fields), pad, left_out
 
 
-def run_import(items: int, batch: int) -> list[tuple]:
-    rows = []
+def _fixtures(items: int):
+    """``(format, folder, reader options, bare reads, temp dir)`` of each trainer's fixture, written to a temp dir."""
     for fmt, (write, bare, options) in CASES.items():
         with tempfile.TemporaryDirectory() as d:
             write(d, items)
             folder = os.path.join(d, "c") if fmt == "simpletuner" else d
-            opts = {k: os.path.join(d, v) for k, v in options.items()}
-            runs = []
+            yield fmt, folder, {k: os.path.join(d, v) for k, v in options.items()}, bare, d
 
-            def one_import():
-                out = tempfile.mkdtemp(dir=d)
-                import_latents(folder, out, format=fmt, quiet=True, **opts)
-                runs.append(out)
-            imported = _median(one_import, repeat=3)
-            cache = LatentCache(runs[-1])
-            batches = _batches(cache, batch)
-            fields, pad, left_out = _fields_and_pad(cache, batches)
-            ours = _median(lambda: _read_epoch(cache, batches, fields, pad, left_out), repeat=3)
-            theirs = _median(lambda: bare(folder), repeat=3)
-            rows.append((fmt, len(cache), len(cache) / imported[0], imported, ours, theirs, theirs[0] / ours[0], left_out,
-                         len(cache) / len(batches)))
+
+def run_import(items: int, batch: int) -> list[tuple]:
+    rows = []
+    for fmt, folder, opts, bare, d in _fixtures(items):
+        runs = []
+
+        def one_import():
+            out = tempfile.mkdtemp(dir=d)
+            import_latents(folder, out, format=fmt, quiet=True, **opts)
+            runs.append(out)
+        imported = _median(one_import, repeat=3)
+        cache = LatentCache(runs[-1])
+        batches = _batches(cache, batch)
+        fields, pad, left_out = _fields_and_pad(cache, batches)
+        ours = _median(lambda: _read_epoch(cache, batches, fields, pad, left_out), repeat=3)
+        theirs = _median(lambda: bare(folder), repeat=3)
+        rows.append((fmt, len(cache), len(cache) / imported[0], imported, ours, theirs, theirs[0] / ours[0], left_out,
+                     len(cache) / len(batches)))
     return rows
 
 
 def run(items: int) -> list[tuple]:
     rows = []
-    for fmt, (write, bare, options) in CASES.items():
-        with tempfile.TemporaryDirectory() as d:
-            write(d, items)
-            folder = os.path.join(d, "c") if fmt == "simpletuner" else d
-            opts = {k: os.path.join(d, v) for k, v in options.items()}
-            count = len(open_source(folder, fmt, **opts))
-            ours = _median(lambda: sum(1 for _ in open_source(folder, fmt, **opts)))
-            theirs = _median(lambda: bare(folder))
-            rows.append((fmt, count, count / ours[0], ours, theirs, ours[0] / theirs[0]))
+    for fmt, folder, opts, bare, _ in _fixtures(items):
+        count = len(open_source(folder, fmt, **opts))
+        ours = _median(lambda: sum(1 for _ in open_source(folder, fmt, **opts)))
+        theirs = _median(lambda: bare(folder))
+        rows.append((fmt, count, count / ours[0], ours, theirs, ours[0] / theirs[0]))
     return rows
 
 

@@ -254,7 +254,11 @@ def test_scaled_converts_kohya_raw_latents_to_simpletuners_scaled_bit_for_bit(tm
     import_latents(tmp_path / "st", tmp_path / "st_kept", format="simpletuner", scaling_factor=scale, shift_factor=shift, quiet=True)
     import_latents(tmp_path / "st", tmp_path / "st_raw", format="simpletuner", scaled=False, scaling_factor=scale,
                    shift_factor=shift, quiet=True)
+    assert cache_cli(["cache", "import", str(tmp_path / "st"), "--out", str(tmp_path / "st_raw_cli"), "--format", "simpletuner",
+                      "--convention", "raw", "--scaling-factor", str(scale), "--shift-factor", str(shift), "--quiet"]) == 0
     k_scaled, st_kept, st_raw = (LatentCache(tmp_path / n) for n in ("k_scaled", "st_kept", "st_raw"))
+    assert LatentCache(tmp_path / "st_raw_cli").meta["latent_convention"] == st_raw.meta["latent_convention"]
+    assert all(fx.same_bits(LatentCache(tmp_path / "st_raw_cli")[i], st_raw[i]) for i in range(len(zs)))
     for i, z in enumerate(zs):
         assert fx.same_bits(k_scaled[i], st_kept[i]) and fx.same_bits(k_scaled[i], (z - shift) * scale)
         assert fx.same_bits(k_scaled.record(i)["latent"], (z - shift) * scale)
