@@ -1,4 +1,4 @@
-"""Import per-item latent files (one file per image or clip) into one shaped cache.
+"""Import a trainer's cache folder, or per-item latent files of other tools, into one shaped cache.
 
 Trainer formats (``"kohya"``, ``"musubi-tuner"``, ``"ai-toolkit"``, ``"simpletuner"``, ``"diffusion-pipe"``
 and ``"auto"``, which detects one): the trainer's whole cache folder read as that trainer's loader reads
@@ -6,12 +6,14 @@ it (:mod:`latentfast.cache.trainers`), each item one record -- the latent, its f
 latents, masks and the item's text-encoder outputs as ``text_*`` fields, every field in its source
 dtype (bfloat16 stays bfloat16) -- with the file's metadata and sizes as item info, keys the image's
 stem. What is not imported is listed (``stats["skipped"]``, one summary line). The stamp records the
-format, what detection found, and the latent convention (``latent_convention``: scaled by the VAE
-config's ``scaling_factor`` / ``shift_factor``, or raw); ``scaled=`` converts on import so one cache
-never mixes conventions.
+trainer (``import_format``, also when detected) and the latent convention (``latent_convention``:
+scaled by the VAE config's ``scaling_factor`` / ``shift_factor``, or raw); ``scaled=`` converts on
+import so one cache never mixes conventions. Each item's source hash is that of its record (fields and
+info): a rerun resumes an interrupted import, starts over if an item written before has changed, and
+writes nothing when every record is unchanged (it reads them all to know).
 
-Extension formats (the generic path for other tools): ``"npz"`` (kohya sd-scripts: arrays ``latents`` and, kept as item info, small ones such as
-``original_size`` and ``crop_ltrb``), ``"safetensors"`` (musubi-tuner, ai-toolkit: a tensor whose
+Extension formats (the generic path for other tools): ``"npz"`` (kohya sd-scripts: arrays ``latents``
+and, kept as item info, small ones such as ``original_size`` and ``crop_ltrb``), ``"safetensors"`` (musubi-tuner, ai-toolkit: a tensor whose
 name starts with ``latent``, e.g. ``latents_1x64x64_bfloat16``) and ``"pt"`` (SimpleTuner:
 ``torch.save`` of a tensor, or of a dict holding it). Files are taken in sorted order of their
 path relative to ``source_dir`` (walked recursively); an item's key is that path without its

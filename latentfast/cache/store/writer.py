@@ -106,7 +106,7 @@ class LatentCacheWriter:
             (the writer releases it when done) instead of taking one.
         restart: discard an interrupted run's progress instead of resuming it.
 
-    Every latent must share the first one's ``ndim`` and channel count (``shape[0]``); keys are
+    Every latent must share the first one's ``ndim``, channel count (``shape[0]``) and dtype; keys are
     unique non-empty strings. ``key in writer`` tells whether a key is already written (durably or
     pending); :attr:`resumed` whether an interrupted run was picked up.
     """
