@@ -379,7 +379,7 @@ class _Runner:
                 for items in self.previous.field_items.values():
                     items.check(np.asarray([index]))
                 record = self.previous.record(index)
-                if zlib.crc32(record["latent"].numpy()) != crc:
+                if zlib.crc32(record["latent"].reshape(-1).view(torch.uint8).numpy()) != crc:  # (bytes: any latent dtype)
                     raise CacheError(f"item {item.key!r}: its bytes fail their CRC-32 checksum")
                 self.writer.append(item.key, record, source_hash=item.digest, info=self.previous.info(index))
             else:
