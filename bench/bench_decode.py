@@ -42,6 +42,7 @@ Run:  python bench/bench_decode.py [--quick] [--hot-only | --cold-only | --conte
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -308,11 +309,20 @@ CONTENDED_GEOMETRY = (16, 8, 128)  # 32 KiB rows, every row full width
 BUSY_LOOP = "while True:\n    pass\n"
 
 
-def busy_processes(count: int) -> list:
-    """``count`` processes that each keep a core busy (what DataLoader workers and other ranks do)."""
+@contextlib.contextmanager
+def busy_cores(count: int):
+    """``count`` processes that each keep a core busy (what DataLoader workers and other ranks do), for
+    the ``with`` block (started and spinning before it runs, killed after)."""
     import subprocess
 
-    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    try:
+        time.sleep(0.2 if count else 0)  # the busy loops are running
+        yield
+    finally:
+        for proc in loops:
+            proc.kill()
+            proc.wait()
 
 
 def measure_contended(root: str, busy_counts=(0, 1), n_batches: int = 24, repeats: int = 7) -> dict:
@@ -331,16 +341,10 @@ def measure_contended(root: str, busy_counts=(0, 1), n_batches: int = 24, repeat
                  "per-row reader": (1, lambda idx: per_row_reader(padded, idx))}
     table = {}
     for busy in busy_counts:
-        loops = busy_processes(busy)
-        try:
-            time.sleep(0.2)  # the busy loops are running
+        with busy_cores(busy):
             for name, (threads, fn) in providers.items():
                 with torch_threads(threads):
                     table.setdefault(name, {})[busy] = [t * 1e3 for t in pass_times(fn, batches, repeats)]
-        finally:
-            for proc in loops:
-                proc.kill()
-                proc.wait()
     return {"geometry": dict(zip(("channels", "latent_h", "w_max"), CONTENDED_GEOMETRY)), "cores": os.cpu_count(),
             "default_threads": default_threads, "busy_counts": list(busy_counts), "ms_per_batch": table}
 
@@ -385,18 +389,12 @@ def per_call_overhead(root: str, rounds: int = 7, busy: int = 0) -> dict:
     small = np.array([3, 77, 12, 200])
     calls["read_batch of 4 rows (4x8x32)"] = lambda: read_batch(cache, small)
     table = {}
-    loops = busy_processes(busy)
-    try:
-        time.sleep(0.2 if busy else 0)  # the busy loops are running
+    with busy_cores(busy):
         for name, call in calls.items():
             samples = cpu_us_per_call(call, rounds=rounds)
             table[name] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
             print(f"{name}, busy={busy}: {table[name]['us_median']:.2f} us per call "
                   f"[{table[name]['us_min']:.2f}-{table[name]['us_max']:.2f}]")
-    finally:
-        for proc in loops:
-            proc.kill()
-            proc.wait()
     return table
 
 

@@ -347,13 +347,11 @@ def per_call_report(rounds: int = 7, busy: int = 0) -> dict:
     no work to speak of), CPU: the fixed cost of the dispatch and of entering the compiled kernel, in
     thread CPU time (see cpu_us_per_call), median [min-max] of ``rounds`` rounds. ``busy``: that many
     other processes spin on a core meanwhile (bench_decode's contended setting)."""
-    from latentfast.bench.bench_decode import busy_processes
+    from latentfast.bench.bench_decode import busy_cores
 
     grads, arena = [torch.randn(1, 2, 4)], torch.empty(16)
     table = {}
-    loops = busy_processes(busy)
-    try:
-        time.sleep(0.2 if busy else 0)  # the busy loops are running
+    with busy_cores(busy):
         for backend, why in backends.availability("scatter_cotangents_into", "cpu").items():
             if why:
                 continue
@@ -362,10 +360,6 @@ def per_call_report(rounds: int = 7, busy: int = 0) -> dict:
             table[backend] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
             print(f"scatter_cotangents_into per call, backend={backend}, busy={busy}: {table[backend]['us_median']:.2f} us "
                   f"[{table[backend]['us_min']:.2f}-{table[backend]['us_max']:.2f}]")
-    finally:
-        for proc in loops:
-            proc.kill()
-            proc.wait()
     return table
 
 
