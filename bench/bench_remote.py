@@ -16,6 +16,11 @@ batches of an epoch's permutation: no item twice). Per configuration, ``--runs``
 - warm: the same batches again from the filled local chunk cache;
 - local file: ``preadv`` of the same rows from the cache's own data file (page cache hot), the
   target a warm chunk cache should reach. Warm and local: the median of 5 interleaved passes per run.
+- LatentCache s3://, cold / cold + lookahead / warm: ``LatentCache("s3://...", local_cache=...)
+  .read_batch(rows)`` (float16 ``[64, 16, 32, 128]`` batches; the lookahead is ``cache.prefetch`` of
+  batch k+1 before reading batch k, what ``LookaheadSampler`` does), against
+- LatentCache local: ``read_batch`` of the same rows from the local cache (page cache hot): the
+  issue's "warm local chunk cache >= 0.9x a local cache" compares these two (5 interleaved passes).
 
 - mosaic streaming / litdata (when installed: ``pip install 'latentfast[bench-compare]'``), over the
   same server and rows: an MDS dataset written by ``MDSWriter`` (defaults: 64 MiB shards) read by
@@ -32,7 +37,7 @@ the network and its ratio to the bytes the batches use; then ours over the best 
 
     python bench/bench_remote.py [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
 
-``run_report(quick)`` is the ``latentfast bench`` suite interface (not yet in its SUITES list).
+``run_report(quick)`` is the ``latentfast bench`` suite interface (suite ``remote``).
 """
 from __future__ import annotations
 
@@ -49,8 +54,10 @@ import tempfile
 import time
 
 import numpy as np
+import torch
 
 from latentfast.bench.common import format_table
+from latentfast.cache import LatentCache
 from latentfast.cache.remote import RemoteReader, push
 from latentfast.testing import free_port, write_random_cache
 
@@ -168,6 +175,57 @@ def run_local(path: str, batches, row: int, out: np.ndarray):
     finally:
         os.close(fd)
     return total, first, 0
+
+
+def run_latent_cache(open_cache, batches, lookahead=False, cache=None):
+    """``read_batch`` of each batch from a :class:`LatentCache` (``open_cache()`` on the first, timed);
+    returns (seconds, first, bytes fetched, the cache, the last batch)."""
+    last = []
+
+    def read_batch(k):
+        nonlocal cache
+        if cache is None:
+            cache = open_cache()
+        if lookahead and k + 1 < len(batches):
+            cache.prefetch(batches[k + 1])
+        last[:] = [cache.read_batch(batches[k])[0]]
+
+    def fetched():
+        return 0 if cache is None or cache.remote is None else cache.remote.reader.stats["bytes_fetched"]
+
+    before = fetched()
+    total, first = timed(read_batch, batches)
+    return total, first, fetched() - before, cache, last[0]
+
+
+def latent_cache_runs(url, options, folder, batches, row, scratch) -> dict:
+    """{config: (seconds, first, bytes)} of LatentCache over s3:// (cold, cold + lookahead, warm) and local."""
+    local = LatentCache(folder)
+    want = local.read_batch(batches[-1])[0]
+
+    def check(tag, got):
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            raise AssertionError(f"{tag}: the last batch differs from the local cache's")
+
+    budget = 4 * len(batches) * len(batches[0]) * row
+    results = {}
+    for tag, lookahead in (("cold", False), ("cold + lookahead", True)):
+        opened = lambda: LatentCache(url, storage_options=options, local_cache=tempfile.mkdtemp(dir=scratch), local_cache_bytes=budget)  # noqa: E731
+        run = run_latent_cache(opened, batches, lookahead)
+        check(f"LatentCache s3://, {tag}", run[4])
+        results[f"LatentCache s3://, {tag}"] = run[:3]
+    warm, plain = [], []
+    run_latent_cache(None, batches, cache=local)  # page cache hot
+    for _ in range(PASSES):  # interleaved, so both see the same load on a shared machine
+        got = run_latent_cache(None, batches, cache=run[3])
+        check("LatentCache s3://, warm", got[4])
+        warm.append(got[:3])
+        got = run_latent_cache(None, batches, cache=local)
+        check("LatentCache local", got[4])
+        plain.append(got[:3])
+    results["LatentCache s3://, warm"] = tuple(statistics.median(x) for x in zip(*warm))
+    results["LatentCache local"] = tuple(statistics.median(x) for x in zip(*plain))
+    return results
 
 
 # ---- peers: mosaic streaming and litdata over the same server and rows --------------------------
@@ -321,6 +379,7 @@ def one_run(url, options, path, batches, row, scratch, peers=False):
         check("local file")
     results["warm"] = tuple(statistics.median(x) for x in zip(*warm))
     results["local file"] = tuple(statistics.median(x) for x in zip(*plain))
+    results.update(latent_cache_runs(url, options, os.path.dirname(path), batches, row, scratch))
     if peers:
         results.update(peer_runs(options, batches, row, out, scratch, check))
     return results
@@ -342,8 +401,10 @@ def summarize(runs: list[dict], n_items: int, used: int) -> str:
         rows.append([config, fmt(rate), fmt(ratio), fmt(first, 1000), mib, share])
     header = ["config", "items/s median [range]", "x ceiling", "first batch ms", "MiB fetched", "fetched / used"]
     warm_vs_local = [r["local file"][0] / r["warm"][0] for r in runs]
+    cache_vs_local = [r["LatentCache local"][0] / r["LatentCache s3://, warm"][0] for r in runs]
     lines = [format_table(f"random batches, {len(runs)} runs", header, rows),
-             f"warm chunk cache / local file (items/s, per run): {fmt(warm_vs_local)}   target >= 0.9"]
+             f"warm chunk cache / local file (items/s, per run): {fmt(warm_vs_local)}",
+             f"LatentCache s3:// warm / LatentCache local (read_batch items/s, per run): {fmt(cache_vs_local)}   target >= 0.9"]
     if "litdata, cold" in runs[0]:
         lines += peer_ratios(runs, fmt)
     return "\n".join(lines)
@@ -355,10 +416,11 @@ def peer_ratios(runs: list[dict], fmt) -> list[str]:
         return pick(r[f"{p}, {kind}"][i] for p in ("mosaic streaming", "litdata"))
 
     lines = []
-    for ours in ("cold", "cold + prefetch"):
+    for ours in ("cold", "cold + prefetch", "LatentCache s3://, cold", "LatentCache s3://, cold + lookahead"):
         lines.append(f"{ours} / best peer cold, items/s: {fmt([best(r, 'cold', 0, min) / r[ours][0] for r in runs])}   target >= 1")
         lines.append(f"{ours} / best peer cold, time to first batch: {fmt([r[ours][1] / best(r, 'cold', 1, min) for r in runs])}   target <= 0.333")
-    lines.append(f"warm / best peer warm, items/s: {fmt([best(r, 'warm', 0, min) / r['warm'][0] for r in runs])}   target >= 1")
+    for ours in ("warm", "LatentCache s3://, warm"):
+        lines.append(f"{ours} / best peer warm, items/s: {fmt([best(r, 'warm', 0, min) / r[ours][0] for r in runs])}   target >= 1")
     return lines
 
 
@@ -376,7 +438,8 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
         if endpoint:
             options = {"endpoint_url": endpoint, "access_key_id": access_key, "secret_access_key": secret_key, "region": "us-east-1"}
         elif not os.path.exists(s3rver):
-            raise SystemExit(f"s3rver not found at {s3rver!r}: npm install s3rver (node >= 14), or pass --s3rver / --endpoint")
+            raise RuntimeError(f"s3rver not found at {s3rver!r}: npm install s3rver (node >= 14) here or put it on PATH, "
+                               f"or pass --s3rver / --endpoint")
         else:
             proc, endpoint, options = start_s3rver(s3rver, os.path.join(scratch, "s3rver"))
         try:

@@ -157,6 +157,14 @@ def _shaped_batch(table, device, dtype, out, backend, cold):
 
 def _copy(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:
     """The batch of ``table`` as ``[B, lines C, h, W]`` of ``dtype`` on the CPU or a CUDA device."""
+    if table.cache.remote is not None:  # a cache in object storage: its rows fetched and held while copied
+        layout.recheck(table)
+        with layout.holding_items(table.cache, table.index_np):
+            return _copy_local(table, on_cpu, device, dtype, out, backend, cold)
+    return _copy_local(table, on_cpu, device, dtype, out, backend, cold)
+
+
+def _copy_local(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:
     if on_cpu:
         return _gather_cpu(table, dtype, out, backend, cold)
     if device.type != "cuda":
