@@ -86,7 +86,7 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         if fields is None or out is not None:
             raise InvalidArgumentError("pad= and pad_to= need fields=, and a batch of fields takes no out=")
         return _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold)
-    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows, out=out,
+    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows and items.remote is None, out=out,
                            dtype=dtype, device=_CPU if on_cpu else device)
     if table.shape is not None:
         batch = _shaped_batch(table, device, dtype, out, backend, cold)

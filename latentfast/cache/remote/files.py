@@ -34,7 +34,7 @@ import numpy as np
 
 from ...errors import InvalidArgumentError
 from ..store import format as fmt
-from .chunks import chunk_indices, now_ns
+from .chunks import now_ns
 from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
 from .reader import RemoteReader
 
@@ -111,22 +111,37 @@ class RemoteFiles:
             raise InvalidArgumentError(f"{path} is not a data file of {self.url}")
         return name
 
+    def _object(self, path: str):
+        """``(object name, its local chunks)`` of a mirror path, memoized per process (a batch's hold
+        must cost microseconds: the warm path is as fast as a local cache's)."""
+        memo = self.__dict__.setdefault("_objects", {})
+        key = (path, os.getpid())
+        if key not in memo:
+            name = self.object_name(path)
+            memo[key] = name, self.reader._chunks(name)
+        return memo[key]
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_objects", None)
+        return state
+
     # ---- holding bytes local --------------------------------------------------------------------
     @contextlib.contextmanager
     def holding(self, path: str, starts, ends, crcs=None):
         """Keep bytes ``[starts[i], ends[i])`` of the data file ``path`` local for the block: their
         chunks fetched (and each span with a ``crcs[i]`` checked if this call fetched any of its
         chunks) and safe from eviction until it ends."""
-        name = self.object_name(path)
+        name, obj = self._object(path)
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        keep = ends > starts
-        starts, ends = starts[keep], ends[keep]
-        crcs = None if crcs is None else np.asarray(crcs)[keep]
+        if not (ends > starts).all():  # (a warm batch of latents skips this: every item has bytes)
+            keep = ends > starts
+            starts, ends, crcs = starts[keep], ends[keep], None if crcs is None else np.asarray(crcs)[keep]
         if not len(starts):
             yield
             return
-        obj = self.reader._chunks(name)
-        chunks = chunk_indices(starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes + 1)
+        first, last = starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes
+        chunks = np.minimum(first[:, None] + np.arange(int((last - first).max()) + 1), last[:, None])  # a row per span
         for _ in range(_HOLD_ATTEMPTS):
             if not obj.present[chunks].all():
                 self.reader._run(self._fetch_checked(name, starts, ends, crcs)).result()
@@ -169,7 +184,7 @@ class RemoteFiles:
 
     def prefetch(self, path: str, starts, ends, crcs=None):
         """Start fetching (and checking) these spans into the local chunk cache; returns a future at once."""
-        name = self.object_name(path)
+        name = self._object(path)[0]
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         keep = ends > starts
         return self.reader._run(self._fetch_checked(name, starts[keep], ends[keep], None if crcs is None else np.asarray(crcs)[keep]))
