@@ -198,7 +198,7 @@ def run_latent_cache(open_cache, batches, lookahead=False, cache=None):
     return total, first, fetched() - before, cache, last[0]
 
 
-def latent_cache_runs(url, options, folder, batches, row, scratch) -> dict:
+def latent_cache_runs(url, options, folder, batches, row, chunks_dir) -> dict:
     """{config: (seconds, first, bytes)} of LatentCache over s3:// (cold, cold + lookahead, warm) and local."""
     local = LatentCache(folder)
     want = local.read_batch(batches[-1])[0]
@@ -210,7 +210,7 @@ def latent_cache_runs(url, options, folder, batches, row, scratch) -> dict:
     budget = 4 * len(batches) * len(batches[0]) * row
     results = {}
     for tag, lookahead in (("cold", False), ("cold + lookahead", True)):
-        opened = lambda: LatentCache(url, storage_options=options, local_cache=tempfile.mkdtemp(dir=scratch), local_cache_bytes=budget)  # noqa: E731
+        opened = lambda: LatentCache(url, storage_options=options, local_cache=tempfile.mkdtemp(dir=chunks_dir), local_cache_bytes=budget)  # noqa: E731
         run = run_latent_cache(opened, batches, lookahead)
         check(f"LatentCache s3://, {tag}", run[4])
         results[f"LatentCache s3://, {tag}"] = run[:3]
@@ -347,7 +347,7 @@ def prepare_peers(path: str, row: int, n: int, scratch: str, options: dict) -> N
     put_folder(lit, f"s3://{BUCKET}/lit", options)
 
 
-def one_run(url, options, path, batches, row, scratch, peers=False):
+def one_run(url, options, path, batches, row, scratch, peers=False, chunks_dir=None):
     """{config: (seconds, first batch seconds, bytes fetched)} for one run; checks the bytes read."""
     out = np.empty(len(batches[0]) * row, dtype=np.uint8)
     local = np.memmap(path, dtype=np.uint8, mode="r")
@@ -358,19 +358,20 @@ def one_run(url, options, path, batches, row, scratch, peers=False):
             bad = [i for i in range(len(batches[-1])) if not np.array_equal(out[i * row:(i + 1) * row], want[i * row:(i + 1) * row])]
             raise AssertionError(f"{tag}: items {bad} of the last batch (rows {batches[-1][bad].tolist()}) differ from the local file")
 
+    chunks_dir = chunks_dir or scratch  # where the local chunk caches go (a fresh folder per cold run)
     results = {}
     results["ceiling"] = run_ceiling(url, options, batches, row, out)
     check("ceiling")
     results["remote"] = run_reader(url, options, batches, row, out)[:3]
     check("remote")
     budget = 4 * len(batches) * len(batches[0]) * row
-    cold = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget)
+    cold = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=chunks_dir), budget=budget)
     results["cold"] = cold[:3]
     check("cold")
-    results["cold + prefetch"] = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget, prefetch=True)[:3]
+    results["cold + prefetch"] = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=chunks_dir), budget=budget, prefetch=True)[:3]
     check("cold + prefetch")
     shifted = [np.minimum(b, len(local) // row - 2) for b in batches]  # room for the shift after the last row
-    results["cold, spans 1000 B off the chunks"] = run_reader(url, options, shifted, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget, shift=1000)[:3]
+    results["cold, spans 1000 B off the chunks"] = run_reader(url, options, shifted, row, out, cache_dir=tempfile.mkdtemp(dir=chunks_dir), budget=budget, shift=1000)[:3]
     warm, plain = [], []
     for _ in range(PASSES):  # interleaved, so both see the same load on a shared machine
         warm.append(run_reader(url, options, batches, row, out, reader=cold[3])[:3])
@@ -379,9 +380,9 @@ def one_run(url, options, path, batches, row, scratch, peers=False):
         check("local file")
     results["warm"] = tuple(statistics.median(x) for x in zip(*warm))
     results["local file"] = tuple(statistics.median(x) for x in zip(*plain))
-    results.update(latent_cache_runs(url, options, os.path.dirname(path), batches, row, scratch))
+    results.update(latent_cache_runs(url, options, os.path.dirname(path), batches, row, chunks_dir))
     if peers:
-        results.update(peer_runs(options, batches, row, out, scratch, check))
+        results.update(peer_runs(options, batches, row, out, chunks_dir, check))
     return results
 
 
@@ -426,14 +427,15 @@ def peer_ratios(runs: list[dict], fmt) -> list[str]:
 
 def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, batch: int = 64, batches: int = 16,
                runs: int = 3, s3rver: str | None = None, endpoint: str | None = None, access_key: str = "S3RVER",
-               secret_key: str = "S3RVER", peers: bool | None = None) -> dict:
+               secret_key: str = "S3RVER", peers: bool | None = None, chunks_dir: str | None = None) -> dict:
     """The side-by-side report (the ``latentfast bench`` suite interface): ``{"table", "runs", ...}``."""
     if quick:
         items, batches = 256, 4
     if peers is None:  # by default: when both are installed (pip install 'latentfast[bench-compare]')
         peers = all(importlib.util.find_spec(m) is not None for m in ("streaming", "litdata"))
     s3rver = s3rver or shutil.which("s3rver") or "node_modules/.bin/s3rver"
-    with tempfile.TemporaryDirectory(prefix="bench_remote_") as scratch:
+    with tempfile.TemporaryDirectory(prefix="bench_remote_") as scratch, \
+            tempfile.TemporaryDirectory(prefix="bench_remote_chunks_", dir=chunks_dir) as chunks_dir:
         proc = None
         if endpoint:
             options = {"endpoint_url": endpoint, "access_key_id": access_key, "secret_access_key": secret_key, "region": "us-east-1"}
@@ -453,7 +455,8 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
             saved = {k: os.environ.get(k) for k in peer_env(options)}
             os.environ.update(peer_env(options) if peers else {})
             try:
-                results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch, peers)
+                results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch, peers,
+                                   chunks_dir)
                            for seed in range(runs)]
             finally:
                 for k, v in saved.items():
@@ -481,13 +484,15 @@ def main(argv=None) -> None:
     parser.add_argument("--access-key", default="S3RVER")
     parser.add_argument("--secret-key", default="S3RVER")
     parser.add_argument("--no-peers", action="store_true", help="skip mosaic streaming and litdata")
+    parser.add_argument("--chunks-dir", help="where the local chunk caches go (default: the scratch folder under TMPDIR); "
+                        "a cold read writes every chunk there, so its disk's write speed is part of the cold figures")
     a = parser.parse_args(argv)
     report = run_report(a.quick, items=a.items, item_kib=a.item_kib, batch=a.batch, batches=a.batches, runs=a.runs,
                         s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key,
-                        peers=False if a.no_peers else None)
+                        peers=False if a.no_peers else None, chunks_dir=a.chunks_dir)
     print(f"pushed {report['items']} x {report['item_bytes'] // 1024} KiB to {report['server']} in {report['push_s']:.1f} s")
     print(report["table"])
-    print(f"server: {report['server']}; peers: {report['peers']}")
+    print(f"server: {report['server']}; peers: {report['peers']}; local chunk caches in {a.chunks_dir or 'TMPDIR'}")
 
 
 if __name__ == "__main__":
