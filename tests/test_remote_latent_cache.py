@@ -6,6 +6,7 @@ prefetching over the network; errors that name the object and byte range; push /
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 import numpy as np
@@ -149,6 +150,25 @@ def test_faults_during_read_batch_are_retried_to_the_right_bytes(caches, tmp_pat
         for batch in batches_of(local, np.random.default_rng(1)):
             assert_same(cache.read_batch(batch), local.read_batch(batch))
         assert not proxy.faults  # every fault was met
+
+
+def test_a_flipped_bit_in_a_neighbour_sharing_the_chunk_is_caught_too(caches, tmp_path):
+    """Item i's GET brings in its chunk whole, neighbours' values included; a bit flipped in one of those
+    is found when it arrives, not read later as if it were good."""
+    endpoint, folders = caches
+    local = LatentCache(folders["records"])
+    text = local.field_items["text"]
+    size = os.path.getsize(text.path)
+    assert size < 16 << 10  # one chunk: the proxy flips the bit in the middle of the file
+    holder = [i for i in range(len(local)) if 2 * text.row_starts[i] <= size // 2 < 2 * text.row_starts[i] + text.nbytes[i]]
+    i = next(i for i in range(len(local)) if text.row_starts[i] != text.row_starts[holder[0]])  # another value
+    kw = {"fields": ("text",), "pad": {"text": 0}}
+    with FaultProxy(endpoint, faults=["flip"]) as proxy:
+        cache = remote(proxy.endpoint, "records", tmp_path)
+        assert_same(cache.read_batch([i], **kw), local.read_batch([i], **kw))
+        assert not proxy.faults
+        everything = list(range(len(local)))
+        assert_same(cache.read_batch(everything, **kw), local.read_batch(everything, **kw))
 
 
 def test_exhausted_retries_and_corrupt_objects_name_the_object_and_range(caches, tmp_path):

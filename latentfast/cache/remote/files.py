@@ -9,10 +9,11 @@ only while :meth:`RemoteFiles.holding` holds them -- their chunks fetched (one d
 per node: coalesced, concurrent ranged GETs through :class:`.RemoteReader`) and kept from eviction
 until the copy is done. A warm batch is then the local cache's own compiled gather over a memory map.
 
-Checksums: an item with a CRC-32 of its own (every record field value; the latents of a shaped
-cache, whose checksum blocks are single items) is checked right after this process fetched any of
-its chunks, by a read or a prefetch; a mismatch drops the chunks and fetches them again, up to
-``read_attempts`` times, then :class:`.RemoteCorruptError` names the object and byte range. A line
+Checksums: a value with a CRC-32 of its own (every record field value; the latents of a shaped
+cache, whose checksum blocks are single items) is checked by the process that fetched the last of
+its chunks (for a read or a prefetch, whichever item asked for them), before any read of it; a
+mismatch drops the chunks and fetches them again, up to ``read_attempts`` times, then
+:class:`.RemoteCorruptError` names the object and byte range. A line
 cache's latents have block checksums only: ``verify_rows=True`` checks them (once per block per
 process), as on a local cache.
 
@@ -36,7 +37,7 @@ from ...errors import InvalidArgumentError
 from ..store import format as fmt
 from .chunks import now_ns
 from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
-from .reader import RemoteReader
+from .reader import RemoteReader, coalesce
 
 _HOLD_ATTEMPTS = 8  # fetch-and-check rounds of one hold before giving up (eviction by others, bad CRCs)
 _HEADS = "remote.json"  # the mirror's record of each data object's (size, version): the chunks it links
@@ -124,19 +125,20 @@ class RemoteFiles:
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_objects", None)
+        state.pop("_value_tables", None)
         return state
 
     # ---- holding bytes local --------------------------------------------------------------------
     @contextlib.contextmanager
-    def holding(self, path: str, starts, ends, crcs=None):
-        """Keep bytes ``[starts[i], ends[i])`` of the data file ``path`` local for the block: their
-        chunks fetched (and each span with a ``crcs[i]`` checked if this call fetched any of its
-        chunks) and safe from eviction until it ends."""
-        name, obj = self._object(path)
+    def holding(self, items, starts, ends):
+        """Keep bytes ``[starts[i], ends[i])`` of ``items``' data file (its ``path`` in the mirror) local
+        for the block: their chunks fetched (and checked, see :meth:`_fetch_checked`) and safe from
+        eviction until it ends."""
+        name, obj = self._object(items.path)
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         if not (ends > starts).all():  # (a warm batch of latents skips this: every item has bytes)
             keep = ends > starts
-            starts, ends, crcs = starts[keep], ends[keep], None if crcs is None else np.asarray(crcs)[keep]
+            starts, ends = starts[keep], ends[keep]
         if not len(starts):
             yield
             return
@@ -144,7 +146,7 @@ class RemoteFiles:
         chunks = np.minimum(first[:, None] + np.arange(int((last - first).max()) + 1), last[:, None])  # a row per span
         for _ in range(_HOLD_ATTEMPTS):
             if not obj.present[chunks].all():
-                self.reader._run(self._fetch_checked(name, starts, ends, crcs)).result()
+                self.reader._run(self._fetch_checked(name, obj, starts, ends, self._values(items))).result()
             with obj.reading():  # the evictor waits until the block ends
                 if obj.present[chunks].all():
                     obj.atime[chunks] = now_ns()
@@ -155,36 +157,60 @@ class RemoteFiles:
             f"they could be read, {_HOLD_ATTEMPTS} times: local_cache_bytes ({self.reader.cache.capacity}) is too small "
             f"for what is read at once")
 
-    async def _fetch_checked(self, name: str, starts, ends, crcs) -> None:
-        """Fetch the chunks under the spans; check the CRC of each span that had a chunk missing."""
-        obj = self.reader._chunks(name)
-        c0s, c1s = starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes + 1
-        if crcs is not None:
-            fresh = np.fromiter((not obj.present[a:b].all() for a, b in zip(c0s.tolist(), c1s.tolist())), bool, len(starts))
+    def prefetch(self, items, starts, ends):
+        """Start fetching (and checking) these spans of ``items``' data file into the local chunk cache;
+        returns a future at once."""
+        name, obj = self._object(items.path)
+        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        keep = ends > starts
+        return self.reader._run(self._fetch_checked(name, obj, starts[keep], ends[keep], self._values(items)))
+
+    def _values(self, items):
+        """``(byte starts, byte ends, CRC-32s)`` of the distinct values stored in ``items``' data file,
+        sorted (items sharing a field value share it), or None where items have no CRC of their own
+        (a line cache's latents). Memoized per file."""
+        memo = self.__dict__.setdefault("_value_tables", {})
+        if items.path not in memo:
+            if items.row_ends is None:  # the latents: back to back
+                crcs = items.item_crcs(np.arange(items.n))
+                memo[items.path] = None if crcs is None else (items.row_starts[:-1] * 2, items.row_starts[1:] * 2, crcs)
+            else:
+                units, first = np.unique(items.row_starts, return_index=True)
+                memo[items.path] = units * 2, units * 2 + items.nbytes[first], items.crc[first]
+        return memo[items.path]
+
+    async def _fetch_checked(self, name: str, obj, starts, ends, values) -> None:
+        """Fetch the chunks under the spans, then check every stored value (``values``, see
+        :meth:`_values`) that lies on a chunk this call fetched and is now all local -- the spans'
+        own and their neighbours' on shared edge chunks, so no value is ever read unchecked. A value
+        that fails has its chunks dropped and fetched again (``read_attempts`` rounds)."""
+        cb = obj.chunk_bytes
+        needed = np.unique(np.minimum((starts // cb)[:, None] + np.arange(int(((ends - 1) // cb - starts // cb).max(initial=0)) + 1),
+                                      ((ends - 1) // cb)[:, None])) if len(starts) else np.zeros(0, np.int64)
+        bad = []
         for attempt in range(self.reader.read_attempts):
+            fresh = needed[obj.present[needed] == 0]
             await self.reader._ensure_local(name, starts, ends)
-            if crcs is None or not fresh.any():
+            if values is None or not len(fresh):
                 return
+            v_starts, v_ends, v_crcs = values
+            run_c0, run_c1 = coalesce(fresh, fresh + 1, 0)
+            lo = np.searchsorted(v_ends, run_c0 * cb, side="right")  # the values overlapping each run of fresh chunks
+            hi = np.searchsorted(v_starts, run_c1 * cb, side="left")
+            candidates = np.unique(np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())]))
             bad = []
             with obj.reading():
                 data = obj.data
-                for i in np.flatnonzero(fresh).tolist():
-                    if obj.present[c0s[i]:c1s[i]].all() and zlib.crc32(data[starts[i]:ends[i]]) != int(crcs[i]):
-                        bad.append(i)
+                for v in candidates.tolist():
+                    s, e = int(v_starts[v]), int(v_ends[v])
+                    c0, c1 = s // cb, (e - 1) // cb + 1
+                    if e > s and obj.present[c0:c1].all() and zlib.crc32(data[s:e]) != int(v_crcs[v]):
+                        bad.append((s, e, c0, c1, int(v_crcs[v])))
             if not bad:
                 return
-            for i in bad:
-                obj.drop(int(c0s[i]), int(c1s[i]))
-            fresh = np.zeros(len(starts), bool)
-            fresh[bad] = True
+            for _s, _e, c0, c1, _crc in bad:
+                obj.drop(c0, c1)
             await asyncio.sleep(self.reader.retry_backoff * (2 ** attempt))
-        i = bad[0]
-        raise RemoteCorruptError(f"{self.reader.folder.where(name, int(starts[i]), int(ends[i]))}: fails its CRC-32 "
-                                 f"({int(crcs[i]):#010x}) on {self.reader.read_attempts} fetches")
-
-    def prefetch(self, path: str, starts, ends, crcs=None):
-        """Start fetching (and checking) these spans into the local chunk cache; returns a future at once."""
-        name = self._object(path)[0]
-        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        keep = ends > starts
-        return self.reader._run(self._fetch_checked(name, starts[keep], ends[keep], None if crcs is None else np.asarray(crcs)[keep]))
+        s, e, _c0, _c1, crc = bad[0]
+        raise RemoteCorruptError(f"{self.reader.folder.where(name, s, e)}: fails its CRC-32 ({crc:#010x}) on "
+                                 f"{self.reader.read_attempts} fetches")

@@ -238,9 +238,6 @@ class FieldItems:
             self._source = (data, torch.from_numpy(np.ascontiguousarray(self.row_starts)), torch.from_numpy(units.astype(np.int32)), 0)
         return self._source
 
-    def item_crcs(self, index: np.ndarray) -> np.ndarray:
-        return self.crc[index]
-
     def check(self, index_np: np.ndarray) -> None:
         """CRC-check each item of ``index_np`` not checked yet in this process (``verify_rows``)."""
         from .layout import holding_items

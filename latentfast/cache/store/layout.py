@@ -362,27 +362,27 @@ class BlockChecks:
 
 
 # ---- caches in object storage: bytes read only while held ------------------------------------------
-def item_spans(items, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """``(byte starts, byte ends, CRC-32s or None)`` of items ``index`` (in range) of an :class:`Items`
-    or a field's :class:`~latentfast.cache.store.fields.FieldItems`."""
+def item_spans(items, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(byte starts, byte ends)`` of items ``index`` (in range) of an :class:`Items` or a field's
+    :class:`~latentfast.cache.store.fields.FieldItems`."""
     index = np.asarray(index, dtype=np.int64)
     starts = items.row_starts[index] * ELEMENT_BYTES
     if items.row_ends is None:
-        return starts, items.row_starts[index + 1] * ELEMENT_BYTES, items.item_crcs(index)
-    return starts, starts + items.nbytes[index], items.item_crcs(index)  # a field's value (its spare byte unread)
+        return starts, items.row_starts[index + 1] * ELEMENT_BYTES
+    return starts, starts + items.nbytes[index]  # a field's value (its spare byte unread)
 
 
-def holding(items, starts, ends, crcs=None):
+def holding(items, starts, ends):
     """A context in which bytes ``[starts[i], ends[i])`` of ``items``' data file may be read: for a cache
-    in object storage they are fetched and kept from eviction (:meth:`RemoteFiles.holding
+    in object storage they are fetched, checked and kept from eviction (:meth:`RemoteFiles.holding
     <latentfast.cache.remote.files.RemoteFiles.holding>`); a local cache's are always there."""
     if items.remote is None:
         return contextlib.nullcontext()
-    return items.remote.holding(items.path, starts, ends, crcs)
+    return items.remote.holding(items, starts, ends)
 
 
 def holding_items(items, index: np.ndarray):
-    """:func:`holding` for whole items ``index`` (in range), each checked by its CRC-32 where it has one."""
+    """:func:`holding` for whole items ``index`` (in range)."""
     if items.remote is None:
         return contextlib.nullcontext()
     return holding(items, *item_spans(items, index))

@@ -397,7 +397,7 @@ class LatentCache:
             return coldread.prefetch(self, indices)
         index = as_row_indices(indices, len(self)).numpy()
         for items in (self.items, *self.field_items.values()):
-            self.remote.prefetch(items.path, *layout.item_spans(items, index))
+            self.remote.prefetch(items, *layout.item_spans(items, index))
 
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
