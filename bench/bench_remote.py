@@ -37,7 +37,8 @@ the network and its ratio to the bytes the batches use; then ours over the best 
 
     python bench/bench_remote.py [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
 
-``run_report(quick)`` is the ``latentfast bench`` suite interface (suite ``remote``).
+``run_report(quick)`` is the ``latentfast bench`` suite interface (suite ``remote``; it finds s3rver at
+``$LATENTFAST_S3RVER``, on PATH or in ./node_modules/.bin).
 """
 from __future__ import annotations
 
@@ -433,14 +434,15 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
         items, batches = 256, 4
     if peers is None:  # by default: when both are installed (pip install 'latentfast[bench-compare]')
         peers = all(importlib.util.find_spec(m) is not None for m in ("streaming", "litdata"))
-    s3rver = s3rver or shutil.which("s3rver") or "node_modules/.bin/s3rver"
+    s3rver = s3rver or os.environ.get("LATENTFAST_S3RVER") or shutil.which("s3rver") or "node_modules/.bin/s3rver"
+    chunks_arg = chunks_dir
     with tempfile.TemporaryDirectory(prefix="bench_remote_") as scratch, \
             tempfile.TemporaryDirectory(prefix="bench_remote_chunks_", dir=chunks_dir) as chunks_dir:
         proc = None
         if endpoint:
             options = {"endpoint_url": endpoint, "access_key_id": access_key, "secret_access_key": secret_key, "region": "us-east-1"}
         elif not os.path.exists(s3rver):
-            raise RuntimeError(f"s3rver not found at {s3rver!r}: npm install s3rver (node >= 14) here or put it on PATH, "
+            raise RuntimeError(f"s3rver not found at {s3rver!r}: npm install s3rver (node >= 14) here, put it on PATH or set LATENTFAST_S3RVER, "
                                f"or pass --s3rver / --endpoint")
         else:
             proc, endpoint, options = start_s3rver(s3rver, os.path.join(scratch, "s3rver"))
@@ -467,8 +469,12 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
                 proc.wait(timeout=30)
     n_items = batch * batches
     server = f"s3rver {s3rver_version(s3rver)} on 127.0.0.1 (filesystem-backed, Range GETs by seeking)" if proc is not None else endpoint
-    return {"server": server, "peers": peer_versions() if peers else "not run", "items": items, "item_bytes": row,
-            "push_s": pushed_s, "runs": results, "table": summarize(results, n_items, n_items * row)}
+    report = {"server": server, "peers": peer_versions() if peers else "not run", "items": items, "item_bytes": row,
+              "push_s": pushed_s, "runs": results, "table": summarize(results, n_items, n_items * row)}
+    print(f"pushed {items} x {row // 1024} KiB to {server} in {pushed_s:.1f} s", flush=True)
+    print(report["table"])
+    print(f"server: {server}; peers: {report['peers']}; local chunk caches in {chunks_arg or 'TMPDIR'}", flush=True)
+    return report
 
 
 def main(argv=None) -> None:
@@ -479,7 +485,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="256 items, 4 batches, 3 runs")
-    parser.add_argument("--s3rver", help="the s3rver executable (default: on PATH, else ./node_modules/.bin/s3rver)")
+    parser.add_argument("--s3rver", help="the s3rver executable (default: $LATENTFAST_S3RVER, on PATH, else ./node_modules/.bin/s3rver)")
     parser.add_argument("--endpoint", help="an S3 endpoint already running (bucket 'bench' must exist) instead of s3rver")
     parser.add_argument("--access-key", default="S3RVER")
     parser.add_argument("--secret-key", default="S3RVER")
@@ -487,12 +493,9 @@ def main(argv=None) -> None:
     parser.add_argument("--chunks-dir", help="where the local chunk caches go (default: the scratch folder under TMPDIR); "
                         "a cold read writes every chunk there, so its disk's write speed is part of the cold figures")
     a = parser.parse_args(argv)
-    report = run_report(a.quick, items=a.items, item_kib=a.item_kib, batch=a.batch, batches=a.batches, runs=a.runs,
-                        s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key,
-                        peers=False if a.no_peers else None, chunks_dir=a.chunks_dir)
-    print(f"pushed {report['items']} x {report['item_bytes'] // 1024} KiB to {report['server']} in {report['push_s']:.1f} s")
-    print(report["table"])
-    print(f"server: {report['server']}; peers: {report['peers']}; local chunk caches in {a.chunks_dir or 'TMPDIR'}")
+    run_report(a.quick, items=a.items, item_kib=a.item_kib, batch=a.batch, batches=a.batches, runs=a.runs,
+               s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key,
+               peers=False if a.no_peers else None, chunks_dir=a.chunks_dir)
 
 
 if __name__ == "__main__":
