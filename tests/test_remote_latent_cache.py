@@ -32,7 +32,7 @@ def _shaped(folder):
     with LatentCacheWriter(folder) as writer:
         for i in range(23):
             shape = (4, 30, 40) if i % 3 else (4, 40, 24)  # 7-10 KiB: a batch spans several chunks
-            writer.append(f"img{i:02d}", {"latent": torch.randn(shape, generator=gen).half()}, info={"i": i})
+            writer.append(f"img{i:02d}", {"latent": torch.randn(shape, generator=gen).bfloat16()}, info={"i": i})  # stored as bf16
 
 
 def _records(folder):
