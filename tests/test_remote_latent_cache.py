@@ -235,15 +235,16 @@ def test_the_lookahead_prefetches_over_the_network(caches, tmp_path):
         assert len(proxy.gets) == n  # the lookahead had fetched batch 2's latents and fields
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_dataloader_workers_share_one_download_per_chunk(caches, tmp_path, context):
+@pytest.mark.parametrize("context, lookahead", [("fork", 0), ("spawn", 0), ("fork", 2)])
+def test_dataloader_workers_share_one_download_per_chunk(caches, tmp_path, context, lookahead):
     endpoint, folders = caches
     local = LatentCache(folders["ragged"])
     batches = [list(range(k, 37, 4)) for k in range(4)] * 2  # each worker's batches overlap the others' chunks
+    # (lookahead: the parent fetches the next batches while the workers read: still once per chunk)
     with FaultProxy(endpoint) as proxy:
         cache = remote(proxy.endpoint, "ragged", tmp_path)
         cache.read_batch([0])  # the parent used the client before the fork
-        loader = batch_loader(cache, batches, num_workers=2, multiprocessing_context=context, lookahead=0)
+        loader = batch_loader(cache, batches, num_workers=2, multiprocessing_context=context, lookahead=lookahead)
         for (latents, widths, index), batch in zip(loader, batches):
             assert index.tolist() == batch
             assert_same((latents, widths), local.read_batch(batch))
