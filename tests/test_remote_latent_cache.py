@@ -104,6 +104,7 @@ def test_a_pushed_cache_reads_back_bit_equal(caches, tmp_path, kind):
         assert cache.fields[name]["dtype"] == local.fields[name]["dtype"]
         np.testing.assert_array_equal(cache.fields[name]["shapes"], local.fields[name]["shapes"])
     rng = np.random.default_rng(0)
+    packed_reader = remote(endpoint, kind, tmp_path / "packed")
     for batch in batches_of(local, rng):
         assert_same(cache.read_batch(batch, return_keys=True), local.read_batch(batch, return_keys=True))
         assert_same(cache.read_batch(torch.tensor(batch), dtype=torch.float32), local.read_batch(torch.tensor(batch), dtype=torch.float32))
@@ -112,6 +113,8 @@ def test_a_pushed_cache_reads_back_bit_equal(caches, tmp_path, kind):
         if kind == "records":
             kw = {"fields": ("latent", "text", "pooled", "mask"), "pad": {"text": 0, "mask": True}}
             assert_same(cache.read_batch(batch, **kw), local.read_batch(batch, **kw))
+            kw = {"fields": ("latent", "text"), "packed": ("text",)}  # from a cache of its own: its first reads
+            assert_same(packed_reader.read_batch(batch, **kw), local.read_batch(batch, **kw))
     for i in range(len(local)):
         assert_same(cache[i], local[i])
         assert_same(cache.record(i), local.record(i))
