@@ -106,7 +106,7 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         if fields is None or out is not None:
             raise InvalidArgumentError("pad=, pad_to= and packed= need fields=, and a batch of fields takes no out=")
         return _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold, packed)
-    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows, out=out,
+    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows and items.remote is None, out=out,
                            dtype=dtype, device=_CPU if on_cpu else device)
     if table.shape is not None:
         batch = _shaped_batch(table, device, dtype, out, backend, cold)
@@ -224,9 +224,10 @@ def _field_packed(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
     units = int(table.widths.sum(dtype=np.int64))
     out = torch.empty(units, dtype=torch.float16, pin_memory=not on_cpu)
     if units:
-        _before_copy(table, cold)
-        data, row_offsets, widths, pitch = table.source
-        torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
+        with layout.holding_items(table.cache, table.index_np):  # (a cache in object storage: fetched, held)
+            _before_copy(table, cold)
+            data, row_offsets, widths, pitch = table.source
+            torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
     values = out.view(torch.uint8).view(batch.dtype).view(batch.shape)
     return values if on_cpu else values.to(device, non_blocking=True)
 
@@ -254,6 +255,14 @@ def _shaped_batch(table, device, dtype, out, backend, cold):
 
 def _copy(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:
     """The batch of ``table`` as ``[B, lines C, h, W]`` of ``dtype`` on the CPU or a CUDA device."""
+    if table.cache.remote is not None:  # a cache in object storage: its rows fetched and held while copied
+        layout.recheck(table)
+        with layout.holding_items(table.cache, table.index_np):
+            return _copy_local(table, on_cpu, device, dtype, out, backend, cold)
+    return _copy_local(table, on_cpu, device, dtype, out, backend, cold)
+
+
+def _copy_local(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:
     if on_cpu:
         return _gather_cpu(table, dtype, out, backend, cold)
     if device.type != "cuda":
