@@ -33,7 +33,8 @@ core (``while True: pass``); median [min-max] ms per batch over 7 passes (the fa
 the stalls this measures).
 
 Per-call section -- microseconds per call on tiny inputs (the fixed cost of dispatch and of entering
-the compiled kernel): the gather_rows_into op per backend and read_batch of 4 small rows.
+the compiled kernel): the gather_rows_into op per backend and read_batch of 4 small rows, uncontended
+and with a busy process per core.
 
 Run:  python bench/bench_decode.py [--quick] [--hot-only | --cold-only | --contended-only | --per-call-only]
       pytest bench/bench_decode.py --benchmark-enable (pytest-benchmark, hot, one test per provider)
@@ -41,6 +42,7 @@ Run:  python bench/bench_decode.py [--quick] [--hot-only | --cold-only | --conte
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -307,11 +309,20 @@ CONTENDED_GEOMETRY = (16, 8, 128)  # 32 KiB rows, every row full width
 BUSY_LOOP = "while True:\n    pass\n"
 
 
-def busy_processes(count: int) -> list:
-    """``count`` processes that each keep a core busy (what DataLoader workers and other ranks do)."""
+@contextlib.contextmanager
+def busy_cores(count: int):
+    """``count`` processes that each keep a core busy (what DataLoader workers and other ranks do), for
+    the ``with`` block (started and spinning before it runs, killed after)."""
     import subprocess
 
-    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    try:
+        time.sleep(0.2 if count else 0)  # the busy loops are running
+        yield
+    finally:
+        for proc in loops:
+            proc.kill()
+            proc.wait()
 
 
 def measure_contended(root: str, busy_counts=(0, 1), n_batches: int = 24, repeats: int = 7) -> dict:
@@ -330,16 +341,10 @@ def measure_contended(root: str, busy_counts=(0, 1), n_batches: int = 24, repeat
                  "per-row reader": (1, lambda idx: per_row_reader(padded, idx))}
     table = {}
     for busy in busy_counts:
-        loops = busy_processes(busy)
-        try:
-            time.sleep(0.2)  # the busy loops are running
+        with busy_cores(busy):
             for name, (threads, fn) in providers.items():
                 with torch_threads(threads):
                     table.setdefault(name, {})[busy] = [t * 1e3 for t in pass_times(fn, batches, repeats)]
-        finally:
-            for proc in loops:
-                proc.kill()
-                proc.wait()
     return {"geometry": dict(zip(("channels", "latent_h", "w_max"), CONTENDED_GEOMETRY)), "cores": os.cpu_count(),
             "default_threads": default_threads, "busy_counts": list(busy_counts), "ms_per_batch": table}
 
@@ -364,11 +369,12 @@ def print_contended(c: dict) -> dict:
     return ratios
 
 
-def per_call_overhead(root: str, rounds: int = 7) -> dict:
+def per_call_overhead(root: str, rounds: int = 7, busy: int = 0) -> dict:
     """Microseconds per call on inputs too small to cost anything but the fixed overhead (CPU):
     the kernel-form gather_rows_into op on one row of [4, 2, 8] per backend, and read_batch of 4 rows
     of a small hot cache (the small-batch decode); thread CPU time (see cpu_us_per_call), median
-    [min-max] of ``rounds`` rounds. Single-threaded: the inputs are far below the kernels' thread threshold."""
+    [min-max] of ``rounds`` rounds. Single-threaded: the inputs are far below the kernels' thread threshold.
+    ``busy``: that many other processes spin on a core meanwhile (contended: caches and cores shared)."""
     from latentfast import backends
     from latentfast.bench.common import cpu_us_per_call
 
@@ -383,10 +389,12 @@ def per_call_overhead(root: str, rounds: int = 7) -> dict:
     small = np.array([3, 77, 12, 200])
     calls["read_batch of 4 rows (4x8x32)"] = lambda: read_batch(cache, small)
     table = {}
-    for name, call in calls.items():
-        samples = cpu_us_per_call(call, rounds=rounds)
-        table[name] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
-        print(f"{name}: {table[name]['us_median']:.2f} us per call [{table[name]['us_min']:.2f}-{table[name]['us_max']:.2f}]")
+    with busy_cores(busy):
+        for name, call in calls.items():
+            samples = cpu_us_per_call(call, rounds=rounds)
+            table[name] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
+            print(f"{name}, busy={busy}: {table[name]['us_median']:.2f} us per call "
+                  f"[{table[name]['us_min']:.2f}-{table[name]['us_max']:.2f}]")
     return table
 
 
@@ -708,7 +716,7 @@ def run_report(quick: bool = False, sections=("hot", "cold", "contended", "per-c
                     report["summary"][f"loop_{tag}_{name}_share_under_1ms"] = round(loop["share_under_1ms"], 3)
     if "per-call" in sections:
         with tempfile.TemporaryDirectory(prefix="latentfast-bench-decode-") as root:
-            report["per_call"] = per_call_overhead(root)
+            report["per_call"] = {busy: per_call_overhead(root, busy=busy) for busy in (0, os.cpu_count() or 1)}
     if "contended" in sections:
         with tempfile.TemporaryDirectory(prefix="latentfast-bench-decode-") as root:
             c = measure_contended(root, busy_counts=(0, 1) if quick else (0, 1, os.cpu_count() or 1))

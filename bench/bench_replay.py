@@ -342,20 +342,24 @@ def ddp_report(quick: bool) -> dict:
 
 
 # ---- per-call overhead ---------------------------------------------------------------------
-def per_call_report(rounds: int = 7) -> dict:
+def per_call_report(rounds: int = 7, busy: int = 0) -> dict:
     """Microseconds per call of the kernel-form op on a tiny input (one [1, 2, 4] gradient, two copies:
     no work to speak of), CPU: the fixed cost of the dispatch and of entering the compiled kernel, in
-    thread CPU time (see cpu_us_per_call), median [min-max] of ``rounds`` rounds."""
+    thread CPU time (see cpu_us_per_call), median [min-max] of ``rounds`` rounds. ``busy``: that many
+    other processes spin on a core meanwhile (bench_decode's contended setting)."""
+    from latentfast.bench.bench_decode import busy_cores
+
     grads, arena = [torch.randn(1, 2, 4)], torch.empty(16)
     table = {}
-    for backend, why in backends.availability("scatter_cotangents_into", "cpu").items():
-        if why:
-            continue
-        call = lambda b=backend: torch.ops.latentfast.scatter_cotangents_into(grads, [1], [1.0, 2.0], arena, b)  # noqa: E731
-        samples = cpu_us_per_call(call, rounds=rounds)
-        table[backend] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
-        print(f"scatter_cotangents_into per call, backend={backend}: {table[backend]['us_median']:.2f} us "
-              f"[{table[backend]['us_min']:.2f}-{table[backend]['us_max']:.2f}]")
+    with busy_cores(busy):
+        for backend, why in backends.availability("scatter_cotangents_into", "cpu").items():
+            if why:
+                continue
+            call = lambda b=backend: torch.ops.latentfast.scatter_cotangents_into(grads, [1], [1.0, 2.0], arena, b)  # noqa: E731
+            samples = cpu_us_per_call(call, rounds=rounds)
+            table[backend] = {"us_median": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
+            print(f"scatter_cotangents_into per call, backend={backend}, busy={busy}: {table[backend]['us_median']:.2f} us "
+                  f"[{table[backend]['us_min']:.2f}-{table[backend]['us_max']:.2f}]")
     return table
 
 
@@ -366,7 +370,7 @@ def run_report(quick: bool = False, device: str | None = None) -> dict:
     results["step"] = step_report(device, quick)
     results["scatter"] = scatter_report(device, quick)
     results["ddp"] = ddp_report(quick)
-    results["per_call"] = per_call_report()
+    results["per_call"] = {busy: per_call_report(busy=busy) for busy in (0, os.cpu_count() or 1)}
     summary = {"replay_gradient_max_rel_error": max(r["max_rel_error"] for r in results["step"])}
     for row in results["step"]:
         summary[f"step_peak_replay_over_fair_plain_b{row['b']}"] = round(row["replay_over_fair_peak"], 3)
@@ -428,6 +432,7 @@ def plot(report: dict, out_dir: str) -> list[str]:
 
 if __name__ == "__main__":
     if "--per-call" in sys.argv:
-        per_call_report()
+        for busy in (0, os.cpu_count() or 1):
+            per_call_report(busy=busy)
     else:
         run_report(quick="--quick" in sys.argv)

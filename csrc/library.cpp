@@ -11,7 +11,7 @@
 
 // Bumped whenever an entry point's arguments change: Python refuses a library of another version
 // (e.g. a stale build left next to newer Python files) instead of passing it the wrong arguments.
-#define LATENTFAST_ABI_VERSION 1
+#define LATENTFAST_ABI_VERSION 2
 
 namespace latentfast {
 
@@ -83,11 +83,19 @@ double ArgReader::real() {
 }
 
 Tensor ArgReader::tensor() {
+  static const int64_t unit_stride = 1;
   Tensor t;
   t.data = reinterpret_cast<void*>(static_cast<uintptr_t>(integer()));
   t.dtype = integer();
   t.device = integer();
   t.ndim = integer();
+  if (t.ndim == kContiguousVector) {  // a contiguous 1-D tensor: its size, stride 1 implied
+    LF_CHECK(i_ < n_, "latentfast native: bad tensor descriptor (a latentfast bug)");
+    t.ndim = 1;
+    t.sizes_ = args_ + i_++;
+    t.strides_ = &unit_stride;
+    return t;
+  }
   LF_CHECK(t.ndim >= 0 && t.ndim <= kMaxDims && t.ndim * 2 <= n_ - i_,
            "latentfast native: bad tensor descriptor (a latentfast bug)");
   t.sizes_ = args_ + i_;

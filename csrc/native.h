@@ -2,7 +2,8 @@
 //
 // The library links neither libtorch nor libc10 (nor libpython): one build serves every torch. Python
 // (latentfast/backends/native.py) hands each kernel a flat int64 argument list -- a tensor is its
-// descriptor (data pointer, dtype, device, rank, sizes, strides), a scalar is one value -- and a double
+// descriptor (data pointer, dtype, device, rank, sizes, strides; or, for a contiguous 1-D tensor,
+// data pointer, dtype, device, kContiguousVector, size), a scalar is one value -- and a double
 // list for float arguments. The kernel checks every argument before it touches memory; a failure is a
 // C++ exception caught at the C boundary (LATENTFAST_ENTRY), whose message Python reads back with
 // latentfast_last_error() and raises as ValueError / IndexError / RuntimeError. ctypes releases the GIL for
@@ -85,6 +86,9 @@ const char* dtype_name(int64_t dtype);
 int64_t element_size(int64_t dtype);
 
 constexpr int64_t kMaxDims = 64;
+// The rank a descriptor gives for a contiguous 1-D tensor, which it describes by its size alone (its
+// stride is 1): Python then reads no shape or stride tuple, the larger part of a small call's cost.
+constexpr int64_t kContiguousVector = -1;
 
 // A tensor as Python described it. Its numel and byte extent fit in int64 (it exists), but the
 // kernels still compute them with checked arithmetic where a size enters a product.

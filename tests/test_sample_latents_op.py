@@ -1,5 +1,5 @@
 """The op ``latentfast::sample_latents_into`` (``ops.sample_latents``): every backend vs the reference,
-the C++ kernel's integer stream bit for bit, opcheck, errors alike on every backend, huge sizes refused.
+the C++ kernel's integer stream and float math bit for bit, opcheck, errors alike on every backend, huge sizes refused.
 
 (The definition itself -- item seeds, Philox's known answers, the normals' statistics, the reference
 against numpy's float64 Box-Muller -- is tests/test_sampling.py's. The Triton cases of this module run
@@ -7,8 +7,6 @@ on CPU under Triton's interpreter through tests/test_triton_interpreter.py.)
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import subprocess
 import sys
@@ -112,35 +110,92 @@ def test_cpp_philox_words_equal_the_reference_bit_for_bit():
     assert torch.equal(native.sample_latents_philox_words(strided, 9), philox_words(seeds, 9))
 
 
-def _libm_float32_sample(mean: np.ndarray, std: np.ndarray, seeds: torch.Tensor) -> np.ndarray:
-    """The definition in float32 with the C library's own logf / cosf / sinf (through ctypes; sqrt and the
-    products are IEEE float32 in numpy): the C++ kernel's float math, operation for operation."""
-    libm = ctypes.CDLL(ctypes.util.find_library("m"))
-    functions = {}
-    for name in ("logf", "cosf", "sinf"):
-        fn = getattr(libm, name)
-        fn.restype, fn.argtypes = ctypes.c_float, (ctypes.c_float,)
-        functions[name] = np.vectorize(lambda x, fn=fn: fn(float(x)), otypes=[np.float32])
+# csrc/cpu/sample_latents_kernel.cpp's float32 constants (hex there too): cephes' logf, sinf and cosf
+F32 = np.float32
+LOG_P = [F32(float.fromhex(h)) for h in ("0x1.204376p-4", "-0x1.d7a370p-4", "0x1.de4a34p-4", "-0x1.fcba9ep-4",
+                                         "0x1.23d37ep-3", "-0x1.555ca0p-3", "0x1.999d58p-3", "-0x1.fffff8p-3",
+                                         "0x1.555554p-2")]
+LN2_HI, LN2_LO, SQRT_HALF = F32(float.fromhex("0x1.63p-1")), F32(float.fromhex("-0x1.bd0106p-13")), F32(float.fromhex("0x1.6a09e6p-1"))
+TWO_OVER_PI, PIO2 = F32(float.fromhex("0x1.45f306p-1")), [F32(float.fromhex(h)) for h in ("0x1.92p+0", "0x1.fb4p-12", "0x1.4442d2p-24")]
+SIN = [F32(float.fromhex(h)) for h in ("-0x1.9943f2p-13", "0x1.11073cp-7", "-0x1.555546p-3")]
+COS = [F32(float.fromhex(h)) for h in ("0x1.99eb9cp-16", "-0x1.6c0c34p-10", "0x1.55554ap-5")]
+
+
+def _kernel_log(x: np.ndarray) -> np.ndarray:
+    """The kernel's log_unit, replayed in numpy float32 (IEEE operations, one rounding each, in its order)."""
+    bits = x.view(np.uint32)
+    mantissa = (bits & np.uint32(0x007FFFFF)) | np.uint32(0x3F000000)
+    low = (mantissa < SQRT_HALF.view(np.uint32)).astype(np.uint32)
+    f = (mantissa + (low << np.uint32(23))).view(F32) - F32(1)
+    e = ((bits >> np.uint32(23)).astype(np.int32) - 126 - low.astype(np.int32)).astype(F32)
+    z = f * f
+    y = np.full_like(f, LOG_P[0])
+    for p in LOG_P[1:]:
+        y = y * f + p
+    y = y * f * z
+    y = y + LN2_LO * e
+    y = y - F32(0.5) * z
+    return (f + y) + LN2_HI * e
+
+
+def _kernel_sincos(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's sincos_quadrant, replayed in numpy float32: (cos t, sin t)."""
+    q = (t * TWO_OVER_PI + F32(0.5)).astype(np.int32)
+    fq = q.astype(F32)
+    x = ((t - fq * PIO2[0]) - fq * PIO2[1]) - fq * PIO2[2]
+    z = x * x
+    sin_x = ((SIN[0] * z + SIN[1]) * z + SIN[2]) * z * x + x
+    cos_x = (((COS[0] * z + COS[1]) * z + COS[2]) * z * z - F32(0.5) * z) + F32(1)
+    odd = (q & 1) == 1
+    s, c = np.where(odd, cos_x, sin_x), np.where(odd, sin_x, cos_x)
+    return np.where((q + 1) & 2, -c, c), np.where(q & 2, -s, s)
+
+
+def _kernel_float32_sample(mean: np.ndarray, std: np.ndarray, seeds: torch.Tensor) -> np.ndarray:
+    """The definition in float32 with the kernel's own log / cos / sin, replayed in numpy: the C++ kernel's
+    float math, operation for operation (sqrt and the products are IEEE float32 in both)."""
     n = mean[0].size
     words = philox_words(seeds, n).numpy().astype(np.uint32)
     a, b = words[:, 0::2], words[:, 1::2]
-    u1 = ((a >> 8) + 1).astype(np.float32) * np.float32(2**-24)
-    u2 = (b >> 8).astype(np.float32) * np.float32(2**-24)
-    r = np.sqrt(np.float32(-2) * functions["logf"](u1))
-    t = u2 * np.float32(6.2831854820251465)
-    eps = np.stack([r * functions["cosf"](t), r * functions["sinf"](t)], -1).reshape(len(seeds), -1)[:, :n]
+    u1 = ((a >> 8) + 1).astype(np.int32).astype(F32) * F32(2**-24)
+    u2 = (b >> 8).astype(np.int32).astype(F32) * F32(2**-24)
+    r = np.sqrt(F32(-2) * _kernel_log(u1))
+    cos_t, sin_t = _kernel_sincos(u2 * F32(6.2831854820251465))
+    eps = np.stack([r * cos_t, r * sin_t], -1).reshape(len(seeds), -1)[:, :n]
     return mean + std * eps.reshape(mean.shape)
 
 
 @needs_cpp
-def test_cpp_float32_output_is_bit_exact_with_libm_math():
+def test_cpp_float32_output_is_bit_exact_with_its_math_replayed_in_numpy():
     # float32 in and out: no rounding but the float32 operations themselves, so every bit must agree
+    # (on every CPU and vector path: the kernel's math is multiplies, adds and bit operations only)
     g = torch.Generator().manual_seed(11)
-    mean, std = torch.randn(3, 2, 7, 41, generator=g), torch.rand(3, 2, 7, 41, generator=g)
-    seeds = _seeds(3, epoch=5)
-    got = ops.sample_latents(mean, std, seeds, backend="cpp").numpy()
-    want = _libm_float32_sample(mean.numpy(), std.numpy(), seeds)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), int((got != want).sum())
+    mean, std = torch.randn(5, 2, 7, 1041, generator=g), torch.rand(5, 2, 7, 1041, generator=g)
+    seeds = _seeds(5, epoch=5)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            got = ops.sample_latents(mean, std, seeds, backend="cpp").numpy()
+        want = _kernel_float32_sample(mean.numpy(), std.numpy(), seeds)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), int((got != want).sum())
+
+
+def test_kernel_log_and_sincos_are_within_2_ulp_of_float64_libm():
+    # u1 = k * 2**-24 for k in [1, 2**24] and t = (k - 1) * 2**-24 * 2pi: every 61st k, and all of both ends
+    k = np.unique(np.concatenate([np.arange(1, 2**24 + 1, 61), np.arange(1, 4097), np.arange(2**24 - 4095, 2**24 + 1)]))
+    u = k.astype(F32) * F32(2**-24)
+    log = _kernel_log(u)
+    exact = np.log(u.astype(np.float64))
+    ulp = np.spacing(np.abs(exact).astype(F32)).astype(np.float64)
+    assert float(np.max(np.abs(log - exact) / ulp)) <= 2, "log"
+    t = (k - 1).astype(F32) * F32(2**-24) * F32(6.2831854820251465)
+    cos_t, sin_t = _kernel_sincos(t)
+    for name, got, want in (("cos", cos_t, np.cos(t.astype(np.float64))), ("sin", sin_t, np.sin(t.astype(np.float64)))):
+        # absolute error against ulp(1) / 2: near a zero of cos or sin a relative bound means nothing, and
+        # eps = r * cos(t) is compared absolutely (|d eps| <= 1e-5 against the reference)
+        assert float(np.max(np.abs(got - want))) <= 2 * 2**-24, name
+    # r = sqrt(-2 ln u1) <= 5.8: eps then stays within 5e-6 of the exact Box-Muller value
+    r = np.sqrt(F32(-2) * log)
+    assert float(np.max(np.abs(r - np.sqrt(-2 * exact)))) < 2e-6
 
 
 @needs_cpp
@@ -208,7 +263,8 @@ def test_bad_arguments_raise_the_same_error_on_every_backend(backend, name, mean
     before = out.clone()
     with pytest.raises(InvalidArgumentError, match=message):
         torch.ops.latentfast.sample_latents_into(mean, std, seeds, out, backend)
-    assert torch.equal(out, before), "out was written before the error"
+    # out holds torch.empty's garbage, NaNs included: equal NaNs count as unchanged
+    torch.testing.assert_close(out, before, rtol=0, atol=0, equal_nan=True, msg="out was written before the error")
 
 
 @needs_cpp

@@ -3,7 +3,8 @@ data pointers, sizes and strides.
 
 The library links neither libtorch nor libpython (one build serves every torch and every Python); a
 kernel takes a flat int64 argument list -- a tensor is ``(data_ptr, dtype, device, dim, *sizes,
-*strides)``, a list is its length then its items -- checks every argument itself before touching
+*strides)`` (a contiguous 1-D one ``(data_ptr, dtype, device, -1, size)``), a list is its length then
+its items -- checks every argument itself before touching
 memory, and runs with the GIL released (ctypes releases it for the call). A failed check comes back as
 an error code and a message, raised here as ValueError / IndexError / RuntimeError (the dispatch
 kernel turns those into the library's errors).
@@ -22,7 +23,7 @@ import warnings
 
 import torch
 
-ABI_VERSION = 1  # csrc/library.cpp's LATENTFAST_ABI_VERSION
+ABI_VERSION = 2  # csrc/library.cpp's LATENTFAST_ABI_VERSION
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = os.path.join(PACKAGE_DIR, "_native.so")
 ENTRY_POINTS = {  # op -> exported kernel
@@ -138,102 +139,94 @@ def cpu_paths() -> str:
 # ---------------------------------------------------------------------------------------------
 # calls: descriptors in, error code out
 # ---------------------------------------------------------------------------------------------
-def _put(args: list, t: torch.Tensor) -> None:
-    """Append ``t``'s descriptor: data pointer, dtype, device (0 cpu, 1 cuda, 2 other), dim, sizes, strides.
+# The fixed cost of a call is mostly here, in reading tensors' attributes (each a call into torch of
+# 0.1-0.2 us; a shape or stride tuple ~0.2-0.3 us): so each is read once, and a contiguous 1-D tensor
+# (an index vector, the cache's data) is described without its shape and stride tuples (csrc/native.h's
+# kContiguousVector). To add a kernel: its entry point in ENTRY_POINTS, a function below that packs its
+# arguments in the order its C++ body reads them. The shape checks are the kernel's own (the op's Python
+# checks are skipped for it), so nothing is checked twice.
+CONTIGUOUS_VECTOR = -1  # csrc/native.h's kContiguousVector
+_STRUCTS: dict[tuple, struct.Struct] = {}  # (kind, count) -> its packer (struct's own cache needs a format string)
+_NO_FLOATS = b""
+
+
+def _tensor(t: torch.Tensor, _dtypes=_DTYPES) -> tuple:
+    """``t``'s descriptor: data pointer, dtype, device (0 cpu, 1 cuda, 2 other), then either
+    ``CONTIGUOUS_VECTOR, size`` (a contiguous 1-D tensor) or the rank, sizes and strides.
     (``is_cpu``/``is_cuda``: ``t.device.type`` would build a device object, ~5x the time.)"""
-    device = 0 if t.is_cpu else 1 if t.is_cuda else 2
-    args += (t.data_ptr(), _DTYPES.get(t.dtype, 99), device, t.dim(), *t.shape, *t.stride())
+    if t.dim() == 1 and t.is_contiguous():
+        return (t.data_ptr(), _dtypes.get(t.dtype, 99), 0 if t.is_cpu else 1 if t.is_cuda else 2, CONTIGUOUS_VECTOR,
+                t.numel())
+    shape = t.shape
+    return (t.data_ptr(), _dtypes.get(t.dtype, 99), 0 if t.is_cpu else 1 if t.is_cuda else 2, len(shape), *shape,
+            *t.stride())
 
 
-def _call(entry: str, args: list, floats=()) -> None:
-    """Run ``entry`` on ``args`` (int64s) and ``floats`` (doubles), packed with struct (twice as fast
-    as array.array here); ctypes passes the bytes' buffers without a copy."""
-    ints = struct.pack(f"{len(args)}q", *args)
-    reals = struct.pack(f"{len(floats)}d", *floats)
-    code = getattr(LIB, entry)(ints, len(args), reals, len(floats))
+def _tensor_list(tensors) -> list:
+    """A list argument of tensors: its length, then each one's descriptor."""
+    args = [len(tensors)]
+    for t in tensors:
+        args += _tensor(t)
+    return args
+
+
+def _pack(kind: str, values) -> bytes:
+    """``values`` as packed int64s (``kind`` "q") or doubles ("d")."""
+    packer = _STRUCTS.get((kind, len(values)))
+    if packer is None:
+        packer = _STRUCTS[kind, len(values)] = struct.Struct(f"{len(values)}{kind}")
+    return packer.pack(*values)
+
+
+def _call(fn, args, floats: bytes = _NO_FLOATS) -> None:
+    """Run the kernel ``fn`` (a bound entry point of :data:`ENTRY_POINTS`) on ``args`` (int64s) and
+    ``floats`` (packed doubles); ctypes passes the bytes' buffers without a copy and releases the GIL."""
+    code = fn(_pack("q", args), len(args), floats, len(floats) // 8)
     if code:
         raise _ERRORS.get(code, RuntimeError)(LIB.latentfast_last_error().decode(errors="replace"))
 
 
+# entry point name -> its ctypes function, looked up once (a CDLL attribute lookup per call costs too)
+_FN = {name: getattr(LIB, name) for name in (*ENTRY_POINTS.values(), *HOOKS.values())} if LIB is not None else {}
+
+
 def normalize_uint8_into(x, out) -> None:
-    args = []
-    _put(args, x)
-    args.append(len(out))
-    for t in out:
-        _put(args, t)
-    args.append(torch.get_num_threads())
-    _call("latentfast_normalize_uint8_into", args)
-
-
-def _rows(data, row_offsets, widths, pitch, indices) -> list:
-    """The arguments both gathers start with."""
-    args = []
-    _put(args, data)
-    _put(args, row_offsets)
-    _put(args, widths)
-    args.append(pitch)
-    _put(args, indices)
-    return args
+    args = (*_tensor(x), *_tensor_list(out), torch.get_num_threads())
+    _call(_FN["latentfast_normalize_uint8_into"], args)
 
 
 def gather_rows_into(data, row_offsets, widths, pitch, indices, white, out) -> None:
-    args = _rows(data, row_offsets, widths, pitch, indices)
-    if white is None:
-        args.append(0)
-    else:
-        args.append(1)
-        _put(args, white)
-    _put(args, out)
-    args.append(torch.get_num_threads())
-    _call("latentfast_gather_rows_into", args)
+    flag_white = (0,) if white is None else (1, *_tensor(white))
+    args = (*_tensor(data), *_tensor(row_offsets), *_tensor(widths), pitch, *_tensor(indices), *flag_white,
+            *_tensor(out), torch.get_num_threads())
+    _call(_FN["latentfast_gather_rows_into"], args)
 
 
 def gather_rows_packed_into(data, row_offsets, widths, pitch, indices, channels, latent_h, out) -> None:
-    args = _rows(data, row_offsets, widths, pitch, indices)
-    args += (channels, latent_h)
-    _put(args, out)
-    args.append(torch.get_num_threads())
-    _call("latentfast_gather_rows_packed_into", args)
+    args = (*_tensor(data), *_tensor(row_offsets), *_tensor(widths), pitch, *_tensor(indices), channels, latent_h,
+            *_tensor(out), torch.get_num_threads())
+    _call(_FN["latentfast_gather_rows_packed_into"], args)
 
 
 def read_spans_into(fd, offsets, lengths, threads, out) -> None:
-    args = [fd]
-    _put(args, offsets)
-    _put(args, lengths)
-    args.append(threads)
-    _put(args, out)
-    _call("latentfast_read_spans_into", args)
+    _call(_FN["latentfast_read_spans_into"], (fd, *_tensor(offsets), *_tensor(lengths), threads, *_tensor(out)))
 
 
 def scatter_cotangents_into(grads, batch_sizes, scales, arena) -> None:
-    args = [len(grads)]
-    for g in grads:
-        _put(args, g)
-    args.append(len(batch_sizes))
-    args += batch_sizes
-    args.append(len(scales))
-    _put(args, arena)
-    args.append(torch.get_num_threads())
-    _call("latentfast_scatter_cotangents_into", args, scales)
+    args = (*_tensor_list(grads), len(batch_sizes), *batch_sizes, len(scales), *_tensor(arena), torch.get_num_threads())
+    _call(_FN["latentfast_scatter_cotangents_into"], args, _pack("d", scales))
 
 
 def sample_latents_into(mean, std, item_seeds, out) -> None:
-    args = []
-    for t in (mean, std, item_seeds, out):
-        _put(args, t)
-    args.append(torch.get_num_threads())
-    _call("latentfast_sample_latents_into", args)
+    args = (*_tensor(mean), *_tensor(std), *_tensor(item_seeds), *_tensor(out), torch.get_num_threads())
+    _call(_FN["latentfast_sample_latents_into"], args)
 
 
 def sample_latents_philox_words(item_seeds, n: int, *, first_group: int = 0) -> torch.Tensor:
     """int64 ``[B, 4 * ceil(n / 4)]``: the Philox words the C++ sampling kernel draws for ``n`` elements of
     each item from group ``first_group`` on (:func:`latentfast.sampling.philox_words`'s stream; a test hook)."""
     out = torch.empty(item_seeds.shape[0], 4 * ((n + 3) // 4), dtype=torch.int64)
-    args = []
-    _put(args, item_seeds)
-    args.append(first_group)
-    _put(args, out)
-    _call("latentfast_sample_latents_philox_words", args)
+    _call(_FN["latentfast_sample_latents_philox_words"], (*_tensor(item_seeds), first_group, *_tensor(out)))
     return out
 
 
