@@ -37,6 +37,13 @@ class LatentCache:
     a reader raises :class:`CacheCorruptError` instead of killing the process with SIGBUS.
     """
 
+    def __new__(cls, cache_dir=None, split: str = "train", *args, **kwargs):
+        from . import shards  # a folder of shards opens as one (see latentfast.cache.store.shards)
+
+        if cls is LatentCache and cache_dir is not None and shards.is_sharded(cache_dir, split):
+            return super().__new__(shards.ShardedCache)
+        return super().__new__(cls)
+
     def __init__(self, cache_dir: str | os.PathLike, split: str = "train", expected: Any = None,
                  white_column: Any = None, *, verify_rows: bool = False):
         self.cache_dir = os.fspath(cache_dir)
@@ -49,6 +56,10 @@ class LatentCache:
                     f"latent cache {self.cache_dir} (split {split!r}) is incomplete: its build was interrupted "
                     f"before writing {meta_path}. Re-run the same `latentfast cache build` command to resume it (or the same LatentCacheWriter job)."
                 )
+            if os.path.isdir(os.path.join(self.cache_dir, "shards")):  # the folder of a distributed build (build.distributed)
+                raise IncompleteCacheError(
+                    f"latent cache {self.cache_dir} (split {split!r}) is incomplete: a distributed build wrote shards but not "
+                    f"yet its manifest (a rank failed or is still running). Re-run the same build to resume every shard.")
             raise FileNotFoundError(f"latent cache meta {meta_path} does not exist (no cache for split {split!r} in {self.cache_dir})")
         for _ in range(3):  # a rebuild that publishes while we read the index: read the new generation
             self._open_generation(meta_path, expected, white_column)
@@ -444,6 +455,10 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train") -> dict:
     index files); returns ``{"rows", "bytes", "blocks", "checksummed", "seconds", "gb_per_s"}``.
     ``gb_per_s`` is the rate of this pass, from whatever page cache state the file was in (a second
     run over a cache that fits in RAM measures a hot page cache, not the disk)."""
+    from . import shards
+
+    if shards.is_sharded(cache_dir, split):
+        return shards.verify_sharded(cache_dir, split)
     start = time.perf_counter()
     cache = LatentCache(cache_dir, split)  # validates sizes, widths, shapes and offsets
     damaged = fmt.damaged_files(cache.cache_dir, split, cache.meta)
@@ -477,6 +492,10 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train") -> dict:
 def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int = 10) -> dict:
     """Meta, row count, bytes on disk, padding waste and a latent-width histogram (line caches), or
     the count of items per shape (shaped caches)."""
+    from . import shards
+
+    if shards.is_sharded(cache_dir, split):
+        return shards.inspect_sharded(cache_dir, split, bins)
     cache = LatentCache(cache_dir, split)
     files = {}
     for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info"):
