@@ -21,6 +21,7 @@ from ...errors import CacheError, InvalidArgumentError
 from ..store import format as fmt
 from ..store.durable import BuildLock, content_hash
 from ..store.writer import encoder_identity, open_for_sources
+from . import distributed
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
 INFO_MAX_ELEMENTS = 8  # small arrays beside the latents (sizes, crops) are kept as item info
@@ -100,19 +101,26 @@ def _read_pt(path: str, key: str | None):
 
 
 def import_latents(source_dir, out_dir, split: str = "train", *, format: str, key: str | None = None,
-                   encoder: Any = None, quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None) -> str:
+                   encoder: Any = None, quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
+                   group=None) -> str:
     """Import every ``format`` file under ``source_dir`` into a shaped cache in ``out_dir``; returns the data path.
 
     ``key``: the entry holding the latent (npz array name, safetensors tensor name, or the key of a
     ``.pt`` dict); by default ``latents`` / the one tensor named ``latent...`` / the only entry.
     ``encoder``: the VAE (or its identity dict) that made the latents, stamped in the meta so a
     trainer can refuse a cache from another VAE. ``stats`` receives ``imported``, ``resumed``, ``unchanged``.
+    ``group`` (a ``torch.distributed`` process group): a distributed import, see :mod:`latentfast.cache.build.distributed`.
     """
+    if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
+        return distributed.build_sharded(import_latents, locals())
     from tqdm import tqdm
 
     files = list_latent_files(source_dir, format)
     if not files:
         raise InvalidArgumentError(f"source_dir {source_dir} holds no .{format} files")
+    share = distributed.current_share()
+    if share is not None:  # a distributed import: this rank's files, costed by their bytes
+        files = share.keep(files, [[f] for f in files], key=lambda f: f[0], cost=lambda f: os.path.getsize(f[1]))
     meta = {"kind": "import", "import_format": format, "import_key": key, "source": os.path.abspath(os.fspath(source_dir))}
     digests = [content_hash(path) for _, path in files]
     lock = BuildLock(out_dir, split, lock_timeout)
