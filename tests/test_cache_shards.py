@@ -229,6 +229,10 @@ def test_sharded_line_caches_pad_with_the_white_column(tmp_path, layout):
     out = poisoned_like((3, 3, 2, 15), torch.bfloat16)
     assert many.read_batch([18, 7, 0], dtype=torch.bfloat16, width=15, out=out)[0] is out
     assert torch.equal(out, one.read_batch([18, 7, 0], dtype=torch.bfloat16, width=15)[0])
+    a, b = inspect_cache(str(tmp_path / "one")), inspect_cache(str(tmp_path / "m"))
+    assert (a["histogram"], a["padding_waste_pct"], a["padded_layout_bytes"], a["data_bytes"]) == \
+           (b["histogram"], b["padding_waste_pct"], b["padded_layout_bytes"], b["data_bytes"])
+    assert main(["cache", "inspect", str(tmp_path / "m")]) == 0 and main(["cache", "verify", str(tmp_path / "m")]) == 0
     other = write_cache(str(tmp_path / "other"), rows[:3], widths[:3], w_max=13, layout=layout, white=white + 1)
     with pytest.raises(InvalidArgumentError, match="white column"):
         shardstore.merge_caches([parts[0], other.cache_dir], str(tmp_path / "m2"))

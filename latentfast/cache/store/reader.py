@@ -512,22 +512,26 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
     info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files, "fields": fields,
             "bytes_on_disk": sum(files.values()), "data_bytes": data_bytes,
             "resident_bytes": coldread.resident_bytes(cache._data_path)}  # in the page cache now (None: the OS cannot say)
+    info.update(layout_summary(cache, data_bytes, bins))
+    return info
+
+
+def layout_summary(cache: LatentCache, data_bytes: int, bins: int = 10) -> dict:
+    """What :func:`inspect_cache` says of the items: per shape counts and buckets (shaped caches), or
+    padding waste and a latent-width histogram (line caches)."""
     if cache.shaped:
         shapes, counts = np.unique(cache.shapes, axis=0, return_counts=True)
         order = np.argsort(-counts, kind="stable")
-        info["shape_counts"] = [(shapes[k].tolist(), int(counts[k])) for k in order]
-        info["padding_waste_pct"] = 0.0
-        info.update(_bucket_summary(cache))
-        return info
+        return {"shape_counts": [(shapes[k].tolist(), int(counts[k])) for k in order], "padding_waste_pct": 0.0,
+                **_bucket_summary(cache)}
     real = int(cache.widths.sum(dtype=np.int64)) * cache.channels * cache.latent_h * 2
     edges = np.unique(np.linspace(1, cache.w_max + 1, min(bins, cache.w_max) + 1).astype(np.int64))
     counts, _ = np.histogram(cache.widths, bins=edges)
-    info.update(
+    return dict(
         padding_waste_pct=100.0 * (data_bytes - real) / data_bytes if data_bytes else 0.0,
         padded_layout_bytes=len(cache) * fmt.row_elements(cache.meta) * 2,
         histogram=[(int(lo), int(hi) - 1, int(c)) for lo, hi, c in zip(edges[:-1], edges[1:], counts)],  # inclusive bounds
     )
-    return info
 
 
 def _bucket_summary(cache: LatentCache) -> dict:

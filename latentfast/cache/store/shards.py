@@ -33,8 +33,7 @@ import torch
 from ...errors import CacheCorruptError, IncompleteCacheError, InvalidArgumentError
 from . import fields as fieldstore
 from . import format as fmt
-from .layout import ELEMENT_BYTES
-from .reader import LatentCache, _bucket_summary, inspect_cache, verify_cache
+from .reader import LatentCache, inspect_cache, layout_summary, verify_cache
 
 FORMAT = "latentfast-shards"
 VERSION = 1
@@ -373,19 +372,7 @@ def inspect_sharded(cache_dir, split: str = "train", bins: int = 10) -> dict:
     info["fields"] = {name: {**entry, "logical_bytes": sum(p["fields"][name]["logical_bytes"] for p in parts),
                              "stored_bytes": sum(p["fields"][name]["stored_bytes"] for p in parts)}
                       for name, entry in parts[0]["fields"].items()}
-    if cache.shaped:
-        shapes, counts = np.unique(cache.shapes, axis=0, return_counts=True)
-        order = np.argsort(-counts, kind="stable")
-        info["shape_counts"] = [(shapes[k].tolist(), int(counts[k])) for k in order]
-        info["padding_waste_pct"] = 0.0
-        info.update(_bucket_summary(cache))
-        return info
-    real = int(cache.widths.sum(dtype=np.int64)) * cache.channels * cache.latent_h * ELEMENT_BYTES
-    edges = np.unique(np.linspace(1, cache.w_max + 1, min(bins, cache.w_max) + 1).astype(np.int64))
-    counts, _ = np.histogram(cache.widths, bins=edges)
-    info.update(padding_waste_pct=100.0 * (info["data_bytes"] - real) / info["data_bytes"] if info["data_bytes"] else 0.0,
-                padded_layout_bytes=sum(p["padded_layout_bytes"] for p in parts),
-                histogram=[(int(lo), int(hi) - 1, int(c)) for lo, hi, c in zip(edges[:-1], edges[1:], counts)])
+    info.update(layout_summary(cache, info["data_bytes"], bins))
     return info
 
 
