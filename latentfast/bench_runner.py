@@ -12,7 +12,7 @@ import os
 import time
 import traceback
 
-SUITES = ("normalize", "decode", "cache", "balance", "replay", "sampling")
+SUITES = ("normalize", "decode", "cache", "balance", "replay", "sampling", "scale")
 
 
 def load_suite(name: str):

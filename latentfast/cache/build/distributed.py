@@ -29,6 +29,7 @@ import numpy as np
 from ...errors import CacheError, InvalidArgumentError
 from ...vision.plan import lpt_bins
 from ..store import shards as shardstore
+from ..store.reader import LatentCache
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("latentfast_build_share", default=None)
 
@@ -87,10 +88,12 @@ def build_sharded(fn, args: dict) -> str:
     if rank == 0:  # a rebuild: the old manifest must not describe shards being rewritten
         with contextlib.suppress(FileNotFoundError):
             os.remove(shardstore.manifest_path(out_dir, split))
-    share, error = Share(rank, world), None
+    share, error, keys = Share(rank, world), None, None
+    folder = shard_dir(out_dir, split, rank, world)
     token = _CURRENT.set(share)
     try:
-        fn(**{**args, "out_dir": shard_dir(out_dir, split, rank, world)})
+        fn(**{**args, "out_dir": folder})
+        keys = LatentCache(folder, split).keys  # what this shard holds, in its order
     except IdleRank:
         pass
     except Exception as exc:  # every rank must still reach the collective below
@@ -98,33 +101,33 @@ def build_sharded(fn, args: dict) -> str:
     finally:
         _CURRENT.reset(token)
     statuses = [None] * world
-    dist.all_gather_object(statuses, (None if error is None else f"{type(error).__name__}: {error}", share.order), group=group)
-    failed = [r for r, (message, _) in enumerate(statuses) if message is not None]
+    dist.all_gather_object(statuses, (None if error is None else f"{type(error).__name__}: {error}", share.order, keys), group=group)
+    failed = [r for r, (message, _, _) in enumerate(statuses) if message is not None]
     if error is not None:
         raise error
     if failed:
         raise CacheError(f"distributed build of {out_dir}: rank(s) {failed} failed ({statuses[failed[0]][0]}); "
                          f"fix that and rerun the same command: every finished shard is kept and resumed")
-    orders = {tuple(o) for _, o in statuses if o is not None}
+    orders = {tuple(o) for _, o, _ in statuses if o is not None}
     if len(orders) != 1:
         raise CacheError(f"distributed build of {out_dir}: the ranks planned different sources ({len(orders)} plans); "
                          f"every rank must see the same source files and arguments")
     if rank == 0:
-        _write_manifest(out_dir, split, world, list(orders.pop()))
+        _write_manifest(out_dir, split, world, list(orders.pop()), [k for _, _, k in statuses])
     dist.barrier(group=group)
     return shardstore.manifest_path(out_dir, split)
 
 
-def _write_manifest(out_dir: str, split: str, world: int, order: list[str]) -> None:
-    """The manifest over the shards written, with the items in the single-process ``order`` (keys)."""
-    from ..store.reader import LatentCache
-
-    folders = [d for d in (shard_dir(out_dir, split, r, world) for r in range(world))
-               if os.path.exists(os.path.join(d, os.path.basename(shardstore.fmt.cache_path(d, split, "meta"))))]
-    where = {}
-    for s, folder in enumerate(folders):
-        for row, key in enumerate(LatentCache(folder, split).keys):
-            where[key] = (s, row)
+def _write_manifest(out_dir: str, split: str, world: int, order: list[str], shard_keys: list) -> None:
+    """The manifest over the shards written (``shard_keys[r]``: rank r's shard's keys, None if it wrote
+    none), with the items in the single-process ``order`` (keys)."""
+    folders, where = [], {}
+    for rank, keys in enumerate(shard_keys):
+        if keys is None:
+            continue
+        for row, key in enumerate(keys):
+            where[key] = (len(folders), row)
+        folders.append(shard_dir(out_dir, split, rank, world))
     missing = [k for k in order if k not in where]
     if missing or len(where) != len(order):
         raise CacheError(f"distributed build of {out_dir}: the shards hold {len(where)} items, the plan {len(order)}"
