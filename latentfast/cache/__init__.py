@@ -18,7 +18,7 @@ from .feed.loader import CacheBatchDataset, batch_loader, collate
 from .store.reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
 from .build.images import build_image_cache, build_video_cache
 from .build.importers import import_latents
-from .feed.sampler import LookaheadSampler, ShapeBucketBatchSampler, WidthBucketBatchSampler
+from .feed.sampler import LookaheadSampler, ShapeBucketBatchSampler, WidthBucketBatchSampler, item_chunks
 from .store.writer import LatentCacheWriter
 from ..errors import CacheLockedError
 
@@ -53,6 +53,7 @@ __all__ = [
     "read_batch",
     "WidthBucketBatchSampler",
     "ShapeBucketBatchSampler",
+    "item_chunks",
     "CacheBatchDataset",
     "batch_loader",
     "collate",

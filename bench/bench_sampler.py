@@ -1,0 +1,221 @@
+"""Chunk-aware shuffling (``chunks=item_chunks(cache), chunk_window=K``) against a full shuffle: what a
+node downloads from object storage in an epoch, and how well the epoch is shuffled.
+
+No server and no timing of the network: the batches of one epoch are computed by the real samplers
+and replayed against a model of each node's local chunk cache: an LRU with a byte budget of 1/8 of
+the data; a batch downloads the missing units under its items, one GET per run of adjacent missing
+units. Two download units:
+
+- ``16K``: 16 KiB chunks (``remote.chunks.CHUNK_BYTES``): what ``RemoteReader``'s ``ChunkCache``
+  keeps and evicts, and how ``RemoteReader._ensure_local`` issues GETs today;
+- ``1M``: whole sampler chunks of 1 MiB, as mosaic streaming and litdata download whole shards /
+  chunks (or a prefetcher that fetches a window's chunks whole).
+
+4 nodes (one rank each), batches of 64, sampler chunks of 1 MiB (``item_chunks(..., 1 << 20)``),
+windows ``K`` of 1/8, 1/4, 1/2 and all of the local cache budget. Two caches (``--quick``: a
+quarter of the items), item byte ranges as the writer lays them out:
+
+- ``lines``: 65,536 text-line latents ``[4, 8, w]`` float16, ragged, ``w`` uniform in 16..240 (mean
+  ~8 KiB, 512 MiB: about two items per 16 KiB chunk, items across chunk boundaries),
+  :class:`WidthBucketBatchSampler`;
+- ``images``: 8,192 1024 px images in 3 aspect buckets, ``[4, 128, 128]``, ``[4, 112, 144]``,
+  ``[4, 144, 112]`` float16 (~128 KiB, 1 GiB; each a whole number of 16 KiB chunks), buckets
+  interleaved in the file, :class:`ShapeBucketBatchSampler`.
+
+Fetches (per node, mean over the 4 nodes), for each unit: ``fetch x`` = units downloaded / distinct
+units its batches touch (1.0: each once per epoch per node); ``bytes x`` = bytes downloaded / bytes
+its batches use (4 nodes share no cache: a unit that holds other nodes' items too costs every node
+that touches it); ``GETs/b``: GETs per batch; and ``16K bytes x 1 node``: the same epoch read by
+one node alone.
+
+Shuffle quality, over the whole epoch, with file position = item index (items lie in the file in
+index order); each also given for the full shuffle:
+
+- ``spread``: mean over batches of the mean ``|i - j|`` over pairs of items of the batch, divided by
+  the full shuffle's (1.0: a batch's items as far apart in the file as a full shuffle's; a batch of
+  neighbours scores near 0);
+- ``same-chunk %``: share of a batch's item pairs from one sampler chunk (full shuffle: ~1/chunks);
+- ``nbr gap``: mean distance, in batches of the epoch, between items adjacent in the file, divided
+  by the full shuffle's (~1/3 of the epoch): how far the epoch scatters file neighbours;
+- ``rho``: Spearman correlation of an item's position in the epoch with its position in the file
+  (0: the epoch does not walk through the file).
+
+Also the time to compute one epoch's batches of 1M items (median of 3; the host's load average is
+printed beside it: a shared, noisy host).
+
+    python bench/bench_sampler.py [--quick]
+
+``run_report(quick)`` is the ``latentfast bench`` suite interface.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from latentfast.bench.common import format_table
+from latentfast.cache import ShapeBucketBatchSampler, WidthBucketBatchSampler, item_chunks
+from latentfast.cache.remote.chunks import CHUNK_BYTES, chunk_indices
+
+NODES, BATCH, SAMPLER_CHUNK = 4, 64, 1 << 20
+WINDOW_SHARES = (8, 4, 2, 1)  # windows of 1/8, 1/4, 1/2 and all of a node's local cache budget
+IMAGE_SHAPES = np.array([[4, 128, 128], [4, 112, 144], [4, 144, 112]])
+
+
+def line_cache(n: int, seed: int = 0):
+    """``(widths, starts, ends)``: ragged line latents [4, 8, w], bytes back to back."""
+    widths = np.random.default_rng(seed).integers(16, 241, n)
+    sizes = 4 * 8 * widths * 2
+    ends = np.cumsum(sizes)
+    return widths, ends - sizes, ends
+
+
+def image_cache(n: int, seed: int = 0):
+    """``(shapes, starts, ends)``: images of 3 buckets, interleaved, bytes back to back."""
+    shapes = IMAGE_SHAPES[np.random.default_rng(seed).integers(0, 3, n)]
+    sizes = shapes.prod(axis=1) * 2
+    ends = np.cumsum(sizes)
+    return shapes, ends - sizes, ends
+
+
+def node_fetches(batches, starts, ends, budget_bytes: int, unit: int) -> dict:
+    """Replay one node's batches against an LRU of ``budget_bytes`` in units of ``unit`` bytes."""
+    lru: collections.OrderedDict = collections.OrderedDict()
+    budget_chunks = budget_bytes // unit
+    fetched = gets = used_bytes = 0
+    touched = set()
+    for batch in batches:
+        idx = np.asarray(batch)
+        used_bytes += int((ends[idx] - starts[idx]).sum())
+        chunks = np.unique(chunk_indices(starts[idx] // unit, (ends[idx] - 1) // unit + 1))
+        touched.update(chunks.tolist())
+        missing = [c for c in chunks.tolist() if c not in lru]
+        for c in chunks.tolist():
+            if c in lru:
+                lru.move_to_end(c)
+        if missing:
+            gets += 1 + int(np.count_nonzero(np.diff(missing) > 1))  # one GET per run of adjacent chunks
+            fetched += len(missing)
+            for c in missing:
+                lru[c] = True
+            while len(lru) > budget_chunks:
+                lru.popitem(last=False)
+    return {"fetch_ratio": fetched / max(1, len(touched)), "bytes_ratio": fetched * unit / max(1, used_bytes),
+            "gets_per_batch": gets / max(1, len(batches))}
+
+
+def quality(batches, n: int, chunk_of: np.ndarray) -> dict:
+    """Raw shuffle-quality figures of one epoch's global batch list (see the module docstring)."""
+    spreads, same = [], []
+    batch_of = np.full(n, -1, dtype=np.int64)
+    position = np.full(n, -1, dtype=np.int64)
+    at = 0
+    for b, batch in enumerate(batches):
+        x = np.sort(np.asarray(batch))
+        k = len(x)
+        batch_of[x] = b
+        position[np.asarray(batch)] = at + np.arange(k)
+        at += k
+        if k < 2:
+            continue
+        pairs = k * (k - 1) / 2
+        spreads.append(float(((2 * np.arange(k) - k + 1) * x).sum()) / pairs)  # sum over pairs of |xi - xj|
+        counts = np.bincount(chunk_of[x] - chunk_of[x].min())
+        same.append(float((counts * (counts - 1) / 2).sum()) / pairs)
+    seen = batch_of >= 0
+    both = seen[:-1] & seen[1:]
+    gap = float(np.abs(np.diff(batch_of))[both].mean())
+    order = np.flatnonzero(seen)
+    rho = float(np.corrcoef(np.argsort(np.argsort(position[order])), order)[0, 1])
+    return {"spread": statistics.mean(spreads), "same_chunk": statistics.mean(same), "nbr_gap": gap, "rho": rho}
+
+
+def scenario(name: str, n: int) -> dict:
+    if name == "lines":
+        widths, starts, ends = line_cache(n)
+        make = lambda **kw: WidthBucketBatchSampler(widths, BATCH, seed=0, **kw)  # noqa: E731
+    else:
+        shapes, starts, ends = image_cache(n)
+        make = lambda **kw: ShapeBucketBatchSampler(shapes, BATCH, seed=0, **kw)  # noqa: E731
+    chunk_of = item_chunks(starts, SAMPLER_CHUNK)
+    budget = int(ends[-1]) // 8
+    windows = [max(1, round(budget / SAMPLER_CHUNK) // share) for share in WINDOW_SHARES]
+    rows = {}
+    for window in (None, *windows):
+        kw = {} if window is None else {"chunks": chunk_of, "chunk_window": window}
+        per_node = [list(make(rank=r, world_size=NODES, **kw)) for r in range(NODES)]
+        row = {}
+        for label, unit in (("16K", CHUNK_BYTES), ("1M", SAMPLER_CHUNK)):
+            nodes = [node_fetches(batches, starts, ends, budget, unit) for batches in per_node]
+            row[label] = {key: statistics.mean(node[key] for node in nodes) for key in nodes[0]}
+        row["16K one node"] = node_fetches(list(make(**kw)), starts, ends, budget, CHUNK_BYTES)
+        row.update(quality(make(**kw)._all_batches(), n, chunk_of))
+        rows["full shuffle" if window is None else f"K={window}"] = row
+    full = rows["full shuffle"]
+    for row in rows.values():
+        row["spread_vs_full"] = row["spread"] / full["spread"]
+        row["nbr_gap_vs_full"] = row["nbr_gap"] / full["nbr_gap"]
+    return {"items": n, "data_mib": int(ends[-1]) / 2**20, "budget_mib": budget / 2**20,
+            "sampler_chunks": int(len(np.unique(chunk_of))), "rows": rows}
+
+
+def order_seconds(n: int, repeat: int = 3) -> dict:
+    """Seconds to compute one epoch's batches of ``n`` images (3 buckets), full shuffle vs K=16."""
+    shapes, starts, _ = image_cache(n)
+    chunk_of = item_chunks(starts, SAMPLER_CHUNK)
+    out = {}
+    for label, kw in (("full shuffle", {}), ("K=16", {"chunks": chunk_of, "chunk_window": 16})):
+        sampler = ShapeBucketBatchSampler(shapes, BATCH, **kw)
+        times = []
+        for epoch in range(repeat):
+            sampler.set_epoch(epoch)
+            t0 = time.perf_counter()
+            sampler._all_batches()
+            times.append(time.perf_counter() - t0)
+        out[label] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+    return out
+
+
+def run_report(quick: bool = False) -> dict:
+    sizes = {"lines": 16384 if quick else 65536, "images": 2048 if quick else 8192}
+    result = {"nodes": NODES, "batch": BATCH, "sampler_chunk_bytes": SAMPLER_CHUNK, "local_chunk_bytes": CHUNK_BYTES,
+              "scenarios": {name: scenario(name, n) for name, n in sizes.items()}}
+    result["load_average"] = os.getloadavg()
+    result["order_seconds"] = order_seconds(100_000 if quick else 1_000_000)
+    result["order_items"] = 100_000 if quick else 1_000_000
+    print_report(result)
+    return result
+
+
+def print_report(result: dict) -> None:
+    header = ["order", *(f"{u} {m}" for u in ("16K", "1M") for m in ("fetch x", "bytes x", "GETs/b")),
+              "16K bytes x 1 node", "spread", "same-chunk %", "nbr gap", "rho"]
+    for name, sc in result["scenarios"].items():
+        rows = [[label, *(r[u][m] for u in ("16K", "1M") for m in ("fetch_ratio", "bytes_ratio", "gets_per_batch")),
+                 r["16K one node"]["bytes_ratio"], r["spread_vs_full"], 100 * r["same_chunk"], r["nbr_gap_vs_full"],
+                 round(r["rho"], 3)] for label, r in sc["rows"].items()]
+        title = (f"{name}: {sc['items']} items, {sc['data_mib']:.0f} MiB, {sc['sampler_chunks']} sampler chunks of 1 MiB, "
+                 f"{result['nodes']} nodes, local cache {sc['budget_mib']:.0f} MiB each (fetch/bytes per node; "
+                 f"spread and nbr gap relative to the full shuffle)")
+        print(format_table(title, header, rows) + "\n")
+    load = ", ".join(f"{x:.1f}" for x in result["load_average"])
+    rows = [[label, t["median_s"], t["min_s"], t["max_s"]] for label, t in result["order_seconds"].items()]
+    print(format_table(f"one epoch's batches of {result['order_items']} images, 3 buckets (load average {load})",
+                       ["order", "median s", "min s", "max s"], rows))
+
+
+@pytest.mark.parametrize("order", ["full shuffle", "K=16"])
+def test_epoch_order(benchmark, order):
+    """One epoch's batches of 100k images in 3 buckets (the cost set_epoch's first batch pays)."""
+    shapes, starts, _ = image_cache(100_000)
+    kw = {} if order == "full shuffle" else {"chunks": item_chunks(starts, SAMPLER_CHUNK), "chunk_window": 16}
+    benchmark(ShapeBucketBatchSampler(shapes, BATCH, **kw)._all_batches)
+
+
+if __name__ == "__main__":
+    run_report(quick="--quick" in sys.argv[1:])
