@@ -207,6 +207,13 @@ def test_sharded_cache_reads_as_the_single_cache(tmp_path):
         many.read_batch([0, 23])
     with pytest.raises(IndexOutOfRangeError):
         many[23]
+    from latentfast.cache.feed.sampler import item_chunks
+
+    chunks, whole = item_chunks(many, 256), item_chunks(one, 256)  # 4x3x6 f16 items: 144 bytes each
+    for k in range(3):  # within a shard, items share chunks as in a file of their own; never across shards
+        rows = np.flatnonzero(many.order[:, 0] == k)
+        assert np.array_equal(chunks[rows], item_chunks(many.shards[k], 256)[many.order[rows, 1]] + chunks[rows].min())
+    assert len(set(chunks[many.order[:, 0] == 0]) & set(chunks[many.order[:, 0] == 1])) == 0 and len(whole) == 23
     again = __import__("pickle").loads(__import__("pickle").dumps(many))  # what a DataLoader worker gets
     assert_same_batches(one, again, batches[:2], fields=["latent", "ids"])
 
@@ -314,3 +321,20 @@ def test_merge_refuses_other_encoders_and_fields(tmp_path, capsys):
     with pytest.raises(InvalidArgumentError, match="fields"):
         shardstore.merge_caches([a, plain], str(tmp_path / "m2"))
     assert not os.path.exists(shardstore.manifest_path(str(tmp_path / "m2"), "train"))
+
+
+def test_sharded_read_batch_on_cuda_matches_cpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    records = make_records(12, shaped_latents=True)
+    one, many = sharded_and_single(tmp_path, records, 3, order=np.random.default_rng(2).permutation(12))
+    for dtype in DTYPES:
+        want = one.read_batch([11, 0, 5, 5], dtype=dtype)[0]
+        got = many.read_batch([11, 0, 5, 5], device="cuda", dtype=dtype)[0]
+        assert got.is_cuda and got.dtype == dtype and torch.equal(got.cpu(), want)
+        out = torch.empty((4, 4, 3, 6), dtype=dtype, device="cuda")
+        assert many.read_batch([11, 0, 5, 5], device="cuda", dtype=dtype, out=out)[0].data_ptr() == out.data_ptr()
+        assert torch.equal(out.cpu(), want)
+    batch = many.read_batch([1, 2, 3], device="cuda", fields=["latent", "text", "pooled"], pad={"text": 0})
+    want = one.read_batch([1, 2, 3], fields=["latent", "text", "pooled"], pad={"text": 0})
+    assert all(torch.equal(batch[k].cpu(), want[k]) for k in want)

@@ -314,6 +314,16 @@ class ShardedCache(LatentCache):
         for k, rows in self.items.by_shard(np.asarray(indices, dtype=np.int64)):
             self.shards[k].prefetch(rows)
 
+    def shard_chunks(self, chunk_bytes: int) -> np.ndarray:
+        """int64 ``[N]``: each item's chunk (:func:`latentfast.cache.feed.sampler.item_chunks`), the chunks
+        of each shard's data file numbered after the previous shard's (no chunk spans two files)."""
+        per_shard, base = [], 0
+        for shard in self.shards:
+            chunks = np.asarray(shard.row_starts[:-1], dtype=np.int64) * 2 // chunk_bytes + base  # float16 elements
+            base = int(chunks.max(initial=base - 1)) + 1
+            per_shard.append(chunks)
+        return np.concatenate(per_shard)[self._flat]
+
     def _memmap(self):
         raise InvalidArgumentError(f"sharded cache {self.cache_dir} has no single data file; read its shards ({self.shard_dirs})")
 
@@ -345,6 +355,18 @@ def _load_manifest(path: str) -> dict:
         raise CacheCorruptError(f"sharded cache manifest {path} must be a {FORMAT} version {VERSION} object with a list "
                                 f"of shards ({{path, n, meta_crc}}) and order_crc")
     return manifest
+
+
+def _copy_durably(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` through a partial name, fsynced before the rename (a crash leaves no torn file)."""
+    import shutil
+
+    tmp = fmt.partial_path(dst)
+    shutil.copyfile(src, tmp)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, dst)
+    fmt.fsync_dir(os.path.dirname(dst) or ".")
 
 
 def verify_sharded(cache_dir, split: str = "train") -> dict:
@@ -382,8 +404,6 @@ def merge_caches(sources: list, out_dir, split: str = "train", *, copy: bool = F
     source's files are copied into ``out_dir/shards/`` first. Returns the manifest's path. Sources of
     different encoders, geometry or fields are refused, naming what differs. A sharded source
     contributes its shards (in its order)."""
-    import shutil
-
     out_dir = os.fspath(out_dir)
     if len(sources) < 1:
         raise InvalidArgumentError("cache merge needs at least one source cache")
@@ -408,8 +428,8 @@ def merge_caches(sources: list, out_dir, split: str = "train", *, copy: bool = F
             for name in sorted(os.listdir(folder)):
                 if name.startswith(f"{split}.") and ".shards." not in name and os.path.isfile(os.path.join(folder, name)):
                     if name != os.path.basename(fmt.cache_path(folder, split, "meta")):
-                        shutil.copyfile(os.path.join(folder, name), os.path.join(target, name))
-            shutil.copyfile(fmt.cache_path(folder, split, "meta"), fmt.cache_path(target, split, "meta"))  # the meta last
+                        _copy_durably(os.path.join(folder, name), os.path.join(target, name))
+            _copy_durably(fmt.cache_path(folder, split, "meta"), fmt.cache_path(target, split, "meta"))  # the meta last
             copied.append(target)
         dirs = copied
     return write_manifest(out_dir, split, dirs, np.concatenate(orders))
