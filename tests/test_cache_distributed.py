@@ -103,6 +103,37 @@ def test_three_ranks_build_what_one_process_builds(tmp_path):
     assert lines.layout == "padded" and torch.equal(lines.white_column, LatentCache(str(tmp_path / "single" / "lines")).white_column)
 
 
+def _rank_builds_bad_source(rank: int, world: int, images: str, out: str):
+    import torch.distributed as dist
+
+    from latentfast.errors import ImageError
+
+    try:
+        build_image_cache(ToyVAE(seed=3), images, out, buckets=BUCKETS, batch_size=3, quiet=True, group=dist.group.WORLD)
+    except ImageError as exc:
+        raised = str(exc)
+    else:
+        raised = None
+    build_image_cache(ToyVAE(seed=3), images, out, buckets=BUCKETS, batch_size=3, quiet=True, skip_bad_images=True,
+                      group=dist.group.WORLD)
+    return raised
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_bad_image_fails_every_rank_alike_and_skips_alike(tmp_path):
+    images = make_sources(str(tmp_path / "src"))["images"]
+    with open(os.path.join(images, "im05.png"), "r+b") as fh:
+        fh.truncate(60)  # probed by one rank only: the others learn of it in the exchange
+    raised = spawn_gloo(_rank_builds_bad_source, 2, images, str(tmp_path / "dist"), timeout_s=120)
+    assert all(r is not None and "im05" in r for r in raised), raised
+    build_image_cache(ToyVAE(seed=3), images, str(tmp_path / "single"), buckets=BUCKETS, batch_size=3, quiet=True,
+                      skip_bad_images=True)
+    single, sharded = LatentCache(str(tmp_path / "single")), LatentCache(str(tmp_path / "dist"))
+    assert "im05" not in sharded.keys and sharded.meta["skipped"] == single.meta["skipped"] and len(single.meta["skipped"]) == 1
+    assert_same_cache(single, sharded)
+
+
 RANK_SCRIPT = r"""
 import datetime, sys, time
 import torch.distributed as dist

@@ -2,7 +2,8 @@
 shard of its own; rank 0 writes the manifest that makes the shards one cache (see
 :mod:`latentfast.cache.store.shards`).
 
-Each builder plans the whole source on every rank (deterministically: the same plan everywhere), in
+Each builder plans the whole source on every rank (deterministically: the same plan everywhere; the
+image and video builders probe and hash each file on one rank and exchange the results), in
 the units a single-process build encodes together (a batch of one bucket, a width-sorted batch of
 lines, a file), and calls :meth:`Share.keep`: the units are spread over the ranks by predicted
 encode cost (pixels x frames per item) with the project's LPT planner
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -51,9 +53,31 @@ def current_share() -> "Share | None":
 class Share:
     """One rank's part of a distributed build, and the order of the whole (for the manifest)."""
 
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, group=None):
+        self.rank, self.world, self.group = rank, world, group
         self.order: list[str] | None = None
+
+    def map(self, pool, fn, args: list) -> list[Future]:
+        """``fn(*a)`` for every ``a`` of ``args`` as completed futures, in order: each rank computes every
+        world-th on ``pool`` and the outcomes (results or exceptions) are exchanged in one collective, so
+        each source file is probed (read and hashed) once in the group, not once per rank."""
+        import torch.distributed as dist
+
+        def outcome(a):
+            try:
+                return True, fn(*a)
+            except Exception as exc:  # noqa: BLE001 - handed to every rank, raised where the builder looks
+                return False, exc
+
+        mine = list(pool.map(outcome, args[self.rank::self.world]))
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        futures = []
+        for k in range(len(args)):
+            ok, value = every[k % self.world][k // self.world]
+            futures.append(Future())
+            futures[-1].set_result(value) if ok else futures[-1].set_exception(value)
+        return futures
 
     def keep(self, ordered: list, units: list[list], *, key, cost) -> list:
         """The items of ``ordered`` (every item, in the single-process cache's order) that lie in the
@@ -88,7 +112,7 @@ def build_sharded(fn, args: dict) -> str:
     if rank == 0:  # a rebuild: the old manifest must not describe shards being rewritten
         with contextlib.suppress(FileNotFoundError):
             os.remove(shardstore.manifest_path(out_dir, split))
-    share, error, keys = Share(rank, world), None, None
+    share, error, keys = Share(rank, world, group), None, None
     folder = shard_dir(out_dir, split, rank, world)
     token = _CURRENT.set(share)
     try:

@@ -194,7 +194,8 @@ def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], li
         raise InvalidArgumentError(f"source {os.fspath(source)} holds no {job.kind}s")
     items, skipped = [], []
     # skip_bad: decode every item fully now, so a truncated file is skipped, not fatal mid-build
-    futures = [pool.submit(media.probe, key, path, skip_bad) for key, path in entries]
+    share, probes = distributed.current_share(), [(key, path, skip_bad) for key, path in entries]
+    futures = [pool.submit(media.probe, *a) for a in probes] if share is None else share.map(pool, media.probe, probes)
     for (key, path), future in zip(entries, futures):
         try:
             item = future.result()
