@@ -3,7 +3,7 @@ shard of its own; rank 0 writes the manifest that makes the shards one cache (se
 :mod:`latentfast.cache.store.shards`).
 
 Each builder plans the whole source on every rank (deterministically: the same plan everywhere; the
-image and video builders probe and hash each file on one rank and exchange the results), in
+image, video and line builders probe and hash each file on one rank and exchange the results), in
 the units a single-process build encodes together (a batch of one bucket, a width-sorted batch of
 lines, a file), and calls :meth:`Share.keep`: the units are spread over the ranks by predicted
 encode cost (pixels x frames per item) with the project's LPT planner

@@ -405,7 +405,8 @@ def _plan_lines(pool, entries, root, line_height, max_line_width, skip_bad_image
     lines, skipped = [], []
     for start in range(0, len(entries), chunk):
         part = entries[start : start + chunk]
-        futures = [pool.submit(_probe, e, root, line_height, max_line_width, skip_bad_images) for e in part]
+        probes, share = [(e, root, line_height, max_line_width, skip_bad_images) for e in part], distributed.current_share()
+        futures = [pool.submit(_probe, *a) for a in probes] if share is None else share.map(pool, _probe, probes)
         for (number, path), fut in zip(part, futures):
             try:
                 lines.append(fut.result())
