@@ -148,7 +148,7 @@ def test_writer_refuses_changed_dtype_ndim_fields_and_cast_latent(tmp_path):
             writer.append("b", {"latent": latent(gen, 0), "text": torch.zeros(1, 3, 8, dtype=torch.bfloat16)})
         with pytest.raises(InvalidArgumentError, match=r"has the fields \[\], but this cache's records have \['text'\]"):
             writer.append("b", {"latent": latent(gen, 0)})
-        with pytest.raises(InvalidArgumentError, match="latent' of key 'b' must be float16"):
+        with pytest.raises(InvalidArgumentError, match="latent of key 'b' is float32, but this cache's latents are float16.*no silent cast"):
             writer.append("b", {"latent": latent(gen, 0).float(), "text": torch.zeros(3, 8, dtype=torch.bfloat16)})
         with pytest.raises(InvalidArgumentError, match="append a dict"):
             writer.append("b", latent(gen, 0))

@@ -338,3 +338,16 @@ def test_sharded_read_batch_on_cuda_matches_cpu(tmp_path):
     batch = many.read_batch([1, 2, 3], device="cuda", fields=["latent", "text", "pooled"], pad={"text": 0})
     want = one.read_batch([1, 2, 3], fields=["latent", "text", "pooled"], pad={"text": 0})
     assert all(torch.equal(batch[k].cpu(), want[k]) for k in want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_sharded_caches_of_latents_in_their_own_dtype(tmp_path, dtype):
+    gen = torch.Generator().manual_seed(9)
+    records = [(f"k{i}", {"latent": torch.randn((2, 3, 5), generator=gen).to(dtype)}) for i in range(9)]
+    one = LatentCache(write_records(str(tmp_path / "one"), records))
+    parts = [write_records(str(tmp_path / f"p{k}"), records[a:b]) for k, (a, b) in enumerate(((0, 4), (4, 9)))]
+    shardstore.merge_caches(parts, str(tmp_path / "m"))
+    many = LatentCache(str(tmp_path / "m"))
+    assert many.dtype == one.dtype == dtype and torch.equal(many[6], one[6])
+    assert_same_batches(one, many, [[8, 0, 4, 3]], dtype=dtype)
+    assert_same_batches(one, many, [[8, 0, 4, 3]], fields=["latent"])

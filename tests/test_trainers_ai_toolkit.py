@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from latentfast.cache.trainers import open_source
-from latentfast.cache.trainers.fixtures import same_bits, write_ai_toolkit
+from latentfast.cache.trainers.fixtures import records_via, same_bits, write_ai_toolkit
 
 
 def hashed_path(folder, sub, stem, info):
@@ -47,18 +47,18 @@ def prompt_embeds_load(path):
     return text, pooled_embeds, attention_mask[0] if len(attention_mask) == 1 else attention_mask
 
 
-@pytest.mark.parametrize("uint8", [False, True])
-def test_every_field_matches_ai_toolkits_loaders(tmp_path, uint8):
-    manifest = write_ai_toolkit(tmp_path, n=3, resolutions=(256, 384), flip_x=True, uint8=uint8, dropout=True)
-    source = open_source(tmp_path, "ai-toolkit")
-    records = list(source)
-    by_key = {r.key: r for r in records}
-    assert len(records) == 3 * 2  # one per image and size; flip_x copies are fields, not items
+@pytest.mark.parametrize("uint8,via", [(False, "reader"), (True, "reader"), (False, "import"), (True, "import"), (True, "auto")])
+def test_every_field_matches_ai_toolkits_loaders(tmp_path, uint8, via):
+    """Read by the reader, or imported (format="ai-toolkit" / "auto") and read back from the cache."""
+    folder = tmp_path / "src"
+    manifest = write_ai_toolkit(folder, n=3, resolutions=(256, 384), flip_x=True, uint8=uint8, dropout=True)
+    by_key = records_via(folder, "ai-toolkit", via, tmp_path / "out")
+    assert len(by_key) == 3 * 2  # one per image and size; flip_x copies are fields, not items
     for entry in manifest:
-        te_path = hashed_path(tmp_path, "_t_e_cache", entry["stem"], entry["te_infos"][0])
+        te_path = hashed_path(folder, "_t_e_cache", entry["stem"], entry["te_infos"][0])
         text, pooled, mask = prompt_embeds_load(te_path)
         for info in entry["latent_infos"]:
-            latent = get_latent(hashed_path(tmp_path, "_latent_cache", entry["stem"], info))
+            latent = get_latent(hashed_path(folder, "_latent_cache", entry["stem"], info))
             h, w = info["scale_to_height"] // 8, info["scale_to_width"] // 8
             rec = by_key[f"{entry['stem']}@{h}x{w}"]
             assert same_bits(rec.fields["latent_flipped" if info.get("flip_x") else "latent"], latent)
@@ -70,7 +70,7 @@ def test_every_field_matches_ai_toolkits_loaders(tmp_path, uint8):
             assert same_bits(rec.fields["text_attention_mask"], mask)
             assert set(rec.fields) == {"latent", "latent_flipped", "text_text_embed", "text_pooled_embed", "text_attention_mask"}
             assert rec.info.get("quantized") == ("uint8" if uint8 else None)
-    assert source.summary() == "ai-toolkit: 6 items; skipped 3 files: 3 dropout (blank-caption) text embeddings"
+    assert open_source(folder, "ai-toolkit").summary() == "ai-toolkit: 6 items; skipped 3 files: 3 dropout (blank-caption) text embeddings"
 
 
 def test_uint8_latents_are_dequantized_to_float32(tmp_path):

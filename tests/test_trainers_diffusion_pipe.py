@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from latentfast.cache.trainers import open_source
-from latentfast.cache.trainers.fixtures import same_bits, write_diffusion_pipe
+from latentfast.cache.trainers.fixtures import records_via, same_bits, write_diffusion_pipe
 
 
 class Cache:
@@ -39,11 +39,14 @@ class Cache:
         return torch.load(io.BytesIO(byte_string), map_location="cpu")
 
 
-def test_every_field_matches_diffusion_pipes_cache(tmp_path):
-    stems = write_diffusion_pipe(tmp_path, n=3, buckets=((256, 256), (384, 256)), captions=2, shard_size_bytes=6000)
-    records = {r.key: r for r in open_source(tmp_path, "diffusion-pipe")}
+@pytest.mark.parametrize("via", ["reader", "import", "auto"])
+def test_every_field_matches_diffusion_pipes_cache(tmp_path, via):
+    """Read by the reader, or imported (format="diffusion-pipe" / "auto") and read back from the cache."""
+    folder = tmp_path / "src"
+    stems = write_diffusion_pipe(folder, n=3, buckets=((256, 256), (384, 256)), captions=2, shard_size_bytes=6000)
+    records = records_via(folder, "diffusion-pipe", via, tmp_path / "out")
     assert len(records) == 3 * 2
-    bucket_dirs = sorted(glob.glob(str(tmp_path / "cache" / "flux" / "cache_*")))
+    bucket_dirs = sorted(glob.glob(str(folder / "cache" / "flux" / "cache_*")))
     assert len(glob.glob(os.path.join(bucket_dirs[0], "latents", "shard_*.bin"))) > 1  # records span shards
     for bucket_dir in bucket_dirs:
         latents, texts = Cache(os.path.join(bucket_dir, "latents")), Cache(os.path.join(bucket_dir, "text_embeddings_1"))

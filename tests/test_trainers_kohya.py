@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from latentfast.cache.trainers import kohya, open_source
-from latentfast.cache.trainers.fixtures import KOHYA_TE_SUFFIX, same_bits, write_kohya
+from latentfast.cache.trainers.fixtures import KOHYA_TE_SUFFIX, records_via, same_bits, write_kohya
 
 ARCHES = ["sd", "sdxl", "legacy", "flux", "sd3", "lumina", "hi", "anima"]
 STRIDE = {"hi": 32}  # each strategy's latents_stride (8 elsewhere); None = no resolution suffix (sd, sdxl, legacy)
@@ -62,13 +62,14 @@ def trainer_items(folder, arch):
             yield stem, path, (stride if multi else None), bucket, hw
 
 
-@pytest.mark.parametrize("arch", ARCHES)
-def test_every_field_matches_kohyas_loaders(tmp_path, arch):
-    write_kohya(tmp_path, arch=arch, n=3, buckets=2)
-    source = open_source(tmp_path, "kohya")
-    records = {r.key: r for r in source}
+@pytest.mark.parametrize("arch,via", [(a, "reader") for a in ARCHES] + [(a, "import") for a in ARCHES] + [("flux", "auto")])
+def test_every_field_matches_kohyas_loaders(tmp_path, arch, via):
+    """Read by the reader, or imported (format="kohya" / "auto") and read back from the cache."""
+    folder = tmp_path / "src"
+    write_kohya(folder, arch=arch, n=3, buckets=2)
+    records = records_via(folder, "kohya", via, tmp_path / "out")
     expected_keys = set()
-    for stem, path, stride, bucket, hw in trainer_items(tmp_path, arch):
+    for stem, path, stride, bucket, hw in trainer_items(folder, arch):
         key = f"{stem}@{hw[0]}x{hw[1]}" if hw else stem
         expected_keys.add(key)
         rec = records[key]
@@ -77,19 +78,19 @@ def test_every_field_matches_kohyas_loaders(tmp_path, arch):
         assert same_bits(rec.fields["latent_flipped"], torch.from_numpy(flipped))
         assert same_bits(rec.fields["alpha_mask"], torch.from_numpy(alpha))
         assert rec.info["original_size"] == original_size and rec.info["crop_ltrb"] == crop_ltrb
-        outputs = load_outputs_npz(arch, os.path.join(tmp_path, stem + KOHYA_TE_SUFFIX[arch]))
+        outputs = load_outputs_npz(arch, os.path.join(folder, stem + KOHYA_TE_SUFFIX[arch]))
         for name, array in outputs.items():
             if array.ndim == 0:
                 assert rec.info[f"text_{name}"] == array.item()
             else:
                 assert same_bits(rec.fields[f"text_{name}"], torch.from_numpy(array)), name
         text_fields = {k for k in rec.fields if k.startswith("text_")}
-        te = np.load(os.path.join(tmp_path, stem + KOHYA_TE_SUFFIX[arch]))
+        te = np.load(os.path.join(folder, stem + KOHYA_TE_SUFFIX[arch]))
         assert text_fields == {f"text_{n}" for n in te.files if te[n].ndim}  # nothing more, nothing less
         assert set(rec.fields) - text_fields == {"latent", "latent_flipped", "alpha_mask"}
         assert rec.info["latent_convention"] == kohya.CONVENTION[arch][0]
     assert set(records) == expected_keys
-    assert source.skipped == []
+    assert open_source(folder, "kohya").skipped == []
 
 
 def test_multi_resolution_items_keep_their_bucket_and_arrays(tmp_path):

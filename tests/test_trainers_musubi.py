@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from latentfast.cache.trainers import open_source
-from latentfast.cache.trainers.fixtures import MUSUBI_ARCH, same_bits, write_musubi
+from latentfast.cache.trainers.fixtures import MUSUBI_ARCH, records_via, same_bits, write_musubi
 
 
 def remove_dtype_suffix(name):
@@ -70,14 +70,16 @@ def batch_key(key):
     return content_key
 
 
-@pytest.mark.parametrize("kind", sorted(MUSUBI_ARCH))
-def test_every_field_matches_musubis_batches(tmp_path, kind):
-    write_musubi(tmp_path, kind=kind, n=3, windows=2)
+@pytest.mark.parametrize("kind,via", [(k, v) for k in sorted(MUSUBI_ARCH) for v in ("reader", "import")] + [("wan_i2v", "auto")])
+def test_every_field_matches_musubis_batches(tmp_path, kind, via):
+    """Read by the reader, or imported (format="musubi-tuner" / "auto") and read back from the cache."""
+    folder = tmp_path / "src"
+    write_musubi(folder, kind=kind, n=3, windows=2)
     arch, arch_full = MUSUBI_ARCH[kind]
     video = kind == "hunyuan_video"
-    records = {r.key: r for r in open_source(tmp_path, "musubi-tuner")}
+    records = records_via(folder, "musubi-tuner", via, tmp_path / "out")
     expected = set()
-    for item_key, latent_path, te_path, window in prepare_for_training(tmp_path, arch, video):
+    for item_key, latent_path, te_path, window in prepare_for_training(folder, arch, video):
         key = f"{item_key}@{window}" if video else item_key
         expected.add(key)
         rec = records[key]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from latentfast.cache.trainers import open_source
-from latentfast.cache.trainers.fixtures import same_bits, simpletuner_torch_save, write_simpletuner
+from latentfast.cache.trainers.fixtures import records_via, same_bits, simpletuner_torch_save, write_simpletuner
 
 
 def torch_load(filename, compress_cache):
@@ -38,12 +38,13 @@ def text_cache_filename(cache_dir, caption, model_type):
     return os.path.join(cache_dir, hashlib.md5(str(caption).encode()).hexdigest() + f"-{model_type}" + ".pt")
 
 
-@pytest.mark.parametrize("compress,hashed", [(True, True), (False, False), (True, False)])
-def test_every_field_matches_simpletuners_reads(tmp_path, compress, hashed):
+@pytest.mark.parametrize("compress,hashed,via", [(True, True, "reader"), (False, False, "reader"), (True, False, "reader"),
+                                                 (True, True, "import"), (False, False, "import"), (True, True, "auto")])
+def test_every_field_matches_simpletuners_reads(tmp_path, compress, hashed, via):
+    """Read by the reader, or imported (format="simpletuner" / "auto") and read back from the cache."""
     cache, images = str(tmp_path / "cache"), str(tmp_path / "images")
     stems = write_simpletuner(cache, images, n=4, compress=compress, hash_filenames=hashed)
-    source = open_source(cache, "simpletuner", images=images)
-    records = {r.key: r for r in source}
+    records = records_via(cache, "simpletuner", via, tmp_path / "out", images=images)
     assert set(records) == set(stems)
     for stem in stems:
         image = os.path.join(images, stem + ".png")
@@ -58,7 +59,7 @@ def test_every_field_matches_simpletuners_reads(tmp_path, compress, hashed):
             assert same_bits(rec.fields[f"text_{k}"], v), k
         assert rec.fields["text_prompt_embeds"].shape[1] == rec.fields["text_attention_mask"].shape[1]
         assert rec.info["latent_convention"] == "scaled"
-    assert source.skipped == []
+    assert open_source(cache, "simpletuner", images=images).skipped == []
 
 
 def test_without_images_keys_are_the_hashes_and_text_is_listed(tmp_path):

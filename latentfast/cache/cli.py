@@ -136,12 +136,24 @@ def _add_build(commands) -> None:
 
 
 def _add_import(commands) -> None:
-    text = ("import per-item latent files into one shaped cache: kohya .npz, musubi-tuner / ai-toolkit .safetensors, "
-            "SimpleTuner .pt (sorted file names; keys = relative paths without extension; stored as float16)")
+    text = ("import a trainer's cache folder (--format kohya | musubi-tuner | ai-toolkit | simpletuner | diffusion-pipe, "
+            "or auto to detect it) as records: latents, flipped and extra latents, masks, text-encoder outputs, in their "
+            "own dtypes, keyed by image stem; or per-item latent files of one extension (--format npz | safetensors | pt: "
+            "keys = relative paths without extension, stored as float16)")
     imp = commands.add_parser("import", help=text, description=text, formatter_class=HelpFormatter)
     imp.add_argument("source_dir", help="folder of latent files (walked recursively)")
     imp.add_argument("--out", required=True, help="output folder")
-    imp.add_argument("--format", required=True, choices=("npz", "safetensors", "pt"), help="the files' format")
+    imp.add_argument("--format", required=True, choices=("kohya", "musubi-tuner", "ai-toolkit", "simpletuner", "diffusion-pipe",
+                                                          "auto", "npz", "safetensors", "pt"),
+                     help="the trainer that wrote the folder (auto: detect it), or the files' extension")
+    imp.add_argument("--convention", choices=("keep", "scaled", "raw"), default="keep",
+                     help="trainer formats: store latents scaled ((z - shift) * scale) or raw, converting as needed "
+                     "(keep: as the trainer stored them; the stamp says which)")
+    imp.add_argument("--scaling-factor", type=float, default=None, help="the VAE config's scaling_factor (for --convention)")
+    imp.add_argument("--shift-factor", type=float, default=None, help="the VAE config's shift_factor (for --convention)")
+    imp.add_argument("--arch", default=None, help="kohya: which architecture's files to import when several are there")
+    imp.add_argument("--images", default=None, help="simpletuner: the image folder (recovers stems from hashed names, "
+                     "captions from {stem}.txt)")
     imp.add_argument("--key", default=None, help="entry holding the latent (default: 'latents', the one tensor named "
                      "'latent...', or the only entry)")
     imp.add_argument("--split", default="train", help="name of the split")
@@ -261,10 +273,18 @@ def run_import(args) -> int:
     from .build.importers import import_latents
 
     stats: dict = {}
+    trainer = {k: v for k, v in (("arch", args.arch), ("images", args.images)) if v is not None}
+    if args.convention != "keep" or args.scaling_factor is not None or args.shift_factor is not None:
+        trainer.update(scaled={"keep": None, "scaled": True, "raw": False}[args.convention],
+                       scaling_factor=args.scaling_factor, shift_factor=args.shift_factor)
     path = import_latents(args.source_dir, args.out, args.split, format=args.format, key=args.key, quiet=args.quiet,
-                          lock_timeout=args.lock_timeout, stats=stats)
+                          lock_timeout=args.lock_timeout, stats=stats, **trainer)
     if not args.quiet:
-        what = "unchanged" if stats.get("unchanged") else f"{stats['imported']} files imported, {stats['resumed']} resumed"
+        unit = "items" if "evidence" in stats else "files"
+        what = "unchanged" if stats.get("unchanged") else f"{stats['imported']} {unit} imported, {stats['resumed']} resumed"
+        if "evidence" in stats:
+            print(stats["evidence"])
+        print(stats["summary"])
         print(f"latent cache written: {path} ({what})")
     return 0
 

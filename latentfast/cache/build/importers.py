@@ -1,7 +1,19 @@
-"""Import per-item latent files (one file per image or clip) into one shaped cache.
+"""Import a trainer's cache folder, or per-item latent files of other tools, into one shaped cache.
 
-Formats: ``"npz"`` (kohya sd-scripts: arrays ``latents`` and, kept as item info, small ones such as
-``original_size`` and ``crop_ltrb``), ``"safetensors"`` (musubi-tuner, ai-toolkit: a tensor whose
+Trainer formats (``"kohya"``, ``"musubi-tuner"``, ``"ai-toolkit"``, ``"simpletuner"``, ``"diffusion-pipe"``
+and ``"auto"``, which detects one): the trainer's whole cache folder read as that trainer's loader reads
+it (:mod:`latentfast.cache.trainers`), each item one record -- the latent, its flipped copy, extra
+latents, masks and the item's text-encoder outputs as ``text_*`` fields, every field in its source
+dtype (bfloat16 stays bfloat16) -- with the file's metadata and sizes as item info, keys the image's
+stem. What is not imported is listed (``stats["skipped"]``, one summary line). The stamp records the
+trainer (``import_format``, also when detected) and the latent convention (``latent_convention``:
+scaled by the VAE config's ``scaling_factor`` / ``shift_factor``, or raw); ``scaled=`` converts on
+import so one cache never mixes conventions. Each item's source hash is that of its record (fields and
+info): a rerun resumes an interrupted import, starts over if an item written before has changed, and
+writes nothing when every record is unchanged (it reads them all to know).
+
+Extension formats (the generic path for other tools): ``"npz"`` (kohya sd-scripts: arrays ``latents``
+and, kept as item info, small ones such as ``original_size`` and ``crop_ltrb``), ``"safetensors"`` (musubi-tuner, ai-toolkit: a tensor whose
 name starts with ``latent``, e.g. ``latents_1x64x64_bfloat16``) and ``"pt"`` (SimpleTuner:
 ``torch.save`` of a tensor, or of a dict holding it). Files are taken in sorted order of their
 path relative to ``source_dir`` (walked recursively); an item's key is that path without its
@@ -11,7 +23,10 @@ an import is crash-safe and resumable, and rerunning it over unchanged files wri
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -20,10 +35,13 @@ import torch
 from ...errors import CacheError, InvalidArgumentError
 from ..store import format as fmt
 from ..store.durable import BuildLock, content_hash
-from ..store.writer import encoder_identity, open_for_sources
+from ..store.writer import LatentCacheWriter, encoder_identity, open_for_sources
+from .. import trainers
+from ..trainers.common import array_to_tensor, load_pt
 from . import distributed
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
+TRAINER_FORMATS = (*trainers.FORMATS, "auto")
 INFO_MAX_ELEMENTS = 8  # small arrays beside the latents (sizes, crops) are kept as item info
 
 
@@ -74,7 +92,7 @@ def _pick(path: str, names: list[str], key: str | None, default_prefix: str) -> 
 def _read_npz(path: str, key: str | None):
     with np.load(path, allow_pickle=False) as archive:
         name = _pick(path, list(archive.files), key, "latents")
-        latent = archive[name]
+        latent = array_to_tensor(archive[name], path, name)  # bf16 bits saved by numpy (|V2) read as bfloat16
         info = {k: archive[k].tolist() for k in archive.files
                 if k != name and archive[k].size <= INFO_MAX_ELEMENTS and archive[k].dtype.kind in "iuf"}
     return latent, info
@@ -89,7 +107,7 @@ def _read_safetensors(path: str, key: str | None):
 
 
 def _read_pt(path: str, key: str | None):
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    obj = load_pt(path)  # gzip'd or not; a truncated file is named as such
     if isinstance(obj, torch.Tensor):
         if key is not None:
             raise InvalidArgumentError(f"{path} holds a bare tensor, not a dict with {key!r}")
@@ -102,25 +120,54 @@ def _read_pt(path: str, key: str | None):
 
 def import_latents(source_dir, out_dir, split: str = "train", *, format: str, key: str | None = None,
                    encoder: Any = None, quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
-                   group=None) -> str:
-    """Import every ``format`` file under ``source_dir`` into a shaped cache in ``out_dir``; returns the data path.
+                   scaled: bool | None = None, scaling_factor: float | None = None, shift_factor: float | None = None,
+                   group=None, **options) -> str:
+    """Import ``source_dir`` into a shaped cache in ``out_dir``; returns the data path.
+
+    ``format``: a trainer's name or ``"auto"`` (see the module docstring; ``options`` go to the
+    trainer's reader, e.g. ``arch=`` for kohya, ``images=`` for SimpleTuner) or a file extension
+    format, ``"npz"`` / ``"safetensors"`` / ``"pt"``, which imports every such file under ``source_dir``.
+    ``scaled`` (trainer formats): None keeps the trainer's latent convention; True stores latents
+    scaled, ``(z - shift_factor) * scaling_factor``, False raw, converting those stored the other way
+    (the factors: ``scaling_factor=`` / ``shift_factor=``, else what the trainer's files say, else
+    ``encoder``'s normalization). ``stats`` also receives ``skipped`` (a list of ``(path, reason)``) and
+    ``summary`` (one line), and for trainer formats ``format``, ``evidence`` (what detection found) and
+    ``convention`` (what the stamp's ``latent_convention`` says).
 
     ``key``: the entry holding the latent (npz array name, safetensors tensor name, or the key of a
     ``.pt`` dict); by default ``latents`` / the one tensor named ``latent...`` / the only entry.
     ``encoder``: the VAE (or its identity dict) that made the latents, stamped in the meta so a
     trainer can refuse a cache from another VAE. ``stats`` receives ``imported``, ``resumed``, ``unchanged``.
-    ``group`` (a ``torch.distributed`` process group): a distributed import, see :mod:`latentfast.cache.build.distributed`.
+    ``group`` (a ``torch.distributed`` process group): a distributed import of an extension format, see
+    :mod:`latentfast.cache.build.distributed`.
     """
     if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
-        return distributed.build_sharded(import_latents, locals())
+        if format in TRAINER_FORMATS:
+            raise InvalidArgumentError(f"group= imports the extension formats {sorted(FORMATS)}; a distributed import of "
+                                       f"format {format!r} (a trainer's cache) is not supported yet: import it in one process")
+        args = dict(locals())
+        args.update(args.pop("options"))
+        return distributed.build_sharded(import_latents, args)
     from tqdm import tqdm
 
+    if format in TRAINER_FORMATS:
+        if key is not None:
+            raise InvalidArgumentError(f"key= applies to the extension formats {sorted(FORMATS)}; format {format!r} reads "
+                                       f"the trainer's own entry names")
+        return _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
+                               scaling_factor, shift_factor, options)
+    if options or scaled is not None or scaling_factor is not None or shift_factor is not None:
+        raise InvalidArgumentError(f"format {format!r} takes no trainer options (scaled=, scaling_factor=, shift_factor=, "
+                                   f"{sorted(options)}); those are for the trainer formats {list(TRAINER_FORMATS)}")
+    if format not in FORMATS:
+        raise InvalidArgumentError(f"format must be one of {[*FORMATS, *TRAINER_FORMATS]}, got {format!r}")
     files = list_latent_files(source_dir, format)
     if not files:
         raise InvalidArgumentError(f"source_dir {source_dir} holds no .{format} files")
     share = distributed.current_share()
     if share is not None:  # a distributed import: this rank's files, costed by their bytes
         files = share.keep(files, [[f] for f in files], key=lambda f: f[0], cost=lambda f: os.path.getsize(f[1]))
+    others = _other_files(source_dir, FORMATS[format])
     meta = {"kind": "import", "import_format": format, "import_key": key, "source": os.path.abspath(os.fspath(source_dir))}
     digests = [content_hash(path) for _, path in files]
     lock = BuildLock(out_dir, split, lock_timeout)
@@ -128,7 +175,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         if _unchanged(out_dir, split, encoder_identity(encoder), meta, files, digests):
             lock.release()
             if stats is not None:
-                stats.update(imported=0, resumed=0, unchanged=True)
+                stats.update(imported=0, resumed=0, unchanged=True, **_listed(format, files, others))
             return fmt.cache_path(out_dir, split, "data")
         writer = open_for_sources(out_dir, split, encoder=encoder, meta=meta, lock=lock,
                                   digests={k: d for (k, _), d in zip(files, digests)})
@@ -144,8 +191,24 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
             writer.append(name, latent, source_hash=digest, info=info)
             done += 1
     if stats is not None:
-        stats.update(imported=done, resumed=resumed, unchanged=False)
+        stats.update(imported=done, resumed=resumed, unchanged=False, **_listed(format, files, others))
     return fmt.cache_path(out_dir, split, "data")
+
+
+def _listed(format: str, files: list, others: list[str]) -> dict:
+    """``skipped`` and the one-line ``summary`` of an extension import."""
+    what = f"files not {FORMATS[format]}"
+    return {"skipped": [(p, what) for p in others],
+            "summary": f"{format}: {len(files)} files" + (f"; skipped {len(others)} {what}" if others else "")}
+
+
+def _other_files(source_dir, extension: str) -> list[str]:
+    """The files under ``source_dir`` an extension import does not read (listed, never dropped silently)."""
+    found = []
+    for folder, dirs, files in os.walk(os.fspath(source_dir)):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found.extend(os.path.join(folder, f) for f in files if not f.startswith(".") and not f.endswith(extension))
+    return sorted(found)
 
 
 def _unchanged(out_dir, split, identity, meta, files, digests) -> bool:
@@ -162,4 +225,148 @@ def _unchanged(out_dir, split, identity, meta, files, digests) -> bool:
             or cache.keys != [k for k, _ in files]
             or any(hashes[i].tobytes() != d for i, d in enumerate(digests))):
         return False
+    return not bad_blocks(cache, first_only=True)[0]
+
+
+# ---- trainer caches ---------------------------------------------------------------------------------
+def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
+                    scaling_factor, shift_factor, options) -> str:
+    from tqdm import tqdm
+
+    if format == "simpletuner":  # its reader records the factors it was told (its files do not say)
+        options = {"scaling_factor": scaling_factor, "shift_factor": shift_factor, **options}
+    source = trainers.open_source(source_dir, format, **options)
+    if not len(source):
+        raise trainers.TrainerCacheError(f"{source.root}: {source.format} cache with no items to import ({source.summary()})")
+    identity = encoder_identity(encoder)
+    convert, convention = latent_conversion(source.convention, scaled, scaling_factor, shift_factor, identity, source.root)
+    meta = {"kind": "import", "import_format": source.format, "import_key": None, "source": source.root,
+            "latent_convention": convention}
+    lock = BuildLock(out_dir, split, lock_timeout)
+    try:
+        if _records_unchanged(out_dir, split, identity, meta, source, convert, convention):
+            lock.release()
+            _report(stats, source, imported=0, resumed=0, unchanged=True, convention=convention)
+            return fmt.cache_path(out_dir, split, "data")
+        writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock)
+    except BaseException:
+        lock.release()
+        raise
+    try:
+        if not set(writer.keys) <= set(source.keys):  # an interrupted import of other items: start over
+            writer = writer.reopen(restart=True)
+        resumed = len(writer)
+        while True:  # a second pass only when an item written by an interrupted run has changed since
+            done, stale = 0, False
+            for record in tqdm(source, total=len(source), unit="items", desc="import", disable=True if quiet else None):
+                fields, info = _as_stored(record, convert, convention)
+                digest = record_hash(fields, info)
+                if record.key in writer:
+                    if writer.source_hash(record.key) == digest.hex():
+                        continue
+                    stale = True
+                    break
+                writer.append(record.key, fields, source_hash=digest, info=info)
+                done += 1
+            if not stale:
+                break
+            writer, resumed = writer.reopen(restart=True), 0
+        writer.finish()
+    except BaseException:
+        writer.__exit__(*sys.exc_info())  # flushed and resumable: a rerun continues after the last logged item
+        raise
+    _report(stats, source, imported=done, resumed=resumed, unchanged=False, convention=convention)
+    return fmt.cache_path(out_dir, split, "data")
+
+
+def _report(stats, source, **counts) -> None:
+    if stats is not None:
+        stats.update(counts, format=source.format, evidence=source.evidence, summary=source.summary(),
+                     skipped=[tuple(s) for s in source.skipped])
+
+
+# Fields holding latents of the image VAE (what scaled= converts); an audio VAE's latents are not.
+def is_vae_latent(name: str, value: torch.Tensor) -> bool:
+    return (name == "latent" or name.startswith("latent_")) and not name.startswith("latent_audio") \
+        and value.is_floating_point()
+
+
+def latent_conversion(found: dict, scaled, scaling_factor, shift_factor, identity, root: str):
+    """``(convert, convention)``: the function taking a latent of the source's convention to the cache's
+    (None: kept as stored) and the cache's convention (what the stamp records)."""
+    if scaled is not None and not isinstance(scaled, bool):
+        raise InvalidArgumentError(f"scaled must be True, False or None (keep the trainer's convention), got {scaled!r}")
+    kind = found.get("latent_convention", "unknown")
+    scale = _one_factor("scaling_factor", scaling_factor, found.get("scaling_factor"), identity, root)
+    shift = _one_factor("shift_factor", shift_factor, found.get("shift_factor"), identity, root)
+    if scaled is None or (kind == "scaled") == scaled and kind in ("scaled", "raw"):
+        return None, {"latent_convention": kind, "scaling_factor": scale, "shift_factor": shift}
+    if kind not in ("scaled", "raw"):
+        raise InvalidArgumentError(f"{root}: its latents are {kind!r} (neither scaled nor raw VAE latents): scaled={scaled} "
+                                   f"cannot convert them")
+    if "latents_mean" in ((identity or {}).get("normalization") or {}):
+        raise InvalidArgumentError(f"{root}: the encoder normalizes with per-channel latents_mean / latents_std (Wan, "
+                                   f"Qwen-Image, LTX): scaled= converts only (z - shift_factor) * scaling_factor latents")
+    if scale is None:
+        raise InvalidArgumentError(f"{root}: scaled={scaled} converts {kind} latents, which needs the VAE config's scaling_factor: "
+                                   f"pass scaling_factor= (and shift_factor=) or encoder= (the trainer's files do not say)")
+    target = {"latent_convention": "scaled" if scaled else "raw", "scaling_factor": scale, "shift_factor": shift,
+              "converted_from": kind}
+    return (lambda z: to_scaled(z, scale, shift)) if scaled else (lambda z: to_raw(z, scale, shift)), target
+
+
+def _one_factor(name: str, given, found, identity, root: str):
+    """A VAE factor: the one passed, else the trainer's, else the encoder's; two that disagree raise."""
+    normalization = (identity or {}).get("normalization") or {}
+    from_encoder = None if "latents_mean" in normalization else normalization.get(name)  # per-channel: not these factors
+    known = [(w, float(v)) for w, v in (("passed", given), ("the trainer's files", found), ("the encoder", from_encoder)) if v is not None]
+    if len({v for _, v in known}) > 1:
+        raise InvalidArgumentError(f"{root}: {name} disagrees: " + ", ".join(f"{w} {v!r}" for w, v in known))
+    return known[0][1] if known else None
+
+
+def to_scaled(z: torch.Tensor, scale: float, shift: float | None) -> torch.Tensor:
+    """``(z - shift) * scale`` as the diffusers pipelines normalize a VAE latent (computed in float32, kept in z's dtype)."""
+    x = z.to(torch.float32)
+    return ((x - shift if shift else x) * scale).to(z.dtype)
+
+
+def to_raw(z: torch.Tensor, scale: float, shift: float | None) -> torch.Tensor:
+    """``z / scale + shift``: what a trainer that scales at train time (kohya) caches (float32, kept in z's dtype)."""
+    x = z.to(torch.float32) / scale
+    return (x + shift if shift else x).to(z.dtype)
+
+
+def _as_stored(record, convert, convention) -> tuple[dict, dict]:
+    fields = {name: convert(v) if convert is not None and is_vae_latent(name, v) else v for name, v in record.fields.items()}
+    info = {**record.info, **convention}  # the item says what the stamp says
+    return fields, info
+
+
+def record_hash(fields: dict, info: dict) -> bytes:
+    """BLAKE2b-128 of a record: each field's name, dtype, shape and bytes, and the info (what a rerun compares)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(fields):
+        value = fields[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}:{value.dtype}:{list(value.shape)};".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    digest.update(json.dumps(info, sort_keys=True, default=str).encode())
+    return digest.digest()
+
+
+def _records_unchanged(out_dir, split, identity, meta, source, convert, convention) -> bool:
+    """A complete cache of exactly these records (same keys, same content), imported the same way, intact."""
+    from ..store.reader import LatentCache, bad_blocks
+
+    try:
+        cache = LatentCache(out_dir, split)
+    except (OSError, ValueError, CacheError):
+        return False
+    hashes = cache.content_hashes()
+    if (not cache.shaped or cache.meta.get("encoder") != identity or hashes is None or cache.keys != source.keys
+            or any(cache.meta.get(k) != v for k, v in meta.items() if k != "source")):
+        return False
+    for i, record in enumerate(source):
+        if record_hash(*_as_stored(record, convert, convention)) != hashes[i].tobytes():
+            return False
     return not bad_blocks(cache, first_only=True)[0]

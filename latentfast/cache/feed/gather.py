@@ -45,7 +45,8 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
             "cuda" = the current CUDA device, "cuda:1", an int, a torch.device). Default "cpu": a
             host batch, which a DataLoader pins and :class:`~latentfast.cache.DevicePrefetcher`
             moves; pass a CUDA device to gather into pinned memory and expand on the device.
-        dtype: float16 (default), bfloat16 or float32.
+        dtype: float16, bfloat16 or float32; default: the cache's own (``cache.dtype``: float16, or what
+            a shaped cache's records stored).
         width: W of the batch (an int), at least the widest requested row (default: exactly that);
             line caches only.
         out: optional preallocated contiguous output on ``device`` (``[B, C, h, W]``; a shaped
@@ -72,7 +73,6 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         ``(latents [B, *shape], shapes [B, ndim] int64 on the CPU)``; items of different shapes
         raise ``InvalidArgumentError`` naming them.
     """
-    dtype = torch.float16 if dtype is None else dtype
     if not (cold == "auto" if cold.__class__ is str else cold is True or cold is False):
         raise InvalidArgumentError(f"cold must be 'auto', True or False, got {cold!r}")
     on_cpu = device.__class__ is str and device == "cpu"  # the default passes as is, cheaply
@@ -82,6 +82,7 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     # the cache as plain attributes, so nothing below calls back into the reader; an object that only
     # presents a cache's attributes (a wrapper) is read through Items made from it for this call
     items = getattr(cache, "__dict__", {}).get("items") or layout.Items(cache, source=cache.gather_source)
+    dtype = items.dtype if dtype is None else dtype
     if fields is not None or pad is not None or pad_to is not None:
         if fields is None or out is not None:
             raise InvalidArgumentError("pad= and pad_to= need fields=, and a batch of fields takes no out=")
@@ -145,14 +146,22 @@ def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
 def _shaped_batch(table, device, dtype, out, backend, cold):
     """A shaped cache's batch: the items' one line each, viewed as ``[B, *shape]``."""
     B, shape = table.index.numel(), table.shape
-    flat_out = None if out is None else out.view(B, 1, 1, table.width)  # (checked in resolve)
     if B == 0:
         return torch.empty((0,) * (1 + table.shapes.shape[1]), dtype=dtype), torch.from_numpy(table.shapes)
     if dtype not in FLOAT_DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
     on_cpu = device.__class__ is str or device.type == "cpu"
-    latents = _copy(table, on_cpu, device, dtype, flat_out, backend, cold)
-    return latents.view(B, *shape), torch.from_numpy(table.shapes)
+    stored = table.cache.dtype
+    if stored == torch.float16:  # the gather casts while it copies
+        flat_out = None if out is None else out.view(B, 1, 1, table.width)  # (checked in resolve)
+        latents = _copy(table, on_cpu, device, dtype, flat_out, backend, cold)
+        return latents.view(B, *shape), torch.from_numpy(table.shapes)
+    # bfloat16 / float32 latents: the gather copies their 2-byte units as they are, viewed in the stored dtype
+    units = _copy(table, on_cpu, device, torch.float16, None, backend, cold)
+    latents = units.view(B, -1).view(stored).view(B, *shape)
+    if out is not None:
+        return out.copy_(latents), torch.from_numpy(table.shapes)
+    return latents.to(dtype), torch.from_numpy(table.shapes)
 
 
 def _copy(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:

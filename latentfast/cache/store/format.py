@@ -2,7 +2,8 @@
 
 A cache for ``split`` in ``cache_dir`` is these files:
 
-- ``{split}.latents.f16.dat``      float16 latents. ``padded`` layout: ``[N, C, h, w_max]``, the
+- ``{split}.latents.f16.dat``      the latents, float16 (a shaped cache may hold bfloat16 or float32
+  instead, under the same name: its meta's ``dtype``). ``padded`` layout: ``[N, C, h, w_max]``, the
   columns past a row's width are zero. ``ragged`` layout: rows ``[C, h, w_i]`` back to back.
 - ``{split}.latents.widths.npy``   int32 ``[N]``, each row's real latent width in ``[1, w_max]``.
 - ``{split}.latents.meta.json``    the stamp. The nine fields of the original format
@@ -22,7 +23,8 @@ back to back, C-contiguous, and instead of the widths file:
 - ``{split}.latents.offsets.npy``  int64 ``[N + 1]``, element offset of each item, then the end.
 - ``{split}.latents.info.json``    optional, a JSON list of one dict per item (e.g. crop and size).
 
-Its meta has ``layout: "shaped"`` and ``ndim``; its nine original fields hold ``channels``, the
+Its meta has ``layout: "shaped"``, ``ndim`` and ``dtype`` (float16, bfloat16 or float32: the
+latents as they were given; offsets count elements of that dtype); its nine original fields hold ``channels``, the
 largest ``h`` (``latent_h``) and ``w`` (``w_max``), and null where a field has no meaning
 (``line_height``, ``max_line_width``). Its checksum blocks are single items (``block_rows`` 1).
 
@@ -59,6 +61,10 @@ SEED_FIELDS = (
 # Fields a stamp check compares by default: what determines the latents' values and geometry.
 STAMP_FIELDS = SEED_FIELDS + ("encoder",)
 CHECKSUM_ALGORITHM = "crc32"
+# the latent file's dtypes (name -> bytes per element); line caches are float16, shaped caches any of these.
+# Readers address the file in 2-byte units (what the compiled gathers copy): a float32 element is 2 units.
+LATENT_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+UNIT_BYTES = 2
 CHECKSUM_BLOCK_BYTES = 4 << 20  # a block small enough to stay in cache while verify checks it twice
 
 _SUFFIXES = {
@@ -93,6 +99,18 @@ def partial_path(path: str) -> str:
 def build_in_progress(cache_dir: str | os.PathLike, split: str) -> bool:
     """Whether a build of this split was started and has not finished (its leftovers exist)."""
     return os.path.exists(cache_path(cache_dir, split, "progress"))
+
+
+def resume_command(cache_dir: str | os.PathLike, split: str) -> str:
+    """The command whose rerun resumes an interrupted build of this split: ``latentfast cache import``
+    when the writer's progress log says it is an import (its header's meta ``kind``), else ``cache build``."""
+    try:
+        with open(cache_path(cache_dir, split, "progress"), "rb") as fh:
+            head = json.loads(fh.readline(1 << 20) or b"{}")
+    except (OSError, ValueError):
+        head = {}
+    meta = head.get("meta") if isinstance(head, dict) else None
+    return "latentfast cache import" if isinstance(meta, dict) and meta.get("kind") == "import" else "latentfast cache build"
 
 
 def row_elements(meta: Mapping[str, Any]) -> int:
@@ -136,16 +154,20 @@ def block_checksums(data: np.ndarray, row_starts: np.ndarray, block_rows: int) -
     return np.asarray(sums, dtype=np.uint32)
 
 
-def first_nonfinite(block: np.ndarray, scratch: np.ndarray | None = None) -> int:
-    """Index of the first non-finite value of a flat float16 array, or -1.
+def first_nonfinite(block: np.ndarray, scratch: np.ndarray | None = None, dtype: str = "float16") -> int:
+    """Index (in 2-byte units) where the first non-finite value of a flat array of 2-byte units starts,
+    or -1; the values are of ``dtype`` (a name of :data:`LATENT_DTYPES`).
 
-    A float16 is inf/NaN exactly when its five exponent bits are all ones; testing the bit
-    pattern is several times faster than ``np.isfinite`` on float16."""
-    bits = block.view(np.uint16)
-    masked = np.bitwise_and(bits, 0x7C00, out=None if scratch is None else scratch[: bits.size])
-    if masked.max(initial=0) != 0x7C00:
+    A float is inf/NaN exactly when its exponent bits are all ones; testing the bit pattern is
+    several times faster than ``np.isfinite`` (which numpy cannot do for bfloat16 at all)."""
+    if dtype == "float32":
+        bits, mask, scratch = block.view(np.uint32), 0x7F800000, None
+    else:
+        bits, mask = block.view(np.uint16), 0x7F80 if dtype == "bfloat16" else 0x7C00
+    masked = np.bitwise_and(bits, mask, out=None if scratch is None else scratch[: bits.size])
+    if masked.max(initial=0) != mask:
         return -1
-    return int(np.argmax(masked == 0x7C00))
+    return int(np.argmax(masked == mask)) * (LATENT_DTYPES[dtype] // UNIT_BYTES)
 
 
 MAX_ROW_ELEMENTS = 1 << 40  # a row (or item) larger than this is a corrupt meta, not a latent
@@ -176,8 +198,10 @@ def read_meta(path: str) -> dict:
     if layout == "shaped" and (not isinstance(ndim, int) or isinstance(ndim, bool) or not 1 <= ndim <= 8):
         raise CacheCorruptError(f"latent cache meta {path}: ndim must be an integer in [1, 8], got {ndim!r}")
     dtype = meta.get("dtype", "float16")
-    if dtype != "float16":
-        raise CacheCorruptError(f"latent cache meta {path}: dtype must be 'float16', got {dtype!r}")
+    if layout != "shaped" and dtype != "float16":
+        raise CacheCorruptError(f"latent cache meta {path}: dtype must be 'float16' in a {layout} cache, got {dtype!r}")
+    if dtype not in LATENT_DTYPES:
+        raise CacheCorruptError(f"latent cache meta {path}: dtype must be one of {sorted(LATENT_DTYPES)}, got {dtype!r}")
     return meta
 
 

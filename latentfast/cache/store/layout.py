@@ -1,7 +1,9 @@
 """Where every item's bytes live: row starts of each layout, and the span table of one batch that the read path consumes.
 
-A cache's data file is float16 elements back to back; ``row_starts[i]`` (element offsets, one
-entry per item plus the end) says where item ``i`` begins. The layouts differ only in how an item
+A cache's data file is its latents back to back, addressed in 2-byte units (a float16 or bfloat16
+element is one unit, a float32 element two: the compiled gathers copy units and the read path views
+them in the cache's dtype); ``row_starts[i]`` (unit offsets, one entry per item plus the end) says
+where item ``i`` begins. The layouts differ only in how an item
 is cut into "lines" for the compiled gather (``lines`` lines of ``widths[i]`` real elements,
 ``pitch`` elements apart) and in what a batch must share:
 
@@ -29,17 +31,17 @@ from ...checks import as_row_indices, batch_width, check_out_tensor
 from ...errors import ArgumentTypeError, CacheCorruptError, InvalidArgumentError
 from . import format as fmt
 
-ELEMENT_BYTES = 2  # float16
+ELEMENT_BYTES = fmt.UNIT_BYTES  # what the gathers copy: a float16 element, half a float32 one
 _CPU = torch.device("cpu")
 _INT32_MAX = np.iinfo(np.int32).max
 
 
 # ---- row starts: the one place item offsets are computed -------------------------------------------
 def row_starts(layout: str, n: int, *, channels: int = 0, latent_h: int = 0, w_max: int = 0, widths=None,
-               shapes=None) -> np.ndarray:
-    """int64 ``[n + 1]`` element offsets of every item of a cache of this layout (the last: the end)."""
+               shapes=None, dtype: str = "float16") -> np.ndarray:
+    """int64 ``[n + 1]`` unit offsets of every item of a cache of this layout (the last: the end)."""
     if layout == "shaped":
-        return fmt.shaped_offsets(shapes)
+        return fmt.shaped_offsets(shapes) * (fmt.LATENT_DTYPES[dtype] // fmt.UNIT_BYTES)
     if layout == "ragged":
         return fmt.ragged_offsets(widths, channels, latent_h)
     return np.arange(n + 1, dtype=np.int64) * (int(channels) * int(latent_h) * int(w_max))
@@ -62,6 +64,7 @@ class Items:
         self.channels, self.latent_h, self.w_max = cache.channels, cache.latent_h, cache.w_max
         self.widths, self.row_starts, self.white = cache.widths, cache.row_starts, cache.white_column
         self.shapes = cache.shapes if cache.shaped else None
+        self.dtype = getattr(cache, "dtype", torch.float16)  # the stored latents' dtype: the gathered units are viewed as it
         self.pitch = self.w_max if cache.layout == "padded" else 0
         self._fd: int | None = None
         self._mm: np.ndarray | None = None
@@ -98,7 +101,7 @@ class Items:
             )
 
     def memmap(self) -> np.ndarray:
-        """The whole data file as a flat read-only float16 array, opened once per process."""
+        """The whole data file as a flat read-only array of 2-byte units (numpy float16), opened once per process."""
         if self._mm is None:
             self.fd()
             end = int(self.row_starts[-1])
@@ -137,9 +140,9 @@ class Items:
                 self._data = torch.from_numpy(self.memmap())
             self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
             if self.shaped:
-                numel = np.diff(self.row_starts)
+                numel = np.diff(self.row_starts)  # units
                 if numel.size and numel.max() > _INT32_MAX:
-                    raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max())} elements is too large for the batch gather (int32 widths)")
+                    raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max()) * 2} bytes is too large for the batch gather (int32 widths of 2-byte units)")
                 self._widths_t = torch.from_numpy(numel.astype(np.int32))
             else:
                 self._widths_t = torch.from_numpy(np.ascontiguousarray(self.widths))
@@ -247,8 +250,9 @@ def _resolve_shaped(table: SpanTable, cache, width) -> None:
     if width is not None:
         raise InvalidArgumentError(f"width applies to line caches only; a shaped cache's batch has its items' shape, got width={width!r}")
     table.shape, table.shapes = batch_shape(cache.shapes, table.index_np)
-    table.channels = table.latent_h = table.lines = 1  # each item one line of all its elements
-    table.width = table.w_max = int(np.prod(table.shape)) if table.shape else 0
+    table.channels = table.latent_h = table.lines = 1  # each item one line of all its units
+    units = fmt.LATENT_DTYPES[str(cache.dtype).removeprefix("torch.")] // fmt.UNIT_BYTES
+    table.width = table.w_max = int(np.prod(table.shape)) * units if table.shape else 0
     table.widths = table.source[2].numpy()[table.index_np]
     table.white = None
 

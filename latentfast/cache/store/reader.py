@@ -54,7 +54,7 @@ class LatentCache:
             if fmt.build_in_progress(self.cache_dir, split):
                 raise IncompleteCacheError(
                     f"latent cache {self.cache_dir} (split {split!r}) is incomplete: its build was interrupted "
-                    f"before writing {meta_path}. Re-run the same `latentfast cache build` command to resume it (or the same LatentCacheWriter job)."
+                    f"before writing {meta_path}. Re-run the same `{fmt.resume_command(self.cache_dir, split)}` command to resume it (or the same LatentCacheWriter job)."
                 )
             if os.path.isdir(os.path.join(self.cache_dir, "shards")):  # the folder of a distributed build (build.distributed)
                 raise IncompleteCacheError(
@@ -77,7 +77,7 @@ class LatentCache:
         if "format_version" in meta and meta.get("complete") is not True:
             raise IncompleteCacheError(
                 f"latent cache {meta_path} has no completion mark: the build did not finish. "
-                f"Re-run the same `latentfast cache build` command to resume it (or the same LatentCacheWriter job)."
+                f"Re-run the same `{fmt.resume_command(self.cache_dir, split)}` command to resume it (or the same LatentCacheWriter job)."
             )
         if expected is not None:
             diffs = fmt.stamp_differences(meta, expected)
@@ -171,10 +171,10 @@ class LatentCache:
             raise CacheCorruptError(f"latent cache shapes {spath}: item {bad} has shape {shapes[bad].tolist()} (needs positive sizes and channels={m['channels']})")
         self._shapes = shapes
         self.widths = shapes[:, -1].astype(np.int32)
-        self.row_starts = fmt.shaped_offsets(shapes)
+        self.row_starts = self._shaped_row_starts()
         opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
         offsets = fmt.load_npy(opath, "offsets")
-        if offsets.shape != (n + 1,) or not np.array_equal(offsets, self.row_starts):
+        if offsets.shape != (n + 1,) or not np.array_equal(offsets, fmt.shaped_offsets(shapes)):
             raise CacheCorruptError(f"latent cache offsets {opath} disagree with the shapes (item i must span prod(shapes[i]) elements, back to back)")
 
     def _resolve_white(self, given: Any) -> torch.Tensor | None:
@@ -205,6 +205,11 @@ class LatentCache:
         """Whether items have shapes of their own (image buckets, video): ``read_batch`` then returns
         ``(latents [B, *shape], shapes [B, ndim])`` for a batch of one shape."""
         return self.layout == "shaped"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored latents' dtype: float16, or what a shaped cache's records were given (bfloat16, float32)."""
+        return fieldstore.DTYPES[self.meta.get("dtype", "float16")]
 
     @property
     def channels(self) -> int:
@@ -248,7 +253,7 @@ class LatentCache:
     def fields(self) -> dict[str, dict]:
         """Each field of the cache's records: name -> ``{"dtype", "ndim", "shapes" (int64 [N, ndim])}``.
         ``latent`` (the float16 data file) is always one; a cache written with records has the others."""
-        described = {fieldstore.LATENT: {"dtype": torch.float16, "ndim": int(self.shapes.shape[1]), "shapes": self.shapes}}
+        described = {fieldstore.LATENT: {"dtype": self.dtype, "ndim": int(self.shapes.shape[1]), "shapes": self.shapes}}
         for name, items in self.field_items.items():
             described[name] = {"dtype": items.dtype, "ndim": int(items.shapes.shape[1]), "shapes": items.shapes}
         return described
@@ -340,7 +345,7 @@ class LatentCache:
         return i
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        """Item ``i`` as a float16 copy, read with one ``preadv`` (a file truncated under the reader
+        """Item ``i`` as a copy in the cache's :attr:`dtype`, read with one ``preadv`` (a file truncated under the reader
         reads short and raises :class:`CacheCorruptError`; a map would die of SIGBUS instead)."""
         i = self._checked_index(i)
         if self.verify_rows:
@@ -348,8 +353,8 @@ class LatentCache:
         fd = self.items.fd()
         self.check_unchanged()
         start = int(self.row_starts[i])
-        if self.shaped:
-            row = np.empty(self._shapes[i], dtype=np.float16)
+        if self.shaped:  # the item's 2-byte units, viewed in the cache's dtype below
+            row = np.empty(int(self.row_starts[i + 1]) - start, dtype=np.float16)
         elif self.layout == "ragged":
             row = np.empty((self._row_shape[0], self._row_shape[1], int(self.widths[i])), dtype=np.float16)
         else:
@@ -359,6 +364,8 @@ class LatentCache:
             raise CacheCorruptError(f"latent cache data file {self._data_path}: row {i} reads short")
         if self.layout == "padded":
             row = np.ascontiguousarray(row[:, :, : int(self.widths[i])])
+        if self.shaped:
+            return torch.from_numpy(row).view(self.dtype).reshape(self._shapes[i].tolist())
         return torch.from_numpy(row)
 
     def verify_items(self, indices) -> None:
@@ -394,8 +401,11 @@ class LatentCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.row_starts = fmt.shaped_offsets(self._shapes) if self.shaped else self._line_row_starts()
+        self.row_starts = self._shaped_row_starts() if self.shaped else self._line_row_starts()
         self._reset_process_state()
+
+    def _shaped_row_starts(self) -> np.ndarray:
+        return layout.row_starts("shaped", len(self), shapes=self._shapes, dtype=self.meta.get("dtype", "float16"))
 
     def _line_row_starts(self) -> np.ndarray:
         return layout.row_starts(self.layout, len(self), channels=self.channels, latent_h=self.latent_h,
@@ -438,7 +448,7 @@ def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tu
         if sums is not None and zlib.crc32(block) != int(sums[b]):
             found.append((b, r0, r1, None))
         else:
-            bad = fmt.first_nonfinite(block, scratch if block.size <= scratch.size else None)
+            bad = fmt.first_nonfinite(block, scratch if block.size <= scratch.size else None, cache.meta.get("dtype", "float16"))
             if bad < 0:
                 continue
             row = int(np.searchsorted(cache.row_starts, e0 + bad, side="right")) - 1
@@ -503,7 +513,7 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
         if os.path.exists(path):
             files[os.path.basename(path)] = os.path.getsize(path)
     data_bytes = int(cache.row_starts[-1]) * 2
-    fields = {fieldstore.LATENT: {"dtype": "float16", "ndim": int(cache.shapes.shape[1]), "logical_bytes": data_bytes, "stored_bytes": data_bytes}}
+    fields = {fieldstore.LATENT: {"dtype": cache.meta.get("dtype", "float16"), "ndim": int(cache.shapes.shape[1]), "logical_bytes": data_bytes, "stored_bytes": data_bytes}}
     for name, entry in cache.meta.get("fields", {}).items():
         fields[name] = {k: entry[k] for k in ("dtype", "ndim", "logical_bytes", "stored_bytes")}
         for kind in ("data", "spans", "crc"):

@@ -172,6 +172,7 @@ class ShardedItems:
         self.channels, self.latent_h, self.w_max = cache.channels, cache.latent_h, cache.w_max
         self.widths, self.white = cache.widths, cache.white_column
         self.shapes = cache.shapes if cache.shaped else None
+        self.dtype = cache.dtype  # the stored latents' dtype (one across shards: part of the stamp)
         self.row_starts = None  # no single file: the cold-read path (keyed on row_starts) stands aside
         self.block_checks = _ShardChecks(self)
         self._source = None

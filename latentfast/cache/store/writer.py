@@ -74,6 +74,23 @@ def as_float16(key: str, latent: Any) -> np.ndarray:
     return half
 
 
+def latent_as_stored(key: str, latent: Any) -> tuple[str, np.ndarray]:
+    """A record's latent exactly as given: ``(dtype name, C-contiguous array)``, float16 / bfloat16 /
+    float32 (a bfloat16 tensor comes back as its uint16 bits); non-finite values raise, naming the key."""
+    if not isinstance(latent, (torch.Tensor, np.ndarray)):
+        raise InvalidArgumentError(f"field {LATENT!r} of key {key!r} must be a tensor or numpy array, got {type(latent).__name__}")
+    tensor = (latent.detach().to("cpu") if isinstance(latent, torch.Tensor) else torch.from_numpy(np.asarray(latent))).contiguous()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in fmt.LATENT_DTYPES:
+        raise InvalidArgumentError(f"field {LATENT!r} of key {key!r} must be one of {sorted(fmt.LATENT_DTYPES)} (stored as given, "
+                                   f"no silent cast), got {dtype}")
+    if tensor.dim() < 1 or tensor.numel() == 0:
+        raise InvalidArgumentError(f"latent of key {key!r} must be a non-empty array, got shape {list(tensor.shape)}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise NonFiniteError(f"latent of key {key!r} holds values that are not finite ({dtype}: NaN or inf)")
+    return dtype, (tensor.view(torch.uint16) if dtype == "bfloat16" else tensor).numpy()
+
+
 class LatentCacheWriter:
     """Append ``(key, latent)`` items to a shaped cache in ``out_dir``; see the module docstring.
 
@@ -89,7 +106,7 @@ class LatentCacheWriter:
             (the writer releases it when done) instead of taking one.
         restart: discard an interrupted run's progress instead of resuming it.
 
-    Every latent must share the first one's ``ndim`` and channel count (``shape[0]``); keys are
+    Every latent must share the first one's ``ndim``, channel count (``shape[0]``) and dtype; keys are
     unique non-empty strings. ``key in writer`` tells whether a key is already written (durably or
     pending); :attr:`resumed` whether an interrupted run was picked up.
     """
@@ -141,7 +158,7 @@ class LatentCacheWriter:
             # a crash inside finish() after the data was renamed into place: take it back
             with contextlib.suppress(FileNotFoundError):
                 os.replace(self._paths["data"], self._partial)
-        needed = sum(2 * int(np.prod(r["s"])) for r in records or [])
+        needed = sum(_itemsize(r) * int(np.prod(r["s"])) for r in records or [])
         if records is None or file_size(self._partial) < needed or not self._open_fields(records):
             self._start_over()
             return False
@@ -196,8 +213,9 @@ class LatentCacheWriter:
 
     def append(self, key: str, latent: Any, *, source_hash: bytes | str | None = None, info: dict | None = None) -> None:
         """Write one item. ``latent``: a tensor or array of any float dtype (stored as float16), or a
-        record ``{"latent": z, "text": e, ...}`` of named fields: ``latent`` float16 (no cast: pass
-        ``z.half()``), every other field stored as given in its own dtype and shape (see
+        record ``{"latent": z, "text": e, ...}`` of named fields: ``latent`` float16, bfloat16 or float32,
+        stored as given (the first record fixes the cache's dtype, ``cache.dtype``), every other field
+        stored as given in its own dtype and shape (see
         :mod:`~latentfast.cache.store.fields`); the first record fixes the set of fields and each
         one's dtype and ndim. ``source_hash``: bytes or hex of the source's content hash (what a
         rebuild compares); ``info``: a small JSON-able dict kept with the item (e.g. original size, crop)."""
@@ -207,9 +225,11 @@ class LatentCacheWriter:
         if key in self._index:
             raise InvalidArgumentError(f"key {key!r} was already written (check `key in writer` to resume)")
         latent, extra = self._split_record(key, latent)
-        half = as_float16(key, latent)
-        self._check_shape(key, half.shape)
+        dtype, half = latent if isinstance(latent, tuple) else ("float16", as_float16(key, latent))
+        self._check_shape(key, half.shape, dtype)
         record = {"k": key, "s": list(half.shape), "c": zlib.crc32(half)}
+        if dtype != "float16":
+            record["d"] = dtype
         if extra:
             record["f"] = {name: self._fields[name].put(key, *value) for name, value in extra.items()}
         if source_hash is not None:
@@ -231,11 +251,7 @@ class LatentCacheWriter:
             return value, {}
         if LATENT not in value:
             raise InvalidArgumentError(f"record of key {key!r} has no {LATENT!r} field (fields given: {sorted(value)})")
-        latent = value[LATENT]
-        found = getattr(latent, "dtype", None)
-        if found not in (torch.float16, np.float16):
-            raise InvalidArgumentError(f"field {LATENT!r} of key {key!r} must be float16 (the cache's latent file; no silent cast: "
-                                       f"pass z.half() or store it under another field name), got {found}")
+        latent = latent_as_stored(key, value[LATENT])
         names = [check_name(n) for n in value if n != LATENT]
         declared = list(self._fields) if self._records else names
         if sorted(names) != sorted(declared):
@@ -259,10 +275,13 @@ class LatentCacheWriter:
         latent = np.frombuffer(payload, dtype=np.float16).reshape([int(x) for x in shape])
         self.append(key, latent, source_hash=source_hash, info=info)
 
-    def _check_shape(self, key: str, shape: tuple) -> None:
+    def _check_shape(self, key: str, shape: tuple, dtype: str) -> None:
         if not self._records:
             return
         first = self._records[0]["s"]
+        if dtype != self._records[0].get("d", "float16"):
+            raise InvalidArgumentError(f"latent of key {key!r} is {dtype}, but this cache's latents are "
+                                       f"{self._records[0].get('d', 'float16')} (first item {self._records[0]['k']!r}); no silent cast")
         if len(shape) != len(first) or shape[0] != first[0]:
             raise InvalidArgumentError(
                 f"latent of key {key!r} has shape {list(shape)}, but this cache's items are {len(first)}-D with "
@@ -289,7 +308,7 @@ class LatentCacheWriter:
             raise InvalidArgumentError(f"no items were appended to the cache {self.out_dir} (split {self.split!r})")
         self.flush()
         shapes = np.asarray([r["s"] for r in self._records], dtype=np.int64)
-        offsets = fmt.shaped_offsets(shapes)
+        offsets = fmt.shaped_offsets(shapes) * (_itemsize(self._records[0]) // 2)  # in 2-byte units
         sums = np.asarray([r["c"] for r in self._records], dtype=np.uint32)
         if verify:
             self._verify_written(offsets, sums)
@@ -297,7 +316,7 @@ class LatentCacheWriter:
         self._fd = -1
         self._log.close()
         self._log = None
-        self._write_index(shapes, offsets, sums)
+        self._write_index(shapes, fmt.shaped_offsets(shapes), sums)
         self.finished = True
         self._lock.release()
         return self._paths["data"]
@@ -356,7 +375,8 @@ class LatentCacheWriter:
         }
         return {
             **self.extra_meta, **stamp,
-            "format_version": fmt.FORMAT_VERSION, "layout": "shaped", "ndim": int(shapes.shape[1]), "dtype": "float16",
+            "format_version": fmt.FORMAT_VERSION, "layout": "shaped", "ndim": int(shapes.shape[1]),
+            "dtype": self._records[0].get("d", "float16"),
             "encoder": self.identity, "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_rows": 1},
             "complete": True,
         }
@@ -448,6 +468,11 @@ def checked_source_hash(key: str, source_hash) -> str:
     raise InvalidArgumentError(
         f"source_hash of key {key!r} must be {HASH_BYTES} bytes or their {2 * HASH_BYTES} hex digits "
         f"(e.g. durable.content_hash(path)), got {source_hash!r:.80}")
+
+
+def _itemsize(record: dict) -> int:
+    """Bytes per element of a logged item's latent."""
+    return fmt.LATENT_DTYPES[record.get("d", "float16")]
 
 
 def _json_bytes(value) -> bytes:

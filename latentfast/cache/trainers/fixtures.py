@@ -192,8 +192,10 @@ MUSUBI_ARCH = {"wan_i2v": ("wan", "wan"), "framepack": ("fp", "framepack"), "flu
                "qwen_image_edit": ("qi", "qwen_image"), "hunyuan_video": ("hv", "hunyuan_video")}
 
 
-def write_musubi(folder, kind: str = "wan_i2v", n: int = 3, windows: int = 2, seed: int = 0) -> list[str]:
-    """A musubi-tuner ``cache_directory`` of ``n`` items (mixed bucket sizes) and their text-encoder files.
+def write_musubi(folder, kind: str = "wan_i2v", n: int = 3, windows: int = 2, seed: int = 0,
+                 buckets: int | None = None) -> list[str]:
+    """A musubi-tuner ``cache_directory`` of ``n`` items (mixed bucket sizes: each its own, or ``buckets``
+    sizes in turn) and their text-encoder files.
 
     Latents: ``ImageDataset``/``VideoDataset.get_latent_cache_path`` names
     (src/musubi_tuner/dataset/image_video_dataset.py; video item keys ``{body}_{pos:05d}-{count:03d}``,
@@ -207,8 +209,9 @@ def write_musubi(folder, kind: str = "wan_i2v", n: int = 3, windows: int = 2, se
     g, (arch, arch_full), stems = _gen(seed), MUSUBI_ARCH[kind], []
     video = kind == "hunyuan_video"
     for i in range(n):
-        stem, size = f"clip_{i:03d}" if video else f"img_{i:03d}", (96 + 16 * i, 80 + 8 * i)
-        F, H, W = (5 if video else 1), 4 + 2 * (i % 2), 6 + 2 * i
+        b = i if buckets is None else i % buckets
+        stem, size = f"clip_{i:03d}" if video else f"img_{i:03d}", (96 + 16 * b, 80 + 8 * b)
+        F, H, W = (5 if video else 1), 4 + 2 * (b % 2), 6 + 2 * b
         for w in range(windows if video else 1):
             key = f"{stem}_{w * 17:05d}-{17:03d}" if video else stem
             path = os.path.join(folder, f"{key}_{size[0]:04d}x{size[1]:04d}_{arch}.safetensors")
@@ -326,8 +329,9 @@ def simpletuner_torch_save(data, path: str, compress: bool):
 
 
 def write_simpletuner(folder, images, n: int = 3, compress: bool = True, hash_filenames: bool = True,
-                      model_type: str = "flux", seed: int = 0) -> list[str]:
-    """A SimpleTuner cache root (``vae/`` and ``text/``) and its ``images`` folder (tiny PNGs + ``.txt`` captions).
+                      model_type: str = "flux", seed: int = 0, buckets: int | None = None) -> list[str]:
+    """A SimpleTuner cache root (``vae/`` and ``text/``) and its ``images`` folder (tiny PNGs + ``.txt`` captions);
+    latent sizes: each item its own, or ``buckets`` sizes in turn.
 
     Latents: ``VAECache.generate_vae_cache_filename`` names (helpers/caching/vae.py: ``sha256(stem)``
     with ``hash_filenames``) holding the per-sample latent that ``_write_latents_in_batch`` clones
@@ -348,7 +352,7 @@ def write_simpletuner(folder, images, n: int = 3, compress: bool = True, hash_fi
         with open(os.path.join(images, sub, stem + ".txt"), "w", encoding="utf-8") as fh:
             fh.write(caption)
         name = hashlib.sha256(stem.encode()).hexdigest() if hash_filenames else stem
-        latent = _randn(g, 16, 4 + i, 6, dtype=torch.bfloat16)
+        latent = _randn(g, 16, 4 + (i if buckets is None else i % buckets), 6, dtype=torch.bfloat16)
         simpletuner_torch_save(latent, os.path.join(folder, "vae", sub, name + ".pt"), compress)
         true_length, padded = 3 + i, 8
         embeds = {"prompt_embeds": _randn(g, 1, padded, 32, dtype=torch.bfloat16)[:, :true_length].clone().contiguous(),
@@ -442,3 +446,19 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.bool:
         return torch.equal(a, b)
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def records_via(folder, format: str, via: str, out_dir=None, **options) -> dict:
+    """``{key: Record}`` of a trainer's cache folder as the tests compare it with the trainer's own loaders:
+    ``via="reader"`` straight from :func:`~latentfast.cache.trainers.open_source`; ``"import"`` /
+    ``"auto"`` imported into a latentfast cache in ``out_dir`` by ``import_latents(format=format / "auto")``
+    and read back from that cache (``cache.record(i)``, ``cache.info(i)``)."""
+    from ..build.importers import import_latents
+    from ..store.reader import LatentCache
+    from . import Record, open_source
+
+    if via == "reader":
+        return {r.key: r for r in open_source(folder, format, **options)}
+    import_latents(folder, out_dir, format=format if via == "import" else "auto", quiet=True, **options)
+    cache = LatentCache(out_dir)
+    return {key: Record(key, cache.record(i), cache.info(i)) for i, key in enumerate(cache.keys)}
