@@ -3,16 +3,24 @@
 - latentfast: one cache of records (``text`` [L_i, D] bf16, captions repeating: ``distinct`` class
   prompts), read with ``read_batch(idx, fields=("latent", "text"), pad={"text": 0.0})`` (one compiled
   gather per field per batch), with all torch threads and with one (like the per-item reader);
+  and with ``packed=("text",)`` (the texts back to back, ``[sum L_i, D]``: the true bytes only);
 - musubi-style pairs: a latent ``.safetensors`` + a ``_te.safetensors`` per item, each read with
-  ``safetensors.torch.load_file``, then stacked and padded (``pad_sequence``) into the same batch;
+  ``safetensors.torch.load_file``, then stacked and padded (``pad_sequence``) into the same batch
+  (like-for-like with the padded read), or the texts concatenated (``torch.cat``: the same
+  ``[sum L_i, D]`` batch, like-for-like with the packed read; a list of the loaded tensors alone
+  would leave the bytes in safetensors' file map, untouched until the step reads them);
 - memcpy: one copy of the batch's true bytes (latents + texts, unpadded) into a fresh buffer: the ceiling.
+
+And the example's step (``examples/train_text_to_image.py``, tiny models on the CPU): median step
+time from the cache vs encoding on the fly, and the share of the step spent waiting for data
+(``--example``; the median and range over ``--runs`` runs of each mode).
 
 Every reader allocates its batch. Hot: every file read once before timing. Cold: every file evicted
 from the page cache (``posix_fadvise(DONTNEED)``) before each pass. Ratios are per run (median and
 range of ``--runs`` runs). Bytes on disk: the cache with equal values stored once, the cache written
 with sharing disabled (the hash made unique per value), and the per-item pairs; file counts.
 
-    python bench/bench_fields.py [--quick] [--runs 3]
+    python bench/bench_fields.py [--quick] [--runs 3] [--example]
 """
 from __future__ import annotations
 
@@ -59,14 +67,15 @@ def write_pairs(folder: str, latents, captions, caption_of) -> None:
         save_file({"varlen_t5_bf16": captions[caption_of[i]]}, os.path.join(folder, f"k{i:06d}_te.safetensors"))
 
 
-def read_pairs(folder: str, batch) -> dict:
+def read_pairs(folder: str, batch, pad: bool = True) -> dict:
+    """The per-item pairs as one batch: the texts padded (``pad_sequence``) or concatenated."""
     from safetensors.torch import load_file
 
     zs, texts = [], []
     for i in batch:
         zs.append(load_file(os.path.join(folder, f"k{i:06d}_latent.safetensors"))["latents_32x32_float16"])
         texts.append(load_file(os.path.join(folder, f"k{i:06d}_te.safetensors"))["varlen_t5_bf16"])
-    return {"latent": torch.stack(zs), "text": torch.nn.utils.rnn.pad_sequence(texts, batch_first=True)}
+    return {"latent": torch.stack(zs), "text": torch.nn.utils.rnn.pad_sequence(texts, batch_first=True) if pad else torch.cat(texts)}
 
 
 def disk(folder: str) -> tuple[int, int]:
@@ -121,17 +130,24 @@ def run_report(quick: bool = False, runs: int = 3) -> dict:
         def lf(batch):
             return cache.read_batch(batch, fields=("latent", "text"), pad={"text": 0.0})
 
+        def lf_packed(batch):
+            return cache.read_batch(batch, fields=("latent", "text"), packed=("text",))
+
         def memcpy(batch):
             nbytes = sum(item_bytes[i] for i in batch)
             return torch.empty(nbytes, dtype=torch.uint8).copy_(source[:nbytes])
 
         readers = {"latentfast": lf, "latentfast 1 thread": lambda b: _one_thread(lf, b),
-                   "musubi pairs": lambda b: read_pairs(pairs, b), "memcpy": memcpy}
-        for batch in batches:  # the same values from both readers; every file read once (hot)
-            a, b = lf(batch), read_pairs(pairs, batch)
+                   "musubi pairs": lambda b: read_pairs(pairs, b), "latentfast packed": lf_packed,
+                   "musubi pairs cat": lambda b: read_pairs(pairs, b, pad=False), "memcpy": memcpy}
+        for batch in batches:  # the same values from every reader; every file read once (hot)
+            a, b, c = lf(batch), read_pairs(pairs, batch), lf_packed(batch)
             assert torch.equal(a["latent"], b["latent"]) and torch.equal(a["text"].view(torch.int16), b["text"].view(torch.int16))
+            joined = read_pairs(pairs, batch, pad=False)["text"]
+            assert torch.equal(c["latent"], b["latent"]) and torch.equal(c["text"].view(torch.int16), joined.view(torch.int16))
         evictors = {"latentfast": lambda: evict_all(shared), "latentfast 1 thread": lambda: evict_all(shared),
-                    "musubi pairs": lambda: evict_all(pairs)}
+                    "musubi pairs": lambda: evict_all(pairs), "latentfast packed": lambda: evict_all(shared),
+                    "musubi pairs cat": lambda: evict_all(pairs)}
         result = {"items": n, "dim": dim, "distinct_captions": distinct, "batch": BATCH, "threads": torch.get_num_threads(),
                   "mib_per_batch": statistics.mean(sum(item_bytes[i] for i in b) for b in batches) / 2**20,
                   "padded_mib_per_batch": statistics.mean(sum(v.nbytes for v in lf(b).values()) for b in batches) / 2**20}
@@ -155,7 +171,9 @@ def summarize(per_run: list[dict]) -> dict:
     out = {"ms": {k: 1e3 * statistics.median(r[k] for r in per_run) for k in per_run[0]}, "ratios": {}}
     pairs = [("musubi pairs / latentfast", "musubi pairs", "latentfast"),
              ("musubi pairs / latentfast 1 thread", "musubi pairs", "latentfast 1 thread"),
-             ("memcpy / latentfast (share of the ceiling)", "memcpy", "latentfast")]
+             ("memcpy / latentfast (share of the ceiling)", "memcpy", "latentfast"),
+             ("musubi pairs cat / latentfast packed", "musubi pairs cat", "latentfast packed"),
+             ("memcpy / latentfast packed (share of the ceiling)", "memcpy", "latentfast packed")]
     for label, num, den in pairs:
         if num in per_run[0]:
             values = [r[num] / r[den] for r in per_run]
@@ -163,10 +181,37 @@ def summarize(per_run: list[dict]) -> dict:
     return out
 
 
+def example_report(runs: int = 3, steps: int = 12) -> dict:
+    """Median step (ms) and data-wait share of ``examples/train_text_to_image.py`` from the cache and on
+    the fly, each mode run ``runs`` times in a fresh process (alternating), one torch thread, 2 workers."""
+    import re
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_text_to_image.py")
+    found: dict[str, list[tuple[float, float]]] = {"from the cache": [], "on the fly": []}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        for _ in range(runs):
+            for flag in ([], ["--encode-on-the-fly"]):
+                out = subprocess.run([sys.executable, script, "--steps", str(steps), "--images", "64", "--batch-size", "8",
+                                      "--workers", "2", "--threads", "1", "--workdir", tmp, "--device", "cpu", *flag],
+                                     capture_output=True, text=True, check=True).stdout
+                mode, ms, share = re.search(r"^(from the cache|on the fly): .* median step ([\d.]+) ms, (\d+)%", out, re.M).groups()
+                found[mode].append((float(ms), float(share)))
+    result = {mode: {"step_ms": [v[0] for v in values], "wait_pct": [v[1] for v in values]} for mode, values in found.items()}
+    print(f"example (tiny UNet2DConditionModel, batch 8, CPU, {steps} steps, {runs} runs per mode, load {os.getloadavg()[0]:.1f}):")
+    for mode, r in result.items():
+        print(f"  {mode}: median step {statistics.median(r['step_ms']):.1f} ms (range {min(r['step_ms']):.1f}-{max(r['step_ms']):.1f}), "
+              f"waiting for data {statistics.median(r['wait_pct']):.0f}% (range {min(r['wait_pct']):.0f}-{max(r['wait_pct']):.0f})")
+    ratios = [b / a for a, b in zip(result["from the cache"]["step_ms"], result["on the fly"]["step_ms"])]
+    print(f"  on the fly / from the cache: {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
+    return result
+
+
 def print_report(result: dict) -> None:
     print(f"records: batches of {result['batch']} of latent [4,32,32] f16 + text [L,{result['dim']}] bf16 (L 50..512, "
           f"{result['distinct_captions']} distinct captions over {result['items']} items), {result['mib_per_batch']:.1f} MiB "
-          f"of true bytes per batch ({result['padded_mib_per_batch']:.1f} MiB padded, what the readers return), {result['threads']} torch threads")
+          f"of true bytes per batch ({result['padded_mib_per_batch']:.1f} MiB padded, what the padded readers return), "
+          f"{result['threads']} torch threads, load {os.getloadavg()[0]:.1f}")
     for mode in ("hot", "cold"):
         print(f"  {mode}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in result[mode]["ms"].items()))
         for label, (med, lo, hi) in result[mode]["ratios"].items():
@@ -178,3 +223,5 @@ def print_report(result: dict) -> None:
 if __name__ == "__main__":
     runs = int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else 3
     run_report(quick="--quick" in sys.argv, runs=runs)
+    if "--example" in sys.argv:
+        example_report(runs=runs)

@@ -33,7 +33,7 @@ from .errors import ArgumentTypeError, InvalidArgumentError
 IMAGE_VAES = ("AutoencoderKL",)  # 2-D VAEs: [B, 3, H, W]; the others take [B, 3, T, H, W]
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo",
               "AutoencoderKLCogVideoX", "AutoencoderKLLTXVideo")
-SAMPLE_MODES = ("mode", "sample")
+SAMPLE_MODES = ("mode", "sample", "store")
 _CONFIG_NOISE = ("_name_or_path", "_diffusers_version", "_use_default_values", "_class_name")
 
 
@@ -44,9 +44,13 @@ class DiffusersVAE:
         vae: an instance of one of the supported classes (:data:`IMAGE_VAES`, :data:`VIDEO_VAES`),
             e.g. ``AutoencoderKL.from_pretrained(path, subfolder="vae")``. It is put in eval mode
             and never trained here.
-        sample: ``"mode"`` (the posterior's mode, deterministic: what most trainers cache) or
+        sample: ``"mode"`` (the posterior's mode, deterministic: what most trainers cache),
             ``"sample"`` (a draw from the posterior, seeded: pass ``seeds`` to :meth:`encode` for
-            one seed per item, which the builders do so a resumed build draws the same noise).
+            one seed per item, which the builders do so a resumed build draws the same noise) or
+            ``"store"`` (the posterior's normalized mean and std, for a fresh draw at every read:
+            :meth:`encode` returns the mean, ``encode(..., with_std=True)`` the pair, and the
+            builders store them as the fields ``latent`` and ``latent_std``; see
+            ``read_batch(..., sample=True)``).
         seed: the seed of draws made without per-item ``seeds``.
 
     ``identity()`` stamps the class, the config (without paths and versions), a BLAKE2b hash of the
@@ -84,25 +88,26 @@ class DiffusersVAE:
         return next(self.vae.parameters()).dtype
 
     @torch.no_grad()
-    def encode(self, images: torch.Tensor, *, seeds=None) -> torch.Tensor:
-        """``images [B, 3, H, W]`` in [-1, 1] -> float32 normalized latents ``[B, C, H/f, W/f]``."""
+    def encode(self, images: torch.Tensor, *, seeds=None, with_std: bool = False):
+        """``images [B, 3, H, W]`` in [-1, 1] -> float32 normalized latents ``[B, C, H/f, W/f]``
+        (``with_std``, for ``sample="store"``: the pair ``(mean, std)`` of the normalized posterior)."""
         _check_pixels(images, 4, "images")
         if self.is_video_vae:
-            return self._latents(images.unsqueeze(2), seeds).squeeze(2)
-        return self._latents(images, seeds)
+            return _map(lambda z: z.squeeze(2), self._latents(images.unsqueeze(2), seeds, with_std))
+        return self._latents(images, seeds, with_std)
 
     @torch.no_grad()
-    def encode_video(self, clips: torch.Tensor, *, seeds=None) -> torch.Tensor:
+    def encode_video(self, clips: torch.Tensor, *, seeds=None, with_std: bool = False):
         """``clips [B, 3, T, H, W]`` in [-1, 1] -> float32 normalized latents ``[B, C, T', H/f, W/f]``
-        (an image VAE encodes each frame: ``T' = T``)."""
+        (an image VAE encodes each frame: ``T' = T``); ``with_std`` as in :meth:`encode`."""
         _check_pixels(clips, 5, "clips")
         if self.is_video_vae:
-            return self._latents(clips, seeds)
+            return self._latents(clips, seeds, with_std)
         B, _, T, H, W = clips.shape
         frames = clips.permute(0, 2, 1, 3, 4).reshape(B * T, 3, H, W)
         frame_seeds = None if seeds is None else [int(s) * 1000003 + t for s in seeds for t in range(T)]
-        z = self._latents(frames, frame_seeds)
-        return z.reshape(B, T, *z.shape[1:]).permute(0, 2, 1, 3, 4).contiguous()
+        z = self._latents(frames, frame_seeds, with_std)
+        return _map(lambda z: z.reshape(B, T, *z.shape[1:]).permute(0, 2, 1, 3, 4).contiguous(), z)
 
     def identity(self) -> dict:
         config = {k: v for k, v in dict(self.vae.config).items() if k not in _CONFIG_NOISE}
@@ -138,18 +143,27 @@ class DiffusersVAE:
             self._weights_hash = state_dict_hash(self.vae)
         return self._weights_hash
 
-    def _latents(self, pixels: torch.Tensor, seeds) -> torch.Tensor:
+    def _latents(self, pixels: torch.Tensor, seeds, with_std: bool = False):
+        if with_std and self.sample != "store":
+            raise InvalidArgumentError(f"with_std=True needs DiffusersVAE(..., sample='store'), this one has sample={self.sample!r}")
         dist = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist
         if self.sample == "mode":
             z = dist.mode()
+        elif self.sample == "store":
+            z = dist.mean  # a diagonal Gaussian's mode: what sample="mode" caches
         else:
             z = dist.mean + dist.std * self._noise(dist.mean, seeds)
         z = z.float()
         shape = (1, -1) + (1,) * (z.ndim - 2)
         if self._mean is not None:
             mean, std = self._mean.to(z.device).view(shape), self._std.to(z.device).view(shape)
-            return (z - mean) * self._scale / std
-        return (z - self._shift) * self._scale
+            z = (z - mean) * self._scale / std
+            scale = self._scale / std
+        else:
+            z = (z - self._shift) * self._scale
+            scale = self._scale
+        # the normalization is affine, so the normalized posterior's std is the raw std times its scale
+        return (z, dist.std.float() * scale) if with_std else z
 
     def _noise(self, like: torch.Tensor, seeds) -> torch.Tensor:
         """Standard normal noise, drawn on the CPU (the same on every device): per item from
@@ -163,6 +177,11 @@ class DiffusersVAE:
             noise = torch.stack([torch.randn(like.shape[1:], generator=torch.Generator().manual_seed(int(s) % 2**63))
                                  for s in seeds])
         return noise.to(like.device, like.dtype)
+
+
+def _map(fn, value):
+    """``fn`` on a tensor, or on each of a ``(mean, std)`` pair."""
+    return tuple(fn(v) for v in value) if isinstance(value, tuple) else fn(value)
 
 
 def state_dict_hash(module: torch.nn.Module) -> str:
@@ -403,8 +422,9 @@ def _tokenizer_identity(tokenizer) -> dict:
     definition; else the vocabulary, BPE merges and SentencePiece model it has)."""
     digest = hashlib.blake2b(digest_size=16)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        digest.update(backend.to_str().encode())
+    if backend is not None:  # without the padding / truncation state each tokenizer call sets on it
+        definition = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("padding", "truncation")}
+        digest.update(json.dumps(definition, sort_keys=True).encode())
     else:
         digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
         ranks = getattr(tokenizer, "bpe_ranks", None)

@@ -43,6 +43,7 @@ PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 PHILOX_ROUNDS = 10
 # counter word 2: which draw of an item this is (other read-time draws, e.g. flips, take other values)
 STREAM_LATENT_EPS = 0
+STREAM_FLIP = 1
 TWO_PI_F32 = 6.2831854820251465  # float32(2*pi), exactly
 INV_2_24 = 2.0**-24
 SAMPLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -141,6 +142,23 @@ def normal_eps(seeds: torch.Tensor, n: int) -> torch.Tensor:
     z0, z1 = box_muller(words[:, 0::4], words[:, 1::4])
     z2, z3 = box_muller(words[:, 2::4], words[:, 3::4])
     return torch.stack((z0, z1, z2, z3), dim=-1).reshape(words.shape[0], words.shape[1])[:, :n]
+
+
+def uniforms(seeds: torch.Tensor, stream: int) -> torch.Tensor:
+    """float64 ``[B]`` in [0, 1): one uniform per item of draw ``stream`` (counter ``(0, 0, stream, 0)``,
+    word ``x0``, its top 24 bits times 2**-24, as ``u2`` of step 4), on the CPU. Depends only on the
+    item seed: the same for an item in any batch, worker or resumed run."""
+    seeds = seeds.to("cpu", torch.int64).reshape(-1)
+    zero = torch.zeros((), dtype=torch.int64)
+    x0 = philox4x32_10((zero, zero, zero + stream, zero), (seeds & MASK32, (seeds >> 32) & MASK32))[0]
+    return torch.broadcast_to(x0 >> 8, seeds.shape).to(torch.float64) * INV_2_24
+
+
+def flip_draws(seeds: torch.Tensor, p: float) -> torch.Tensor:
+    """bool ``[B]``: which items are flipped with probability ``p`` (``uniforms(seeds, STREAM_FLIP) < p``)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise InvalidArgumentError(f"flip must be a probability in [0, 1], got {p!r}")
+    return uniforms(seeds, STREAM_FLIP) < p
 
 
 # -- the reference of the op -----------------------------------------------------------------------

@@ -391,3 +391,28 @@ def test_empty_batches_and_empty_values(tmp_path):
     assert batch["text"].shape == (3, 2, 4) and (batch["text"][0] == 7).all() and (batch["text"][2, 1] == 7).all()
     assert (batch["text"][1] == 1).all() and (batch["text"][2, 0] == 1).all()
     assert cache.read_batch([0], fields=("text",))["text"].shape == (1, 0, 4)
+
+
+def test_packed_fields_come_back_to_back_with_their_true_shapes(tmp_path, monkeypatch):
+    records = build_records(tmp_path, n=9)
+    cache = LatentCache(tmp_path)
+    order = [8, 0, 4, 4, 2]
+    calls = []
+    real = torch.ops.latentfast.gather_rows_packed_into.default
+    monkeypatch.setattr(torch.ops.latentfast.gather_rows_packed_into, "default", lambda *a: calls.append(a[4].numel()) or real(*a))
+    batch = cache.read_batch(order, fields=("latent", "text", "pooled"), packed=("text",))
+    assert calls == [5]  # one packed gather for the field, whatever its items' lengths
+    want = torch.cat([records[i][1]["text"] for i in order])
+    assert batch["text"].dtype == torch.bfloat16 and torch.equal(bits(batch["text"]), bits(want))
+    assert batch["text_shape"].tolist() == [list(records[i][1]["text"].shape) for i in order]
+    padded = cache.read_batch(order, fields=("text",), pad={"text": 0.0})
+    for b, L in enumerate(batch["text_shape"][:, 0].tolist()):
+        start = int(batch["text_shape"][:b, 0].sum())
+        assert torch.equal(bits(batch["text"][start:start + L]), bits(padded["text"][b, :L]))
+    assert cache.read_batch([], fields=("text",), packed="text")["text"].shape == (0, 0)  # (as a padded empty batch)
+    with pytest.raises(InvalidArgumentError, match="odd byte count"):
+        cache.read_batch([0, 1], fields=("mask",), packed="mask")  # bools of odd counts: 1-byte values
+    with pytest.raises(InvalidArgumentError, match="packed must name requested fields"):
+        cache.read_batch([0], fields=("text",), pad={"text": 0.0}, packed="text")
+    with pytest.raises(InvalidArgumentError, match="packed must name requested fields"):
+        cache.read_batch([0], fields=("latent",), packed="latent")

@@ -38,12 +38,48 @@ def test_balanced_encode_example_runs_under_torchrun_with_two_gloo_processes(tmp
     assert re.search(r"predicted step: [\d.]+ ms unbalanced -> [\d.]+ ms balanced", proc.stdout), proc.stdout
 
 
-def test_the_readme_shows_the_examples_code():
-    """The README's torchrun block is marked as an excerpt of the script and is, line for line,
-    the script's marked region (so it cannot drift from the code the test above runs)."""
+def assert_readme_quotes(script: pathlib.Path, region: str) -> None:
+    """One README block is marked as an excerpt of ``script`` and is, line for line, its marked
+    ``region`` (so it cannot drift from the code the tests run)."""
     readme = (ROOT / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "examples/balanced_encode.py" in b]
-    assert len(blocks) == 1, "one README block quotes examples/balanced_encode.py"
+    name = f"examples/{script.name}"
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if name in b]
+    assert len(blocks) == 1, f"one README block quotes {name}"
     first, _, body = blocks[0].partition("\n")
-    assert first.startswith("# excerpt of examples/balanced_encode.py")
-    assert body == marked_region(EXAMPLE.read_text(), "balanced-encode")
+    assert first.startswith(f"# excerpt of {name}")
+    assert body == marked_region(script.read_text(), region)
+
+
+def test_the_readme_shows_the_examples_code():
+    assert_readme_quotes(EXAMPLE, "balanced-encode")
+
+
+T2I = ROOT / "examples" / "train_text_to_image.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_text_to_image_example_trains_from_the_cache_and_on_the_fly(tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    from latentfast.cache import LatentCache
+
+    spec = importlib.util.spec_from_file_location("train_text_to_image", T2I)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    common = ["--steps", "2", "--images", "12", "--batch-size", "4", "--workers", "2", "--threads", "1",
+              "--workdir", str(tmp_path), "--device", "cpu"]
+    assert example.main(common) == 0
+    assert example.main(common + ["--encode-on-the-fly"]) == 0
+    out = capsys.readouterr().out
+    step = r"2 steps of 4, median step [\d.]+ ms, \d+% of the step waiting for data \(loss [\d.]+\)"
+    assert re.search("from the cache: " + step, out) and re.search("on the fly: " + step, out), out
+    cache = LatentCache(tmp_path / "cache")
+    assert sorted(cache.fields) == ["latent", "latent_flipped", "latent_flipped_std", "latent_std", "text", "text_pooled"]
+    assert len(cache) == 12 and cache.meta["text_encoder"]["class"] == "transformers.CLIPTextModel"
+
+
+def test_the_readme_shows_the_text_to_image_loop():
+    assert_readme_quotes(T2I, "cache-loop")

@@ -11,10 +11,13 @@ from ...errors import InvalidArgumentError
 
 def encode(fn, pixels: torch.Tensor, device: torch.device, autocast_dtype: torch.dtype | None, **kwargs) -> torch.Tensor:
     """``fn(pixels on device, **kwargs)`` without gradients (under ``torch.autocast`` of
-    ``autocast_dtype`` when given), as a float32 CPU tensor."""
+    ``autocast_dtype`` when given), as a float32 CPU tensor (a tuple of them, e.g. ``(mean, std)``,
+    when ``fn`` returns a tuple)."""
     autocast = torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     with torch.no_grad(), autocast:
         z = fn(pixels.to(device), **kwargs)
+    if isinstance(z, tuple):
+        return tuple(t.float().cpu() for t in z)
     return z.float().cpu()
 
 

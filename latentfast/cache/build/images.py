@@ -19,14 +19,16 @@ import inspect
 import math
 import os
 import time
+import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
-from ...errors import CacheError, ImageError, InvalidArgumentError
+from ...errors import ArgumentTypeError, CacheError, ImageError, InvalidArgumentError
 from ..store import format as fmt
 from . import distributed, media
 from .encode import encode, prepare
@@ -42,12 +44,22 @@ class _Job:
     bucket_of: Callable[[media.Item], tuple]
     load: Callable[[media.Item], tuple[torch.Tensor, dict]]
     encode: Callable  # encoder method: (batch, **kw) -> latents
+    store_std: bool = False  # the encoder's sample="store": fields latent and latent_std
+    flip: bool = False  # also encode each image's mirror: field latent_flipped (and latent_flipped_std)
+    text_encoder: Any = None  # captions -> fields text [L_i, D] and text_pooled [P]
+    captions: Any = None  # (key, path) -> caption, with text_encoder
+
+
+# the dtype of the latent (and of the fields beside it that share its meaning: latent_std, latent_flipped),
+# as the writer stores the latent file
+LATENT_DTYPE = torch.float16
 
 
 def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, buckets, batch_size: int = 8,
                       device="cpu", autocast_dtype: torch.dtype | None = None, num_workers: int = 4,
                       skip_bad_images: bool = False, no_upscale: bool = False, bucket_step: int = 64,
-                      quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None, group=None) -> str:
+                      quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
+                      flip: bool = False, text_encoder: Any = None, captions: Any = None, group=None) -> str:
     """Encode every image of ``source`` (a folder, walked recursively, or a JSONL manifest of
     ``{"image": path, "key": optional}``) into a shaped cache in ``out_dir``; returns the data path.
 
@@ -65,17 +77,35 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     raising :class:`~latentfast.errors.ImageError`. ``lock_timeout``: seconds to wait for another
     build of this split. ``stats`` (a dict) receives counts and timings. ``group`` (a
     ``torch.distributed`` process group): a distributed build, see :mod:`latentfast.cache.build.distributed`.
+
+    Records beside the latent (each its own field, see ``cache.fields``):
+
+    - an encoder with ``sample="store"`` (:class:`~latentfast.encoders.DiffusersVAE`) stores the
+      normalized posterior's mean as ``latent`` and its std as ``latent_std``, for
+      ``read_batch(..., sample=True)``;
+    - ``flip=True`` also encodes each image's horizontal mirror (after the resize and crop) into
+      ``latent_flipped`` (and ``latent_flipped_std``), as kohya's ``flip_aug`` does, for
+      ``read_batch(..., flip=p)``;
+    - ``text_encoder`` (a :class:`~latentfast.encoders.TextEncoder`) encodes each image's caption
+      (``captions``, a :class:`~latentfast.cache.captions.Captions`; default: the manifest's
+      ``caption``, else ``<stem>.txt`` beside the image) into ``text`` ``[L_i, D]`` (cut to the mask,
+      the model's dtype) and ``text_pooled`` ``[P]`` where the model has a pooled output. Equal
+      captions are encoded once per batch and stored once. The meta's ``text_encoder`` stamps the
+      encoder's identity; an edited caption re-encodes its item on a rerun.
     """
     if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
         return distributed.build_sharded(build_image_cache, locals())
     factor = getattr(encoder, "spatial_downscale", None)
     bucket_list = media.check_buckets(buckets, video=False, factor=factor)
     bucket_of = _image_bucket_rule(bucket_list, no_upscale, bucket_step, factor)
-    job = _Job("image", bucket_of, media.load_image, encoder.encode)
+    if not isinstance(flip, bool):
+        raise ArgumentTypeError(f"flip must be a bool, got {type(flip).__name__} ({flip!r})")
+    job = _Job("image", bucket_of, media.load_image, encoder.encode, flip=flip)
     settings = {"buckets": [list(b) for b in bucket_list], "resize": "lanczos-cover-center-crop",
                 "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
     if no_upscale:
         settings.update(no_upscale=True, bucket_step=bucket_step)
+    settings.update(_record_settings(job, encoder, source, text_encoder, captions))
     return _build(job, encoder, source, out_dir, split, settings, batch_size=batch_size, device=device,
                   autocast_dtype=autocast_dtype, num_workers=num_workers, skip_bad=skip_bad_images, quiet=quiet,
                   lock_timeout=lock_timeout, stats=stats)
@@ -103,9 +133,35 @@ def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
                lambda item: media.load_clip(item, frame_stride), encoder.encode_video)
     settings = {"buckets": [list(b) for b in bucket_list], "frame_stride": frame_stride,
                 "resize": "lanczos-cover-center-crop", "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
+    settings.update(_record_settings(job, encoder, source, None, None))
     return _build(job, encoder, source, out_dir, split, settings, batch_size=batch_size, device=device,
                   autocast_dtype=autocast_dtype, num_workers=num_workers, skip_bad=skip_bad_clips, quiet=quiet,
                   lock_timeout=lock_timeout, stats=stats)
+
+
+def _record_settings(job: _Job, encoder, source, text_encoder, captions) -> dict:
+    """Set up the fields beside the latent on ``job``; the meta entries that stamp them."""
+    from ..captions import Captions
+
+    job.store_std = getattr(encoder, "sample", None) == "store"
+    settings = {}
+    if job.store_std:
+        settings["latent_std"] = True
+    if job.flip:
+        settings["flip"] = True
+    if text_encoder is not None:
+        if not callable(getattr(text_encoder, "encode", None)) or not callable(getattr(text_encoder, "identity", None)):
+            raise ArgumentTypeError(f"text_encoder must have encode(captions) and identity() (a latentfast.encoders.TextEncoder), "
+                                    f"got {type(text_encoder).__qualname__}")
+        if captions is None:
+            captions = Captions(source if os.path.isfile(os.fspath(source)) else None)
+        elif not callable(captions):
+            raise ArgumentTypeError(f"captions must be a latentfast.cache.captions.Captions, got {type(captions).__qualname__}")
+        job.text_encoder, job.captions = text_encoder, captions
+        settings["text_encoder"] = encoder_identity(text_encoder)
+    elif captions is not None:
+        raise InvalidArgumentError("captions= needs text_encoder= (the captions are encoded into the text fields)")
+    return settings
 
 
 def _image_bucket_rule(buckets: list[tuple[int, int]], no_upscale: bool, step, factor) -> Callable:
@@ -200,6 +256,9 @@ def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], li
         try:
             item = future.result()
             item.bucket = tuple(job.bucket_of(item))
+            if job.captions is not None:  # the caption is part of the source: an edited one re-encodes the item
+                item.caption = job.captions(key, path)
+                item.digest = hashlib.blake2b(item.digest + item.caption.encode(), digest_size=16).digest()
         except ImageError as exc:
             if not skip_bad:
                 raise
@@ -231,7 +290,8 @@ def _previous_cache(out_dir, split, identity, meta):
         return None  # a damaged index file (keys, hashes, checksums, info): nothing of it is copied, all is encoded
     # other buckets are fine: an item is copied only if its own bucket is unchanged
     same = cache.shaped and cache.meta.get("encoder") == identity and all(
-        cache.meta.get(k) == meta.get(k) for k in ("kind", "resize", "frame_stride", "encode_dtype"))
+        cache.meta.get(k) == meta.get(k) for k in ("kind", "resize", "frame_stride", "encode_dtype", "latent_std", "flip",
+                                                   "text_encoder"))
     return cache if same else None
 
 
@@ -244,6 +304,11 @@ def _unchanged(cache, items: list[media.Item]) -> bool:
     if hashes is None or cache.keys != [item.key for item in order]:
         return False
     if any(hashes[i].tobytes() != item.digest for i, item in enumerate(order)):
+        return False
+    try:
+        for items in cache.field_items.values():  # every stored field value against its CRC (a shared one once)
+            items.check(np.unique(items.row_starts, return_index=True)[1])
+    except CacheError:
         return False
     return not bad_blocks(cache, first_only=True)[0]
 
@@ -298,7 +363,7 @@ class _Runner:
 
     def _write_batch(self, batch, to_encode, loads) -> None:
         self.counts["decode_s"] += sum(seconds for _, _, seconds in loads)
-        latents = self._encode(to_encode, [pixels for pixels, _, _ in loads]) if to_encode else None
+        records = self._encode(to_encode, [pixels for pixels, _, _ in loads]) if to_encode else None
         t0 = time.perf_counter()
         position = {item.key: j for j, item in enumerate(to_encode)}
         for item in batch:
@@ -307,10 +372,10 @@ class _Runner:
                 continue
             if j is None:  # the old bytes failed their checksum: encode this one now
                 pixels, info = self.job.load(item)
-                latent = self._encode([item], [pixels])[0]
+                record = self._encode([item], [pixels])[0]
             else:
-                latent, info = latents[j], loads[j][1]
-            self.writer.append(item.key, latent, source_hash=item.digest, info={**info, "bucket": list(item.bucket)})
+                record, info = records[j], loads[j][1]
+            self.writer.append(item.key, record, source_hash=item.digest, info={**info, "bucket": list(item.bucket)})
             self.counts["encoded"] += 1
         self.writer.flush()  # durable per batch: a crash loses at most the batch in flight, as in the line builder
         self.counts["write_s"] += time.perf_counter() - t0
@@ -321,8 +386,16 @@ class _Runner:
         payload = self.previous._memmap()[start:end].tobytes()
         crc = int(self.previous_sums[index])
         with contextlib.suppress(CacheError):
-            self.writer.append_bytes(item.key, self.previous.shapes[index], payload, crc, source_hash=item.digest,
-                                     info=self.previous.info(index))
+            if self.previous.field_items:  # a record: every field value checked against its CRC, then copied
+                for items in self.previous.field_items.values():
+                    items.check(np.asarray([index]))
+                record = self.previous.record(index)
+                if zlib.crc32(record["latent"].reshape(-1).view(torch.uint8).numpy()) != crc:  # (bytes: any latent dtype)
+                    raise CacheError(f"item {item.key!r}: its bytes fail their CRC-32 checksum")
+                self.writer.append(item.key, record, source_hash=item.digest, info=self.previous.info(index))
+            else:
+                self.writer.append_bytes(item.key, self.previous.shapes[index], payload, crc, source_hash=item.digest,
+                                         info=self.previous.info(index))
             self.counts["copied"] += 1
             return True
         return False
@@ -333,15 +406,44 @@ class _Runner:
             self._sums = _stored_checksums(self.previous)
         return self._sums
 
-    def _encode(self, items, pixels) -> torch.Tensor:
+    def _encode(self, items, pixels) -> list:
+        """One record per item: the latent tensor alone, or a dict of the job's fields."""
         t0 = time.perf_counter()
         batch = torch.stack(pixels).to(self.device)
+        fields = self._latent_fields(items, batch, "latent")
+        if self.job.flip:  # the mirror of the resized, cropped image, encoded on its own (kohya's latents_flipped)
+            fields.update(self._latent_fields(items, torch.flip(batch, dims=[-1]), "latent_flipped"))
+        if self.job.text_encoder is not None:
+            fields.update(self._text_fields([item.caption for item in items]))
+        self.counts["encode_s"] += time.perf_counter() - t0
+        if len(fields) == 1:
+            return list(fields["latent"])
+        return [{name: values[b] for name, values in fields.items()} for b in range(len(items))]
+
+    def _latent_fields(self, items, batch, name) -> dict:
         kwargs = {"seeds": [_item_seed(item.key) for item in items]} if self.seeded else {}
+        if self.job.store_std:
+            kwargs["with_std"] = True
         z = encode(self.job.encode, batch, self.device, self.autocast_dtype, **kwargs)
+        z, std = z if self.job.store_std else (z, None)
         if z.shape[0] != len(items):
             raise InvalidArgumentError(f"the encoder returned {z.shape[0]} latents for a batch of {len(items)}")
-        self.counts["encode_s"] += time.perf_counter() - t0
-        return z
+        if std is None and name == "latent" and not self.job.flip and self.job.text_encoder is None:
+            return {name: z}  # a plain cache: the writer stores the latent as it always has
+        fields = {name: z.to(LATENT_DTYPE)}
+        if std is not None:
+            fields[name + "_std"] = std.to(LATENT_DTYPE)
+        return fields
+
+    def _text_fields(self, captions: list[str]) -> dict:
+        """``text`` (a list of ``[L_i, D]``) and ``text_pooled``: each distinct caption of the batch encoded once."""
+        distinct = list(dict.fromkeys(captions))
+        encoded = self.job.text_encoder.encode(distinct)
+        where = {caption: k for k, caption in enumerate(distinct)}
+        fields = {"text": [encoded.embeds[where[c]].detach().cpu() for c in captions]}
+        if encoded.pooled is not None:
+            fields["text_pooled"] = [encoded.pooled[where[c]].detach().cpu() for c in captions]
+        return fields
 
 
 def _old_rows(cache) -> dict[str, tuple[int, bytes]]:

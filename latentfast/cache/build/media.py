@@ -36,6 +36,7 @@ class Item:
     digest: bytes = b""
     frame_paths: list = field(default_factory=list)  # a folder clip's frames, in order
     bucket: tuple = ()  # (h, w) or (frames, h, w) once planned
+    caption: str | None = None  # with a text encoder: the item's caption, once planned
 
 
 def _key_of(rel: str, is_dir: bool) -> str:

@@ -34,7 +34,8 @@ _CPU = torch.device("cpu")
 
 
 def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, backend: str = "auto",
-               cold="auto", return_keys: bool = False, fields=None, pad=None, pad_to=None):
+               cold="auto", return_keys: bool = False, fields=None, pad=None, pad_to=None, sample: bool = False,
+               flip=None, seed=None, epoch: int = 0, packed=()):
     """Rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`, read through its
     :class:`~latentfast.cache.store.layout.Items`) as one batch.
 
@@ -64,6 +65,19 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
             padded with ``value`` to the batch's largest (or ``pad_to``). A field not named here
             must have one shape across the batch. The latent is padded by its layout (``width``).
         pad_to: the first dimension padded fields are padded to: an int, or ``{field: int}``.
+        packed: fields whose items may differ in their first dimension, returned back to back
+            (``[sum L_i, *rest]``, no padding written: what varlen attention takes, with
+            ``cu_seqlens`` the cumulative sum of ``<field>_shape[:, 0]``).
+        sample: return ``latent + latent_std * eps`` in the ``latent`` entry (a cache built with
+            ``DiffusersVAE(sample="store")``), one :func:`latentfast.ops.sample_latents` call per batch
+            on the batch's device; ``eps`` depends only on ``(seed, epoch, the item's key)``
+            (:mod:`latentfast.sampling`), never on the batch, the worker or where a run resumed. The
+            batch's latents must have one shape (no padding to draw over).
+        flip: a probability: each item's ``latent`` entry is its ``latent_flipped`` (a cache built
+            with ``flip=True``) with this probability, drawn from the same item seed (its own stream);
+            the batch gets a ``flipped`` bool ``[B]`` entry. With ``sample`` the flipped items draw
+            around ``latent_flipped`` with ``latent_flipped_std``.
+        seed, epoch: the draws' run seed (an int, required with ``sample`` / ``flip``) and epoch (>= 0).
 
     Returns:
         With ``fields``: ``{field: [B, *shape] tensor, "<field>_shape": int64 [B, ndim] (the true
@@ -83,10 +97,15 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     # presents a cache's attributes (a wrapper) is read through Items made from it for this call
     items = getattr(cache, "__dict__", {}).get("items") or layout.Items(cache, source=cache.gather_source)
     dtype = items.dtype if dtype is None else dtype
-    if fields is not None or pad is not None or pad_to is not None:
+    if sample is not False or flip is not None:
+        if out is not None or width is not None:
+            raise InvalidArgumentError("sample= and flip= read a dict of records: they take no out= or width=")
+        return _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, backend, cold,
+                           sample, flip, seed, epoch, packed)
+    if fields is not None or pad is not None or pad_to is not None or packed:
         if fields is None or out is not None:
-            raise InvalidArgumentError("pad= and pad_to= need fields=, and a batch of fields takes no out=")
-        return _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold)
+            raise InvalidArgumentError("pad=, pad_to= and packed= need fields=, and a batch of fields takes no out=")
+        return _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold, packed)
     table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows, out=out,
                            dtype=dtype, device=_CPU if on_cpu else device)
     if table.shape is not None:
@@ -102,11 +121,11 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     return batch
 
 
-def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold) -> dict:
+def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold, packed=()) -> dict:
     """A batch of records: each field's span table resolved once for the batch, then one gather per field."""
     field_items = getattr(cache, "__dict__", {}).get("field_items") or {}
     batches = layout.resolve_fields(items, field_items, indices, fields, pad, pad_to, width=width, dtype=dtype,
-                                    device=_CPU if on_cpu else device)
+                                    device=_CPU if on_cpu else device, packed=packed)
     out = {}
     for name, batch in batches.items():
         if isinstance(batch, layout.SpanTable):  # the latent
@@ -124,10 +143,65 @@ def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dt
     return out
 
 
+def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, backend, cold,
+                sample, flip, seed, epoch, packed=()) -> dict:
+    """A batch of records whose ``latent`` entry is drawn: a flipped variant picked per item, a sample
+    of each item's latent distribution, or both (see :func:`read_batch`)."""
+    from ... import ops, sampling
+
+    if sample is not True and sample is not False:
+        raise InvalidArgumentError(f"sample must be True or False, got {sample!r}")
+    names = ["latent"] if fields is None else ([fields] if isinstance(fields, str) else list(fields))
+    if "latent" not in names:
+        raise InvalidArgumentError(f"sample= and flip= draw the 'latent' entry: fields must include 'latent', got {names!r}")
+    if seed is None:
+        raise InvalidArgumentError("sample= and flip= need seed= (an int: the run's seed; with epoch= it keys every draw)")
+    have = getattr(cache, "__dict__", {}).get("field_items") or {}
+    need = (["latent_std"] if sample else []) + (["latent_flipped"] if flip is not None else [])
+    need += ["latent_flipped_std"] if sample and flip is not None else []
+    for name in need:
+        if name not in have:
+            how = "DiffusersVAE(vae, sample='store')" if name.endswith("_std") else "build_image_cache(..., flip=True)"
+            raise InvalidArgumentError(f"{'sample=True' if name.endswith('_std') else 'flip='} needs the field {name!r}, which "
+                                       f"this cache {getattr(cache, 'cache_dir', '')} lacks (fields: {sorted(['latent', *have])}); "
+                                       f"build it with {how}")
+    index = layout.as_row_indices(indices, len(cache))
+    index_np = index.numpy()
+    keys = cache.keys
+    seeds = sampling.item_seeds([keys[i] for i in index_np.tolist()], seed, epoch)
+    flipped = sampling.flip_draws(seeds, flip) if flip is not None else torch.zeros(len(index_np), dtype=torch.bool)
+    extra = [n for n in ("latent_std",) if sample and n not in names]
+    batch = _read_records(cache, items, index, names + extra, pad, pad_to, on_cpu, device, dtype, None, backend, cold, packed)
+    latent = batch["latent"]
+    if flipped.any():  # the flipped items' variants, read for them only, put in their rows
+        rows = flipped.nonzero().reshape(-1)
+        mirror = _read_records(cache, items, index[rows], need[1:] if sample else need, None, None, on_cpu, device,
+                               dtype, None, backend, cold)
+        at = rows.to(latent.device)
+        latent[at] = mirror["latent_flipped"].to(latent.dtype)
+        if sample:
+            batch["latent_std"][at] = mirror["latent_flipped_std"].to(batch["latent_std"].dtype)
+    if sample:
+        std, shapes = batch["latent_std"], batch["latent_shape"]
+        if len(shapes) and (not torch.equal(shapes, batch["latent_std_shape"]) or bool((shapes != shapes[0]).any())
+                            or list(shapes[0]) != list(latent.shape[1:])):
+            raise InvalidArgumentError(f"sample=True draws over each item's own shape: the batch's latents must have one shape, "
+                                       f"equal to latent_std's, got latent shapes {shapes.unique(dim=0).tolist()} in a batch of "
+                                       f"{list(latent.shape)} (a line cache's rows of several widths cannot be sampled in one batch)")
+        batch["latent"] = ops.sample_latents(latent, std, seeds.to(latent.device), backend=backend)  # (out may not alias mean)
+        if "latent_std" in extra:
+            del batch["latent_std"], batch["latent_std_shape"]
+    if flip is not None:
+        batch["flipped"] = flipped
+    return batch
+
+
 def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
     """One field's batch: its values gathered as 2-byte units by the same compiled gather, viewed in their
     own dtype as ``[B, *shape]``, the padding past each item's first dimension filled with ``batch.pad``."""
     table, B = batch.table, batch.table.index.numel()
+    if batch.packed:
+        return _field_packed(batch, on_cpu, device, backend, cold)
     nbytes = int(np.prod(batch.shape, dtype=np.int64)) * torch.empty(0, dtype=batch.dtype).element_size()
     if B == 0 or nbytes == 0:
         return torch.empty((B, *batch.shape), dtype=batch.dtype, device=device)
@@ -141,6 +215,20 @@ def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
         tail = torch.arange(batch.shape[0], device=values.device)[None, :] >= lengths[:, None]
         values.view(B, batch.shape[0], -1).masked_fill_(tail[:, :, None], batch.pad)
     return values
+
+
+def _field_packed(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
+    """A packed field's batch: the items' values back to back, ``[sum L_i, *rest]``, by one compiled
+    packed gather (on the CPU; a CUDA batch is gathered into pinned memory and copied)."""
+    table = batch.table
+    units = int(table.widths.sum(dtype=np.int64))
+    out = torch.empty(units, dtype=torch.float16, pin_memory=not on_cpu)
+    if units:
+        _before_copy(table, cold)
+        data, row_offsets, widths, pitch = table.source
+        torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
+    values = out.view(torch.uint8).view(batch.dtype).view(batch.shape)
+    return values if on_cpu else values.to(device, non_blocking=True)
 
 
 def _shaped_batch(table, device, dtype, out, backend, cold):

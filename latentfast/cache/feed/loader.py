@@ -31,13 +31,25 @@ class CacheBatchDataset(Dataset):
     compiled gather. Use with ``DataLoader(batch_size=None, sampler=<batch sampler>)`` (see
     :func:`batch_loader`, which also reads ahead), so each worker reads a batch in one call instead of
     collating items. ``indices`` must be integers (floats are refused, never rounded); ``dtype``,
-    ``width``, ``cold`` and (records) ``fields``, ``pad``, ``pad_to`` go to
-    :func:`~latentfast.cache.read_batch`; with ``fields`` an item is read_batch's dict plus ``"index"``."""
+    ``width``, ``cold`` and (records) ``fields``, ``pad``, ``pad_to``, ``packed``, ``sample``, ``flip``, ``seed``,
+    ``epoch`` go to :func:`~latentfast.cache.read_batch`; with ``fields`` an item is read_batch's dict
+    plus ``"index"``. ``set_epoch(e)`` before an epoch's iterator is made gives its draws their epoch."""
 
     def __init__(self, cache, *, dtype: torch.dtype | None = None, width: int | None = None, cold="auto",
-                 fields=None, pad=None, pad_to=None):
+                 fields=None, pad=None, pad_to=None, sample: bool = False, flip=None, seed=None, epoch: int = 0,
+                 packed=()):
         self.cache, self.dtype, self.width, self.cold = cache, dtype, width, cold
-        self.fields, self.pad, self.pad_to = fields, pad, pad_to
+        self.fields, self.pad, self.pad_to, self.packed = fields, pad, pad_to, packed
+        self.draws = {"sample": sample, "flip": flip, "seed": seed, "epoch": epoch} if sample or flip is not None else {}
+        if self.draws and fields is None:
+            self.fields = ("latent",)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch of the draws (``sample`` / ``flip``) of the batches read from now on: call it before
+        the epoch's DataLoader iterator is made, which copies the dataset into its workers (persistent
+        workers keep the epoch they started with)."""
+        if self.draws:
+            self.draws["epoch"] = epoch
 
     def __len__(self) -> int:
         return len(self.cache)
@@ -46,7 +58,7 @@ class CacheBatchDataset(Dataset):
         index = as_row_indices(indices, len(self.cache))
         if self.fields is not None:
             batch = read_batch(self.cache, index, dtype=self.dtype, width=self.width, cold=self.cold,
-                               fields=self.fields, pad=self.pad, pad_to=self.pad_to)
+                               fields=self.fields, pad=self.pad, pad_to=self.pad_to, packed=self.packed, **self.draws)
             return {**batch, "index": index}
         latents, widths = read_batch(self.cache, index, dtype=self.dtype, width=self.width, cold=self.cold)
         return latents, widths, index
@@ -54,19 +66,22 @@ class CacheBatchDataset(Dataset):
 
 def batch_loader(
     cache, batch_sampler: Iterable[list[int]], *, dtype=None, width=None, lookahead: int = DEFAULT_LOOKAHEAD,
-    cold="auto", fields=None, pad=None, pad_to=None, **dataloader_kwargs
+    cold="auto", fields=None, pad=None, pad_to=None, sample: bool = False, flip=None, seed=None, epoch: int = 0,
+    packed=(), **dataloader_kwargs
 ) -> DataLoader:
     """A DataLoader yielding ``(latents [B, C, h, W], widths [B], indices [B])`` for each batch of
     ``batch_sampler``; ``dataloader_kwargs`` (num_workers, pin_memory, multiprocessing_context, ...)
     go to the DataLoader. With ``fields`` (and ``pad``, ``pad_to``) each batch is a dict of records
-    (see :func:`~latentfast.cache.read_batch`) plus ``"index"``.
+    (see :func:`~latentfast.cache.read_batch`) plus ``"index"``; ``sample``, ``flip``, ``seed`` and
+    ``epoch`` draw the ``latent`` entry (``loader.dataset.set_epoch(e)`` each epoch).
 
     ``lookahead``: while a batch is read, the rows of the next ``lookahead`` batches are read into the
     page cache in the background (:class:`~latentfast.cache.feed.sampler.LookaheadSampler`; 0 turns it
     off). It costs nothing measurable when the cache is in RAM and hides the disk when it is not.
     A sampler with ``upcoming()`` (as :class:`WidthBucketBatchSampler`) is peeked, not advanced."""
     sampler = LookaheadSampler(batch_sampler, cache, lookahead)
-    dataset = CacheBatchDataset(cache, dtype=dtype, width=width, cold=cold, fields=fields, pad=pad, pad_to=pad_to)
+    dataset = CacheBatchDataset(cache, dtype=dtype, width=width, cold=cold, fields=fields, pad=pad, pad_to=pad_to,
+                                sample=sample, flip=flip, seed=seed, epoch=epoch, packed=packed)
     return DataLoader(dataset, batch_size=None, sampler=sampler, **dataloader_kwargs)
 
 

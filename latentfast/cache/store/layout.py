@@ -356,17 +356,21 @@ class BlockChecks:
 class FieldBatch:
     """One field of a batch of records: its :class:`SpanTable` (the item values as lines of 2-byte
     units; ``None`` for the latent, which has its own table) and how to view the gathered units:
-    ``dtype``, the per-item output ``shape``, the true ``shapes`` ``[B, ndim]`` and the ``pad`` value."""
+    ``dtype``, the per-item output ``shape``, the true ``shapes`` ``[B, ndim]`` and the ``pad`` value;
+    ``packed``: the items' values back to back, ``shape`` then the whole batch's ``[sum L_i, *rest]``."""
 
-    __slots__ = ("table", "dtype", "shape", "shapes", "pad")
+    __slots__ = ("table", "dtype", "shape", "shapes", "pad", "packed")
 
 
 def resolve_fields(cache: Items, field_items: dict, indices, fields, pad, pad_to, *, width=None, dtype=torch.float16,
-                   device=_CPU) -> dict:
+                   device=_CPU, packed=()) -> dict:
     """``{name: SpanTable (the latent) or FieldBatch}`` of a batch of records: the indices converted and
     range-checked once, then every requested field's spans resolved for the whole batch."""
     names = _field_names(fields, field_items)
     pad, pad_to = _pad_arguments(pad, pad_to, names, field_items)
+    packed = (packed,) if isinstance(packed, str) else tuple(packed)
+    if any(n not in names or n == "latent" or n in pad for n in packed):
+        raise InvalidArgumentError(f"packed must name requested fields other than 'latent', not also in pad {sorted(pad)}, got {packed!r}")
     index = as_row_indices(indices, cache.n)
     index_np = index.numpy()
     batches = {}
@@ -374,7 +378,8 @@ def resolve_fields(cache: Items, field_items: dict, indices, fields, pad, pad_to
         if name == "latent":
             batches[name] = resolve(cache, index, width=width, dtype=dtype, device=device)
         else:
-            batches[name] = _resolve_field(field_items[name], index, index_np, name in pad, pad.get(name), pad_to.get(name))
+            batches[name] = _resolve_field(field_items[name], index, index_np, name in pad, pad.get(name), pad_to.get(name),
+                                           name in packed)
     return batches
 
 
@@ -403,13 +408,16 @@ def _pad_arguments(pad, pad_to, names: list[str], field_items: dict) -> tuple[di
     return pad, targets
 
 
-def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: bool, value, pad_to) -> FieldBatch:
+def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: bool, value, pad_to, packed=False) -> FieldBatch:
     if items.verify_rows:
         items.check(index_np)
     batch = FieldBatch()
-    batch.dtype, batch.pad = items.dtype, value if padded else None
+    batch.dtype, batch.pad, batch.packed = items.dtype, value if padded else None, packed
     batch.shapes = np.ascontiguousarray(items.shapes[index_np])
-    batch.shape = _padded_shape(items.name, batch.shapes, index_np, pad_to) if padded else _common_shape(items.name, batch.shapes, index_np)
+    if packed:
+        batch.shape = _packed_shape(items, batch.shapes, index_np)
+    else:
+        batch.shape = _padded_shape(items.name, batch.shapes, index_np, pad_to) if padded else _common_shape(items.name, batch.shapes, index_np)
     table = batch.table = SpanTable()
     table.cache, table.source = items, items.source()
     table.row_starts, table.row_ends, table.index, table.index_np = items.row_starts, items.row_ends, index, index_np
@@ -421,6 +429,19 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     table.shape = (table.width,)
     table.white = torch.zeros((1, 1, 1), dtype=torch.float16) if padded else None
     return batch
+
+
+def _packed_shape(items, shapes: np.ndarray, index_np: np.ndarray) -> tuple[int, ...]:
+    """``[sum L_i, *rest]`` of a packed field: the items must agree past their first dimension and
+    hold whole 2-byte units (the gather copies units back to back)."""
+    if shapes.shape[1] == 0:
+        raise InvalidArgumentError(f"field {items.name!r} holds scalars: there is nothing to pack")
+    _common_shape(items.name + " (past its first dimension)", shapes[:, 1:], index_np)
+    odd = np.flatnonzero(items.nbytes[index_np] % 2)
+    if len(odd):
+        raise InvalidArgumentError(f"field {items.name!r}: indices[{int(odd[0])}] = {int(index_np[odd[0]])} has an odd byte count "
+                                   f"({int(items.nbytes[index_np[odd[0]]])}) and cannot be packed in 2-byte units; read it with pad= instead")
+    return (int(shapes[:, 0].sum()), *(int(x) for x in shapes[0, 1:])) if len(shapes) else (0,) * shapes.shape[1]
 
 
 def _common_shape(name: str, shapes: np.ndarray, index_np: np.ndarray) -> tuple[int, ...]:
