@@ -199,6 +199,7 @@ def test_sharded_cache_reads_as_the_single_cache(tmp_path):
         assert_same_batches(one, many, batches, dtype=dtype, return_keys=True)
     assert_same_batches(one, many, batches[:4], fields=["latent", "text", "pooled", "ids"], pad={"text": 0})
     assert_same_batches(one, many, batches[:2], fields=["text", "ids"], pad={"text": -1.5}, pad_to=9)
+    assert_same_batches(one, many, batches[:3], fields=["latent", "text", "ids"], packed=("text",))
     out_a, out_b = poisoned_like((3, 4, 3, 6), torch.float32), poisoned_like((3, 4, 3, 6), torch.float32)
     one.read_batch([1, 5, 9], dtype=torch.float32, out=out_a)
     got = many.read_batch([1, 5, 9], dtype=torch.float32, out=out_b)
@@ -351,3 +352,13 @@ def test_sharded_caches_of_latents_in_their_own_dtype(tmp_path, dtype):
     assert many.dtype == one.dtype == dtype and torch.equal(many[6], one[6])
     assert_same_batches(one, many, [[8, 0, 4, 3]], dtype=dtype)
     assert_same_batches(one, many, [[8, 0, 4, 3]], fields=["latent"])
+
+
+def test_sampled_and_flipped_reads_of_a_sharded_cache(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    records = [(f"k{i}", {"latent": torch.randn((2, 3, 4), generator=gen).half(),
+                          "latent_std": torch.rand((2, 3, 4), generator=gen).half(),
+                          "latent_flipped": torch.randn((2, 3, 4), generator=gen).half()}) for i in range(10)]
+    one, many = sharded_and_single(tmp_path, records, 3, order=np.random.default_rng(3).permutation(10))
+    for kwargs in ({"sample": True, "seed": 3}, {"flip": 0.5, "seed": 1, "epoch": 2}):
+        assert_same_batches(one, many, [[9, 0, 4, 4, 7]], fields=["latent"], **kwargs)

@@ -226,7 +226,15 @@ def _field_packed(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
     if units:
         _before_copy(table, cold)
         data, row_offsets, widths, pitch = table.source
-        torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
+        if isinstance(data, torch.Tensor):
+            torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
+        else:  # a sharded cache: the one multi-source gather, padded to the longest, then the real units kept
+            lengths = torch.from_numpy(np.ascontiguousarray(table.widths))
+            padded = torch.empty((len(lengths), 1, 1, int(lengths.max())), dtype=torch.float16)
+            torch.ops.latentfast.gather_rows_multi_into.default(data.tensors, data.row_sources, row_offsets, widths, pitch,
+                                                                 table.index, torch.zeros((1, 1, 1), dtype=torch.float16),
+                                                                 padded, backend)
+            out.copy_(padded.view(len(lengths), -1)[torch.arange(padded.shape[-1])[None, :] < lengths[:, None]])
     values = out.view(torch.uint8).view(batch.dtype).view(batch.shape)
     return values if on_cpu else values.to(device, non_blocking=True)
 

@@ -202,7 +202,9 @@ class ShardedFieldItems:
         self.name, self.order, self.verify_rows = name, cache.order, cache.verify_rows
         self.parts = [s.field_items[name] for s in cache.shards]
         self.dtype = self.parts[0].dtype
-        self.shapes = np.concatenate([p.shapes for p in self.parts])[_flat_rows(cache.order, [p.n for p in self.parts])]
+        flat = _flat_rows(cache.order, [p.n for p in self.parts])
+        self.shapes = np.concatenate([p.shapes for p in self.parts])[flat]
+        self.nbytes = np.concatenate([p.nbytes for p in self.parts])[flat]
         self.n = len(self.order)
         self.row_starts = self.row_ends = None
         self._source = None
