@@ -16,6 +16,11 @@ batches of an epoch's permutation: no item twice). Per configuration, ``--runs``
 - warm: the same batches again from the filled local chunk cache;
 - local file: ``preadv`` of the same rows from the cache's own data file (page cache hot), the
   target a warm chunk cache should reach. Warm and local: the median of 5 interleaved passes per run.
+- LatentCache s3://, cold / cold + lookahead / warm: ``LatentCache("s3://...", local_cache=...)
+  .read_batch(rows)`` (float16 ``[64, 16, 32, 128]`` batches; the lookahead is ``cache.prefetch`` of
+  batch k+1 before reading batch k, what ``LookaheadSampler`` does), against
+- LatentCache local: ``read_batch`` of the same rows from the local cache (page cache hot): the
+  issue's "warm local chunk cache >= 0.9x a local cache" compares these two (5 interleaved passes).
 
 - mosaic streaming / litdata (when installed: ``pip install 'latentfast[bench-compare]'``), over the
   same server and rows: an MDS dataset written by ``MDSWriter`` (defaults: 64 MiB shards) read by
@@ -32,7 +37,8 @@ the network and its ratio to the bytes the batches use; then ours over the best 
 
     python bench/bench_remote.py [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
 
-``run_report(quick)`` is the ``latentfast bench`` suite interface (not yet in its SUITES list).
+``run_report(quick)`` is the ``latentfast bench`` suite interface (suite ``remote``; it finds s3rver at
+``$LATENTFAST_S3RVER``, on PATH or in ./node_modules/.bin).
 """
 from __future__ import annotations
 
@@ -49,8 +55,10 @@ import tempfile
 import time
 
 import numpy as np
+import torch
 
 from latentfast.bench.common import format_table
+from latentfast.cache import LatentCache
 from latentfast.cache.remote import RemoteReader, push
 from latentfast.testing import free_port, write_random_cache
 
@@ -168,6 +176,57 @@ def run_local(path: str, batches, row: int, out: np.ndarray):
     finally:
         os.close(fd)
     return total, first, 0
+
+
+def run_latent_cache(open_cache, batches, lookahead=False, cache=None):
+    """``read_batch`` of each batch from a :class:`LatentCache` (``open_cache()`` on the first, timed);
+    returns (seconds, first, bytes fetched, the cache, the last batch)."""
+    last = []
+
+    def read_batch(k):
+        nonlocal cache
+        if cache is None:
+            cache = open_cache()
+        if lookahead and k + 1 < len(batches):
+            cache.prefetch(batches[k + 1])
+        last[:] = [cache.read_batch(batches[k])[0]]
+
+    def fetched():
+        return 0 if cache is None or cache.remote is None else cache.remote.reader.stats["bytes_fetched"]
+
+    before = fetched()
+    total, first = timed(read_batch, batches)
+    return total, first, fetched() - before, cache, last[0]
+
+
+def latent_cache_runs(url, options, folder, batches, row, chunks_dir) -> dict:
+    """{config: (seconds, first, bytes)} of LatentCache over s3:// (cold, cold + lookahead, warm) and local."""
+    local = LatentCache(folder)
+    want = local.read_batch(batches[-1])[0]
+
+    def check(tag, got):
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            raise AssertionError(f"{tag}: the last batch differs from the local cache's")
+
+    budget = 4 * len(batches) * len(batches[0]) * row
+    results = {}
+    for tag, lookahead in (("cold", False), ("cold + lookahead", True)):
+        opened = lambda: LatentCache(url, storage_options=options, local_cache=tempfile.mkdtemp(dir=chunks_dir), local_cache_bytes=budget)  # noqa: E731
+        run = run_latent_cache(opened, batches, lookahead)
+        check(f"LatentCache s3://, {tag}", run[4])
+        results[f"LatentCache s3://, {tag}"] = run[:3]
+    warm, plain = [], []
+    run_latent_cache(None, batches, cache=local)  # page cache hot
+    for _ in range(PASSES):  # interleaved, so both see the same load on a shared machine
+        got = run_latent_cache(None, batches, cache=run[3])
+        check("LatentCache s3://, warm", got[4])
+        warm.append(got[:3])
+        got = run_latent_cache(None, batches, cache=local)
+        check("LatentCache local", got[4])
+        plain.append(got[:3])
+    results["LatentCache s3://, warm"] = tuple(statistics.median(x) for x in zip(*warm))
+    results["LatentCache local"] = tuple(statistics.median(x) for x in zip(*plain))
+    return results
 
 
 # ---- peers: mosaic streaming and litdata over the same server and rows --------------------------
@@ -289,7 +348,7 @@ def prepare_peers(path: str, row: int, n: int, scratch: str, options: dict) -> N
     put_folder(lit, f"s3://{BUCKET}/lit", options)
 
 
-def one_run(url, options, path, batches, row, scratch, peers=False):
+def one_run(url, options, path, batches, row, scratch, peers=False, chunks_dir=None):
     """{config: (seconds, first batch seconds, bytes fetched)} for one run; checks the bytes read."""
     out = np.empty(len(batches[0]) * row, dtype=np.uint8)
     local = np.memmap(path, dtype=np.uint8, mode="r")
@@ -300,19 +359,20 @@ def one_run(url, options, path, batches, row, scratch, peers=False):
             bad = [i for i in range(len(batches[-1])) if not np.array_equal(out[i * row:(i + 1) * row], want[i * row:(i + 1) * row])]
             raise AssertionError(f"{tag}: items {bad} of the last batch (rows {batches[-1][bad].tolist()}) differ from the local file")
 
+    chunks_dir = chunks_dir or scratch  # where the local chunk caches go (a fresh folder per cold run)
     results = {}
     results["ceiling"] = run_ceiling(url, options, batches, row, out)
     check("ceiling")
     results["remote"] = run_reader(url, options, batches, row, out)[:3]
     check("remote")
     budget = 4 * len(batches) * len(batches[0]) * row
-    cold = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget)
+    cold = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=chunks_dir), budget=budget)
     results["cold"] = cold[:3]
     check("cold")
-    results["cold + prefetch"] = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget, prefetch=True)[:3]
+    results["cold + prefetch"] = run_reader(url, options, batches, row, out, cache_dir=tempfile.mkdtemp(dir=chunks_dir), budget=budget, prefetch=True)[:3]
     check("cold + prefetch")
     shifted = [np.minimum(b, len(local) // row - 2) for b in batches]  # room for the shift after the last row
-    results["cold, spans 1000 B off the chunks"] = run_reader(url, options, shifted, row, out, cache_dir=tempfile.mkdtemp(dir=scratch), budget=budget, shift=1000)[:3]
+    results["cold, spans 1000 B off the chunks"] = run_reader(url, options, shifted, row, out, cache_dir=tempfile.mkdtemp(dir=chunks_dir), budget=budget, shift=1000)[:3]
     warm, plain = [], []
     for _ in range(PASSES):  # interleaved, so both see the same load on a shared machine
         warm.append(run_reader(url, options, batches, row, out, reader=cold[3])[:3])
@@ -321,8 +381,9 @@ def one_run(url, options, path, batches, row, scratch, peers=False):
         check("local file")
     results["warm"] = tuple(statistics.median(x) for x in zip(*warm))
     results["local file"] = tuple(statistics.median(x) for x in zip(*plain))
+    results.update(latent_cache_runs(url, options, os.path.dirname(path), batches, row, chunks_dir))
     if peers:
-        results.update(peer_runs(options, batches, row, out, scratch, check))
+        results.update(peer_runs(options, batches, row, out, chunks_dir, check))
     return results
 
 
@@ -342,8 +403,10 @@ def summarize(runs: list[dict], n_items: int, used: int) -> str:
         rows.append([config, fmt(rate), fmt(ratio), fmt(first, 1000), mib, share])
     header = ["config", "items/s median [range]", "x ceiling", "first batch ms", "MiB fetched", "fetched / used"]
     warm_vs_local = [r["local file"][0] / r["warm"][0] for r in runs]
+    cache_vs_local = [r["LatentCache local"][0] / r["LatentCache s3://, warm"][0] for r in runs]
     lines = [format_table(f"random batches, {len(runs)} runs", header, rows),
-             f"warm chunk cache / local file (items/s, per run): {fmt(warm_vs_local)}   target >= 0.9"]
+             f"warm chunk cache / local file (items/s, per run): {fmt(warm_vs_local)}",
+             f"LatentCache s3:// warm / LatentCache local (read_batch items/s, per run): {fmt(cache_vs_local)}   target >= 0.9"]
     if "litdata, cold" in runs[0]:
         lines += peer_ratios(runs, fmt)
     return "\n".join(lines)
@@ -355,28 +418,32 @@ def peer_ratios(runs: list[dict], fmt) -> list[str]:
         return pick(r[f"{p}, {kind}"][i] for p in ("mosaic streaming", "litdata"))
 
     lines = []
-    for ours in ("cold", "cold + prefetch"):
+    for ours in ("cold", "cold + prefetch", "LatentCache s3://, cold", "LatentCache s3://, cold + lookahead"):
         lines.append(f"{ours} / best peer cold, items/s: {fmt([best(r, 'cold', 0, min) / r[ours][0] for r in runs])}   target >= 1")
         lines.append(f"{ours} / best peer cold, time to first batch: {fmt([r[ours][1] / best(r, 'cold', 1, min) for r in runs])}   target <= 0.333")
-    lines.append(f"warm / best peer warm, items/s: {fmt([best(r, 'warm', 0, min) / r['warm'][0] for r in runs])}   target >= 1")
+    for ours in ("warm", "LatentCache s3://, warm"):
+        lines.append(f"{ours} / best peer warm, items/s: {fmt([best(r, 'warm', 0, min) / r[ours][0] for r in runs])}   target >= 1")
     return lines
 
 
 def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, batch: int = 64, batches: int = 16,
                runs: int = 3, s3rver: str | None = None, endpoint: str | None = None, access_key: str = "S3RVER",
-               secret_key: str = "S3RVER", peers: bool | None = None) -> dict:
+               secret_key: str = "S3RVER", peers: bool | None = None, chunks_dir: str | None = None) -> dict:
     """The side-by-side report (the ``latentfast bench`` suite interface): ``{"table", "runs", ...}``."""
     if quick:
         items, batches = 256, 4
     if peers is None:  # by default: when both are installed (pip install 'latentfast[bench-compare]')
         peers = all(importlib.util.find_spec(m) is not None for m in ("streaming", "litdata"))
-    s3rver = s3rver or shutil.which("s3rver") or "node_modules/.bin/s3rver"
-    with tempfile.TemporaryDirectory(prefix="bench_remote_") as scratch:
+    s3rver = s3rver or os.environ.get("LATENTFAST_S3RVER") or shutil.which("s3rver") or "node_modules/.bin/s3rver"
+    chunks_arg = chunks_dir
+    with tempfile.TemporaryDirectory(prefix="bench_remote_") as scratch, \
+            tempfile.TemporaryDirectory(prefix="bench_remote_chunks_", dir=chunks_dir) as chunks_dir:
         proc = None
         if endpoint:
             options = {"endpoint_url": endpoint, "access_key_id": access_key, "secret_access_key": secret_key, "region": "us-east-1"}
         elif not os.path.exists(s3rver):
-            raise SystemExit(f"s3rver not found at {s3rver!r}: npm install s3rver (node >= 14), or pass --s3rver / --endpoint")
+            raise RuntimeError(f"s3rver not found at {s3rver!r}: npm install s3rver (node >= 14) here, put it on PATH or set LATENTFAST_S3RVER, "
+                               f"or pass --s3rver / --endpoint")
         else:
             proc, endpoint, options = start_s3rver(s3rver, os.path.join(scratch, "s3rver"))
         try:
@@ -390,7 +457,8 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
             saved = {k: os.environ.get(k) for k in peer_env(options)}
             os.environ.update(peer_env(options) if peers else {})
             try:
-                results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch, peers)
+                results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch, peers,
+                                   chunks_dir)
                            for seed in range(runs)]
             finally:
                 for k, v in saved.items():
@@ -401,8 +469,12 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
                 proc.wait(timeout=30)
     n_items = batch * batches
     server = f"s3rver {s3rver_version(s3rver)} on 127.0.0.1 (filesystem-backed, Range GETs by seeking)" if proc is not None else endpoint
-    return {"server": server, "peers": peer_versions() if peers else "not run", "items": items, "item_bytes": row,
-            "push_s": pushed_s, "runs": results, "table": summarize(results, n_items, n_items * row)}
+    report = {"server": server, "peers": peer_versions() if peers else "not run", "items": items, "item_bytes": row,
+              "push_s": pushed_s, "runs": results, "table": summarize(results, n_items, n_items * row)}
+    print(f"pushed {items} x {row // 1024} KiB to {server} in {pushed_s:.1f} s", flush=True)
+    print(report["table"])
+    print(f"server: {server}; peers: {report['peers']}; local chunk caches in {chunks_arg or 'TMPDIR'}", flush=True)
+    return report
 
 
 def main(argv=None) -> None:
@@ -413,18 +485,17 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="256 items, 4 batches, 3 runs")
-    parser.add_argument("--s3rver", help="the s3rver executable (default: on PATH, else ./node_modules/.bin/s3rver)")
+    parser.add_argument("--s3rver", help="the s3rver executable (default: $LATENTFAST_S3RVER, on PATH, else ./node_modules/.bin/s3rver)")
     parser.add_argument("--endpoint", help="an S3 endpoint already running (bucket 'bench' must exist) instead of s3rver")
     parser.add_argument("--access-key", default="S3RVER")
     parser.add_argument("--secret-key", default="S3RVER")
     parser.add_argument("--no-peers", action="store_true", help="skip mosaic streaming and litdata")
+    parser.add_argument("--chunks-dir", help="where the local chunk caches go (default: the scratch folder under TMPDIR); "
+                        "a cold read writes every chunk there, so its disk's write speed is part of the cold figures")
     a = parser.parse_args(argv)
-    report = run_report(a.quick, items=a.items, item_kib=a.item_kib, batch=a.batch, batches=a.batches, runs=a.runs,
-                        s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key,
-                        peers=False if a.no_peers else None)
-    print(f"pushed {report['items']} x {report['item_bytes'] // 1024} KiB to {report['server']} in {report['push_s']:.1f} s")
-    print(report["table"])
-    print(f"server: {report['server']}; peers: {report['peers']}")
+    run_report(a.quick, items=a.items, item_kib=a.item_kib, batch=a.batch, batches=a.batches, runs=a.runs,
+               s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key,
+               peers=False if a.no_peers else None, chunks_dir=a.chunks_dir)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def _one_line_errors(handler):
 
 def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
     cache = subparsers.add_parser("cache", help="build, import, inspect or verify an offline VAE latent cache")
-    commands = cache.add_subparsers(dest="cache_command", metavar="{build,import,inspect,verify,merge}")
+    commands = cache.add_subparsers(dest="cache_command", metavar="{build,import,inspect,verify,push,pull,merge}")
     commands.required = True
     _add_build(commands)
     _add_import(commands)
@@ -79,7 +79,51 @@ def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
         sub.add_argument("--split", default="train", help="which split of the folder")
         sub.add_argument("--json", action="store_true", help="print the result as JSON")
         sub.set_defaults(func=_one_line_errors(handler))
+    _add_push_pull(commands)
     return cache
+
+
+def _add_push_pull(commands) -> None:
+    for name, handler, text, src, dst in (
+            ("push", run_push, "upload a finished cache folder to object storage (data first, the meta last: a "
+             "half-pushed cache never opens)", ("cache_dir", "the local cache folder"), ("url", "s3://bucket/prefix")),
+            ("pull", run_pull, "download a cache from object storage into a folder (the meta last), then verify it",
+             ("url", "s3://bucket/prefix"), ("cache_dir", "the local folder to write"))):
+        sub = commands.add_parser(name, help=text, description=text + ". The standard AWS environment variables "
+                                  "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION) are honoured.",
+                                  formatter_class=HelpFormatter)
+        sub.add_argument(src[0], help=src[1])
+        sub.add_argument(dst[0], help=dst[1])
+        sub.add_argument("--endpoint-url", help="the S3-compatible endpoint (overrides AWS_ENDPOINT_URL)")
+        if name == "pull":
+            sub.add_argument("--no-verify", action="store_true", help="skip verifying the pulled cache")
+        sub.set_defaults(func=_one_line_errors(handler))
+
+
+def _storage_options(args) -> dict | None:
+    return {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
+
+
+def run_push(args) -> int:
+    from .remote import push
+
+    names = push(args.cache_dir, args.url, _storage_options(args))
+    print(f"pushed {len(names)} files of {args.cache_dir} to {args.url} (the meta last)")
+    return 0
+
+
+def run_pull(args) -> int:
+    from .remote import pull
+    from .store.reader import verify_cache
+
+    names = pull(args.url, args.cache_dir, _storage_options(args))
+    print(f"pulled {len(names)} files of {args.url} into {args.cache_dir}")
+    if not args.no_verify:
+        splits = sorted({n[: -len(".latents.meta.json")] for n in names if n.endswith(".latents.meta.json") and "/" not in n})
+        for split in splits:
+            result = verify_cache(args.cache_dir, split)
+            print(f"verify OK: split {split!r}, {result['rows']} rows, {result['bytes']:,} bytes")
+    return 0
 
 
 def _add_build(commands) -> None:

@@ -106,7 +106,7 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         if fields is None or out is not None:
             raise InvalidArgumentError("pad=, pad_to= and packed= need fields=, and a batch of fields takes no out=")
         return _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold, packed)
-    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows, out=out,
+    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows and items.remote is None, out=out,
                            dtype=dtype, device=_CPU if on_cpu else device)
     if table.shape is not None:
         batch = _shaped_batch(table, device, dtype, out, backend, cold)
@@ -224,17 +224,18 @@ def _field_packed(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
     units = int(table.widths.sum(dtype=np.int64))
     out = torch.empty(units, dtype=torch.float16, pin_memory=not on_cpu)
     if units:
-        _before_copy(table, cold)
-        data, row_offsets, widths, pitch = table.source
-        if isinstance(data, torch.Tensor):
-            torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
-        else:  # a sharded cache: the one multi-source gather, padded to the longest, then the real units kept
-            lengths = torch.from_numpy(np.ascontiguousarray(table.widths))
-            padded = torch.empty((len(lengths), 1, 1, int(lengths.max())), dtype=torch.float16)
-            torch.ops.latentfast.gather_rows_multi_into.default(data.tensors, data.row_sources, row_offsets, widths, pitch,
-                                                                 table.index, torch.zeros((1, 1, 1), dtype=torch.float16),
-                                                                 padded, backend)
-            out.copy_(padded.view(len(lengths), -1)[torch.arange(padded.shape[-1])[None, :] < lengths[:, None]])
+        with layout.holding_items(table.cache, table.index_np):  # (a cache in object storage: fetched, held)
+            _before_copy(table, cold)
+            data, row_offsets, widths, pitch = table.source
+            if isinstance(data, torch.Tensor):
+                torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
+            else:  # a sharded cache: the one multi-source gather, padded to the longest, then the real units kept
+                lengths = torch.from_numpy(np.ascontiguousarray(table.widths))
+                padded = torch.empty((len(lengths), 1, 1, int(lengths.max())), dtype=torch.float16)
+                torch.ops.latentfast.gather_rows_multi_into.default(data.tensors, data.row_sources, row_offsets, widths, pitch,
+                                                                     table.index, torch.zeros((1, 1, 1), dtype=torch.float16),
+                                                                     padded, backend)
+                out.copy_(padded.view(len(lengths), -1)[torch.arange(padded.shape[-1])[None, :] < lengths[:, None]])
     values = out.view(torch.uint8).view(batch.dtype).view(batch.shape)
     return values if on_cpu else values.to(device, non_blocking=True)
 
@@ -262,6 +263,14 @@ def _shaped_batch(table, device, dtype, out, backend, cold):
 
 def _copy(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:
     """The batch of ``table`` as ``[B, lines C, h, W]`` of ``dtype`` on the CPU or a CUDA device."""
+    if table.cache.remote is not None:  # a cache in object storage: its rows fetched and held while copied
+        layout.recheck(table)
+        with layout.holding_items(table.cache, table.index_np):
+            return _copy_local(table, on_cpu, device, dtype, out, backend, cold)
+    return _copy_local(table, on_cpu, device, dtype, out, backend, cold)
+
+
+def _copy_local(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:
     if on_cpu:
         return _gather_cpu(table, dtype, out, backend, cold)
     if device.type != "cuda":

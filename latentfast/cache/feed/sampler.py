@@ -388,16 +388,24 @@ class LookaheadSampler:
             return self._peeking()
         return self._reading_ahead()
 
+    def _prefetch(self, batch) -> None:
+        """The cache's own prefetch where it has one (a cache in object storage fetches over the network)."""
+        prefetch = getattr(self.cache, "prefetch", None)
+        if prefetch is None:
+            coldread.prefetch(self.cache, batch)
+        else:
+            prefetch(batch)
+
     def _peeking(self) -> Iterator:
         ahead = 0  # batches after the current one already prefetched
         for batch in self.batch_sampler:
             if ahead == 0:
-                coldread.prefetch(self.cache, batch)
+                self._prefetch(batch)
             else:
                 ahead -= 1
             upcoming = list(self.batch_sampler.upcoming(self.lookahead))
             for later in upcoming[ahead:]:
-                coldread.prefetch(self.cache, later)
+                self._prefetch(later)
             ahead = len(upcoming)
             yield batch
 
@@ -405,7 +413,7 @@ class LookaheadSampler:
         window: collections.deque = collections.deque()
         source = iter(self.batch_sampler)
         for batch in source:
-            coldread.prefetch(self.cache, batch)
+            self._prefetch(batch)
             window.append(batch)
             if len(window) > self.lookahead:
                 yield window.popleft()

@@ -117,10 +117,11 @@ class RemoteReader:
         self.cache = None if local_cache is None else ChunkCache(local_cache, local_cache_bytes, chunk_bytes)
         self.coalesce_bytes, self.max_concurrency = int(coalesce_bytes), int(max_concurrency)
         self.read_attempts, self.retry_backoff = int(read_attempts), float(retry_backoff)
+        self.pinned_heads: dict[str, tuple[int, str]] = {}  # (size, version) of objects read as these versions only
         self._fresh()
 
     def _fresh(self) -> None:
-        self._heads: dict[str, tuple[int, str]] = {}
+        self._heads: dict[str, tuple[int, str]] = dict(self.pinned_heads)
         self._inflight: dict[tuple[str, int], asyncio.Future] = {}
         self._sem = None
         self._pid = os.getpid()

@@ -220,6 +220,7 @@ class FieldItems:
         self.row_starts = spans[:, 0] // 2  # unit offset of each item's value (shared values share it)
         self.row_ends = self.row_starts + (self.nbytes + 1) // 2
         self.crc = crc
+        self.remote = getattr(cache, "remote", None)  # a cache in object storage (layout.holding)
         self._source = None
         self._verified: set[int] = set()
 
@@ -239,14 +240,17 @@ class FieldItems:
 
     def check(self, index_np: np.ndarray) -> None:
         """CRC-check each item of ``index_np`` not checked yet in this process (``verify_rows``)."""
+        from .layout import holding_items
+
         data = self.source()[0].numpy().view(np.uint8)
-        for i in np.unique(index_np).tolist():
-            if i in self._verified:
-                continue
-            start = int(self.row_starts[i]) * 2
-            if zlib.crc32(data[start: start + int(self.nbytes[i])]) != int(self.crc[i]):
-                raise CacheCorruptError(f"latent cache field {self.name!r} ({self.path}): item {i}'s value fails its CRC-32 checksum")
-            self._verified.add(i)
+        todo = np.asarray([i for i in np.unique(index_np).tolist() if i not in self._verified], dtype=np.int64)
+        for group in np.array_split(todo, -(-len(todo) // 1024)) if len(todo) else ():  # a remote cache's held at once
+            with holding_items(self, group):
+                for i in group.tolist():
+                    start = int(self.row_starts[i]) * 2
+                    if zlib.crc32(data[start: start + int(self.nbytes[i])]) != int(self.crc[i]):
+                        raise CacheCorruptError(f"latent cache field {self.name!r} ({self.path}): item {i}'s value fails its CRC-32 checksum")
+                    self._verified.add(i)
 
     def value(self, fd: int, i: int) -> torch.Tensor:
         """Item ``i``'s value, read with one pread."""

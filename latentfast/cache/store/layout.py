@@ -20,6 +20,7 @@ that table and none goes back to the cache object for geometry.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import zlib
@@ -66,6 +67,9 @@ class Items:
         self.shapes = cache.shapes if cache.shaped else None
         self.dtype = getattr(cache, "dtype", torch.float16)  # the stored latents' dtype: the gathered units are viewed as it
         self.pitch = self.w_max if cache.layout == "padded" else 0
+        self.remote = getattr(cache, "remote", None)  # a cache in object storage: see holding()
+        self.row_ends = None
+        self._item_crcs = None
         self._fd: int | None = None
         self._mm: np.ndarray | None = None
         self._data: torch.Tensor | None = None
@@ -123,7 +127,7 @@ class Items:
                 f"latent cache data file {self.path} changed size under this reader ({expected} bytes when opened, "
                 f"{size} now): it was truncated or rewritten in place; rebuild the cache or reopen it"
             )
-        if st.st_mtime_ns != self._stamp[1]:  # written in place (a repair rebuild): not the bytes the index describes
+        if st.st_mtime_ns != self._stamp[1] and self.remote is None:  # written in place (a repair rebuild): not the bytes the index describes
             raise CacheCorruptError(
                 f"latent cache data file {self.path} was modified under this reader (a rebuild repairing it in "
                 f"place?): open the cache again once the rebuild has finished"
@@ -155,6 +159,14 @@ class Items:
         if self._block_checks is None:
             self._block_checks = BlockChecks(self.cache_dir, self.split, self.meta, self.n)
         return self._block_checks
+
+    def item_crcs(self, index: np.ndarray):
+        """CRC-32 of each of items ``index`` where the cache has one per item (checksum blocks of
+        one item: shaped caches), else None."""
+        if self._item_crcs is None:
+            rows = fmt.checksum_block_rows(self.meta, fmt.cache_path(self.cache_dir, self.split, "meta"))
+            self._item_crcs = fmt.load_checksums(self.cache_dir, self.split, self.n, 1, self.meta) if rows == 1 else False
+        return None if self._item_crcs is False else self._item_crcs[index]
 
     def __getstate__(self) -> dict:  # a process maps the file for itself
         state = self.__dict__.copy()
@@ -347,9 +359,37 @@ class BlockChecks:
         items.check_unchanged()
         for block in todo:
             r0, r1 = block * self.block_rows, min(self.n, (block + 1) * self.block_rows)
-            if zlib.crc32(data[int(starts[r0]) : int(starts[r1])]) != int(self.sums[block]):
-                raise CacheCorruptError(f"latent cache {self.data_path}: block {block} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
+            with holding(items, [2 * int(starts[r0])], [2 * int(starts[r1])]):
+                if zlib.crc32(data[int(starts[r0]) : int(starts[r1])]) != int(self.sums[block]):
+                    raise CacheCorruptError(f"latent cache {self.data_path}: block {block} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
             self.verified.add(block)
+
+
+# ---- caches in object storage: bytes read only while held ------------------------------------------
+def item_spans(items, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(byte starts, byte ends)`` of items ``index`` (in range) of an :class:`Items` or a field's
+    :class:`~latentfast.cache.store.fields.FieldItems`."""
+    index = np.asarray(index, dtype=np.int64)
+    starts = items.row_starts[index] * ELEMENT_BYTES
+    if items.row_ends is None:
+        return starts, items.row_starts[index + 1] * ELEMENT_BYTES
+    return starts, starts + items.nbytes[index]  # a field's value (its spare byte unread)
+
+
+def holding(items, starts, ends):
+    """A context in which bytes ``[starts[i], ends[i])`` of ``items``' data file may be read: for a cache
+    in object storage they are fetched, checked and kept from eviction (:meth:`RemoteFiles.holding
+    <latentfast.cache.remote.files.RemoteFiles.holding>`); a local cache's are always there."""
+    if items.remote is None:
+        return contextlib.nullcontext()
+    return items.remote.holding(items, starts, ends)
+
+
+def holding_items(items, index: np.ndarray):
+    """:func:`holding` for whole items ``index`` (in range)."""
+    if items.remote is None:
+        return contextlib.nullcontext()
+    return holding(items, *item_spans(items, index))
 
 
 # ---- records: one span table per field -------------------------------------------------------------

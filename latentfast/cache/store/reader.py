@@ -13,7 +13,9 @@ import torch
 
 from ...errors import (CacheCorruptError, CacheError, IncompleteCacheError, IndexOutOfRangeError, InvalidArgumentError,
                        UnknownKeyError)
+from ...checks import as_row_indices
 from ..feed import coldread, gather
+from ..remote.storage import is_remote
 from . import fields as fieldstore
 from . import format as fmt
 from . import layout
@@ -35,6 +37,11 @@ class LatentCache:
     small index arrays only. Each read (``cache[i]``, and each batch through :meth:`gather_source`)
     first checks that the data file still has the size it had when mapped: a file truncated under
     a reader raises :class:`CacheCorruptError` instead of killing the process with SIGBUS.
+
+    ``cache_dir`` may be an object-store URL (``s3://bucket/prefix``, a folder that ``latentfast cache
+    push`` filled): ``storage_options`` (endpoint, keys, retries; the AWS environment variables
+    otherwise), ``local_cache`` (a folder on this node's disk) and ``local_cache_bytes`` (its budget)
+    then say how to reach it and where its fetched chunks live (see :mod:`latentfast.cache.remote.files`).
     """
 
     def __new__(cls, cache_dir=None, split: str = "train", *args, **kwargs):
@@ -45,10 +52,20 @@ class LatentCache:
         return super().__new__(cls)
 
     def __init__(self, cache_dir: str | os.PathLike, split: str = "train", expected: Any = None,
-                 white_column: Any = None, *, verify_rows: bool = False):
+                 white_column: Any = None, *, verify_rows: bool = False, storage_options: dict | None = None,
+                 local_cache: str | os.PathLike | None = None, local_cache_bytes: int | None = None):
         self.cache_dir = os.fspath(cache_dir)
         self.split = split
         self.verify_rows = bool(verify_rows)
+        self.remote = None
+        if is_remote(self.cache_dir):  # its small files fetched into a local folder, its data read through holds
+            from ..remote.files import RemoteFiles
+
+            self.remote = RemoteFiles(self.cache_dir, split, storage_options, local_cache, local_cache_bytes)
+            self.cache_dir = self.remote.mirror
+        elif storage_options is not None or local_cache is not None or local_cache_bytes is not None:
+            raise InvalidArgumentError(f"storage_options, local_cache and local_cache_bytes are for caches in object "
+                                       f"storage (s3://...), not the local folder {self.cache_dir!r}")
         meta_path = fmt.cache_path(self.cache_dir, split, "meta")
         if not os.path.exists(meta_path):
             if fmt.build_in_progress(self.cache_dir, split):
@@ -265,7 +282,8 @@ class LatentCache:
         for name, items in self.field_items.items():
             if self.verify_rows:
                 items.check(np.asarray([i]))
-            record[name] = items.value(self._field_fd(name), i)
+            with layout.holding_items(items, [i]):
+                record[name] = items.value(self._field_fd(name), i)
         return record
 
     def _field_fd(self, name: str) -> int:
@@ -359,7 +377,9 @@ class LatentCache:
             row = np.empty((self._row_shape[0], self._row_shape[1], int(self.widths[i])), dtype=np.float16)
         else:
             row = np.empty(self._row_shape, dtype=np.float16)
-        if os.preadv(fd, [row], 2 * start) != row.nbytes:
+        with layout.holding_items(self.items, [i]):
+            short = os.preadv(fd, [row], 2 * start) != row.nbytes
+        if short:
             self.check_unchanged()
             raise CacheCorruptError(f"latent cache data file {self._data_path}: row {i} reads short")
         if self.layout == "padded":
@@ -389,8 +409,13 @@ class LatentCache:
         return gather.read_batch(self, indices, **kwargs)
 
     def prefetch(self, indices) -> None:
-        """Start reading rows ``indices`` into the page cache and return at once (see :mod:`latentfast.cache.feed.coldread`)."""
-        coldread.prefetch(self, indices)
+        """Start reading rows ``indices`` into the page cache and return at once (see :mod:`latentfast.cache.feed.coldread`);
+        a cache in object storage starts fetching their chunks (and their fields') into the local chunk cache."""
+        if self.remote is None:
+            return coldread.prefetch(self, indices)
+        index = as_row_indices(indices, len(self)).numpy()
+        for items in (self.items, *self.field_items.values()):
+            self.remote.prefetch(items, *layout.item_spans(items, index))
 
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
@@ -445,10 +470,13 @@ def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tu
     found = []
     for b, r0, r1, e0, e1 in fmt.block_bounds(cache.row_starts, n, block_rows):
         block = data[e0:e1]
-        if sums is not None and zlib.crc32(block) != int(sums[b]):
+        with layout.holding(cache.items, [2 * e0], [2 * e1]):  # (a cache in object storage: fetched block by block)
+            damaged = sums is not None and zlib.crc32(block) != int(sums[b])
+            bad = -1 if damaged else fmt.first_nonfinite(block, scratch if block.size <= scratch.size else None,
+                                                         cache.meta.get("dtype", "float16"))
+        if damaged:
             found.append((b, r0, r1, None))
         else:
-            bad = fmt.first_nonfinite(block, scratch if block.size <= scratch.size else None, cache.meta.get("dtype", "float16"))
             if bad < 0:
                 continue
             row = int(np.searchsorted(cache.row_starts, e0 + bad, side="right")) - 1
@@ -458,19 +486,20 @@ def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tu
     return found, block_rows
 
 
-def verify_cache(cache_dir: str | os.PathLike, split: str = "train") -> dict:
+def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -> dict:
     """Recompute every block checksum, check every value is finite and every index valid.
 
     Raises :class:`CacheCorruptError` naming the first bad block or row (also for malformed meta or
     index files); returns ``{"rows", "bytes", "blocks", "checksummed", "seconds", "gb_per_s"}``.
     ``gb_per_s`` is the rate of this pass, from whatever page cache state the file was in (a second
-    run over a cache that fits in RAM measures a hot page cache, not the disk)."""
+    run over a cache that fits in RAM measures a hot page cache, not the disk). ``remote``:
+    ``storage_options``, ``local_cache``, ``local_cache_bytes`` of a cache in object storage."""
     from . import shards
 
     if shards.is_sharded(cache_dir, split):
         return shards.verify_sharded(cache_dir, split)
     start = time.perf_counter()
-    cache = LatentCache(cache_dir, split)  # validates sizes, widths, shapes and offsets
+    cache = LatentCache(cache_dir, split, **remote)  # validates sizes, widths, shapes and offsets
     damaged = fmt.damaged_files(cache.cache_dir, split, cache.meta)
     if damaged:
         raise CacheCorruptError(damaged[0] + "; rerun the build to repair it")
@@ -499,14 +528,15 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train") -> dict:
     }
 
 
-def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int = 10) -> dict:
+def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int = 10, **remote) -> dict:
     """Meta, row count, bytes on disk, padding waste and a latent-width histogram (line caches), or
-    the count of items per shape (shaped caches)."""
+    the count of items per shape (shaped caches). ``remote``: as :func:`verify_cache`'s."""
     from . import shards
 
     if shards.is_sharded(cache_dir, split):
         return shards.inspect_sharded(cache_dir, split, bins)
-    cache = LatentCache(cache_dir, split)
+    cache = LatentCache(cache_dir, split, **remote)
+    cache_dir = cache.cache_dir  # (a cache in object storage: the local folder of its files)
     files = {}
     for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info"):
         path = fmt.cache_path(cache_dir, split, kind)

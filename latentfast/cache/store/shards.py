@@ -174,6 +174,7 @@ class ShardedItems:
         self.shapes = cache.shapes if cache.shaped else None
         self.dtype = cache.dtype  # the stored latents' dtype (one across shards: part of the stamp)
         self.row_starts = None  # no single file: the cold-read path (keyed on row_starts) stands aside
+        self.remote = None  # shards are local folders (a sharded cache in object storage: not yet)
         self.block_checks = _ShardChecks(self)
         self._source = None
 
@@ -207,6 +208,7 @@ class ShardedFieldItems:
         self.nbytes = np.concatenate([p.nbytes for p in self.parts])[flat]
         self.n = len(self.order)
         self.row_starts = self.row_ends = None
+        self.remote = None
         self._source = None
 
     def source(self):
@@ -231,6 +233,7 @@ class ShardedCache(LatentCache):
 
     def __init__(self, cache_dir, split: str = "train", expected=None, white_column=None, *, verify_rows: bool = False):
         self.cache_dir, self.split, self.verify_rows = os.fspath(cache_dir), split, bool(verify_rows)
+        self.remote = None  # (local shards only)
         path = manifest_path(self.cache_dir, split)
         manifest = _load_manifest(path)
         self.shard_dirs = [os.path.normpath(os.path.join(self.cache_dir, e["path"])) for e in manifest["shards"]]

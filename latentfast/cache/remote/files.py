@@ -1,0 +1,216 @@
+"""A latent cache whose files come from a folder of objects: what ``LatentCache("s3://...")`` opens.
+
+The cache's small files (meta, index ``.npy``, keys, info) are fetched whole, once per node and
+cache generation, into ``local_cache/index/<generation>/``; its data files (``*.dat``: the latents
+and each record field) appear there as symbolic links to the local chunk cache's sparse copies of
+the objects (:mod:`.chunks`: same size, chunks at their own offsets). So the reader opens, maps and
+indexes a remote cache exactly as a local one, and one rule keeps its reads right: bytes are read
+only while :meth:`RemoteFiles.holding` holds them -- their chunks fetched (one download per chunk
+per node: coalesced, concurrent ranged GETs through :class:`.RemoteReader`) and kept from eviction
+until the copy is done. A warm batch is then the local cache's own compiled gather over a memory map.
+
+Checksums: a value with a CRC-32 of its own (every record field value; the latents of a shaped
+cache, whose checksum blocks are single items) is checked by the process that fetched the last of
+its chunks (for a read or a prefetch, whichever item asked for them), before any read of it; a
+mismatch drops the chunks and fetches them again, up to ``read_attempts`` times, then
+:class:`.RemoteCorruptError` names the object and byte range. A line
+cache's latents have block checksums only: ``verify_rows=True`` checks them (once per block per
+process), as on a local cache.
+
+A generation is the remote meta's bytes: a push that replaces the cache publishes a new meta
+(written last), and readers opened after it get a new folder. A reader open while the objects
+under it are replaced is not protected (their CRCs catch it for items that have one).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import zlib
+
+import numpy as np
+
+from ...errors import InvalidArgumentError
+from ..store import format as fmt
+from .chunks import now_ns
+from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
+from .reader import RemoteReader, coalesce
+
+_HOLD_ATTEMPTS = 8  # fetch-and-check rounds of one hold before giving up (eviction by others, bad CRCs)
+_HEADS = "remote.json"  # the mirror's record of each data object's (size, version): the chunks it links
+
+
+class RemoteFiles:
+    """The objects of one split of a cache at ``url``, mirrored under ``local_cache`` (see the module)."""
+
+    def __init__(self, url: str, split: str, storage_options: dict | None, local_cache, local_cache_bytes, **reader_options):
+        if local_cache is None or local_cache_bytes is None:
+            raise InvalidArgumentError(
+                f"LatentCache({url!r}) needs local_cache= (a folder on this node's disk) and local_cache_bytes= "
+                f"(its byte budget): the cache's index files and the fetched chunks of its data live there")
+        self.url, self.split = str(url).rstrip("/"), split
+        self.reader = RemoteReader(self.url, storage_options, local_cache=os.fspath(local_cache),
+                                   local_cache_bytes=local_cache_bytes, **reader_options)
+        self.mirror = self._mirror()
+        with open(os.path.join(self.mirror, _HEADS)) as fh:
+            self.reader.pinned_heads = {name: tuple(v) for name, v in json.load(fh).items()}
+        self.reader._fresh()
+        for name in self.reader.pinned_heads:  # (re)creates a sparse copy emptied since (another boot)
+            self.reader._chunks(name)
+
+    def __repr__(self) -> str:
+        return f"RemoteFiles({self.url!r}, split={self.split!r})"
+
+    # ---- the mirror folder --------------------------------------------------------------------
+    def _mirror(self) -> str:
+        meta_name = os.path.basename(fmt.cache_path("", self.split, "meta"))
+        try:
+            meta = self.reader.folder.get(meta_name)
+        except RemoteNotFoundError:
+            raise RemoteNotFoundError(
+                f"no latent cache for split {self.split!r} at {self.url}: {self.reader.folder.where(meta_name)} does not "
+                f"exist (nothing pushed there, or its push did not finish: push writes the meta last)") from None
+        generation = hashlib.sha256(self.url.encode() + b"\0" + meta).hexdigest()[:24]
+        root = os.path.join(self.reader.cache.directory, "index")
+        final = os.path.join(root, generation)
+        if os.path.exists(os.path.join(final, _HEADS)):
+            return final
+        tmp = os.path.join(root, f".{generation}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        heads = {}
+        try:
+            for name in self.reader.folder.list():
+                if "/" in name or not name.startswith(self.split + ".") or name == meta_name:
+                    continue
+                if name.endswith(".dat"):  # data: a link to its sparse local copy, filled by holds
+                    heads[name] = self.reader.folder.head(name)
+                    self.reader.pinned_heads = heads
+                    self.reader._fresh()
+                    os.symlink(self.reader._chunks(name).base + ".data", os.path.join(tmp, name))
+                else:  # index files are small: whole GETs (the reader checks them against the meta's CRCs)
+                    with open(os.path.join(tmp, name), "wb") as fh:
+                        fh.write(self.reader.folder.get(name))
+            with open(os.path.join(tmp, meta_name), "wb") as fh:
+                fh.write(meta)
+            with open(os.path.join(tmp, _HEADS), "w") as fh:
+                json.dump(heads, fh)
+            os.rename(tmp, final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.exists(os.path.join(final, _HEADS)):  # not another process's rename winning
+                raise
+        return final
+
+    def object_name(self, path: str) -> str:
+        """The object behind a mirror path (``.../train.latents.f16.dat`` -> ``train.latents.f16.dat``)."""
+        name = os.path.basename(path)
+        if name not in self.reader.pinned_heads:
+            raise InvalidArgumentError(f"{path} is not a data file of {self.url}")
+        return name
+
+    def _object(self, path: str):
+        """``(object name, its local chunks)`` of a mirror path, memoized per process (a batch's hold
+        must cost microseconds: the warm path is as fast as a local cache's)."""
+        memo = self.__dict__.setdefault("_objects", {})
+        key = (path, os.getpid())
+        if key not in memo:
+            name = self.object_name(path)
+            memo[key] = name, self.reader._chunks(name)
+        return memo[key]
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_objects", None)
+        state.pop("_value_tables", None)
+        return state
+
+    # ---- holding bytes local --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def holding(self, items, starts, ends):
+        """Keep bytes ``[starts[i], ends[i])`` of ``items``' data file (its ``path`` in the mirror) local
+        for the block: their chunks fetched (and checked, see :meth:`_fetch_checked`) and safe from
+        eviction until it ends."""
+        name, obj = self._object(items.path)
+        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        if not (ends > starts).all():  # (a warm batch of latents skips this: every item has bytes)
+            keep = ends > starts
+            starts, ends = starts[keep], ends[keep]
+        if not len(starts):
+            yield
+            return
+        first, last = starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes
+        chunks = np.minimum(first[:, None] + np.arange(int((last - first).max()) + 1), last[:, None])  # a row per span
+        for _ in range(_HOLD_ATTEMPTS):
+            if not obj.present[chunks].all():
+                self.reader._run(self._fetch_checked(name, obj, starts, ends, self._values(items))).result()
+            with obj.reading():  # the evictor waits until the block ends
+                if obj.present[chunks].all():
+                    obj.atime[chunks] = now_ns()
+                    yield
+                    return
+        raise RemoteReadError(
+            f"{self.reader.folder.where(name, int(starts.min()), int(ends.max()))}: its chunks were evicted again before "
+            f"they could be read, {_HOLD_ATTEMPTS} times: local_cache_bytes ({self.reader.cache.capacity}) is too small "
+            f"for what is read at once")
+
+    def prefetch(self, items, starts, ends):
+        """Start fetching (and checking) these spans of ``items``' data file into the local chunk cache;
+        returns a future at once."""
+        name, obj = self._object(items.path)
+        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        keep = ends > starts
+        return self.reader._run(self._fetch_checked(name, obj, starts[keep], ends[keep], self._values(items)))
+
+    def _values(self, items):
+        """``(byte starts, byte ends, CRC-32s)`` of the distinct values stored in ``items``' data file,
+        sorted (items sharing a field value share it), or None where items have no CRC of their own
+        (a line cache's latents). Memoized per file."""
+        memo = self.__dict__.setdefault("_value_tables", {})
+        if items.path not in memo:
+            if items.row_ends is None:  # the latents: back to back
+                crcs = items.item_crcs(np.arange(items.n))
+                memo[items.path] = None if crcs is None else (items.row_starts[:-1] * 2, items.row_starts[1:] * 2, crcs)
+            else:
+                units, first = np.unique(items.row_starts, return_index=True)
+                memo[items.path] = units * 2, units * 2 + items.nbytes[first], items.crc[first]
+        return memo[items.path]
+
+    async def _fetch_checked(self, name: str, obj, starts, ends, values) -> None:
+        """Fetch the chunks under the spans, then check every stored value (``values``, see
+        :meth:`_values`) that lies on a chunk this call fetched and is now all local -- the spans'
+        own and their neighbours' on shared edge chunks, so no value is ever read unchecked. A value
+        that fails has its chunks dropped and fetched again (``read_attempts`` rounds)."""
+        cb = obj.chunk_bytes
+        needed = np.unique(np.minimum((starts // cb)[:, None] + np.arange(int(((ends - 1) // cb - starts // cb).max(initial=0)) + 1),
+                                      ((ends - 1) // cb)[:, None])) if len(starts) else np.zeros(0, np.int64)
+        bad = []
+        for attempt in range(self.reader.read_attempts):
+            fresh = needed[obj.present[needed] == 0]
+            await self.reader._ensure_local(name, starts, ends)
+            if values is None or not len(fresh):
+                return
+            v_starts, v_ends, v_crcs = values
+            run_c0, run_c1 = coalesce(fresh, fresh + 1, 0)
+            lo = np.searchsorted(v_ends, run_c0 * cb, side="right")  # the values overlapping each run of fresh chunks
+            hi = np.searchsorted(v_starts, run_c1 * cb, side="left")
+            candidates = np.unique(np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())]))
+            bad = []
+            with obj.reading():
+                data = obj.data
+                for v in candidates.tolist():
+                    s, e = int(v_starts[v]), int(v_ends[v])
+                    c0, c1 = s // cb, (e - 1) // cb + 1
+                    if e > s and obj.present[c0:c1].all() and zlib.crc32(data[s:e]) != int(v_crcs[v]):
+                        bad.append((s, e, c0, c1, int(v_crcs[v])))
+            if not bad:
+                return
+            for _s, _e, c0, c1, _crc in bad:
+                obj.drop(c0, c1)
+            await asyncio.sleep(self.reader.retry_backoff * (2 ** attempt))
+        s, e, _c0, _c1, crc = bad[0]
+        raise RemoteCorruptError(f"{self.reader.folder.where(name, s, e)}: fails its CRC-32 ({crc:#010x}) on "
+                                 f"{self.reader.read_attempts} fetches")
