@@ -35,6 +35,9 @@ SCHEMAS: dict[str, str] = {
     # the same rows' real columns only, back to back (the pinned staging of the GPU read path)
     "gather_rows_packed_into": "gather_rows_packed_into(Tensor data, Tensor row_offsets, Tensor widths, "
     "int pitch, Tensor indices, int channels, int latent_h, Tensor(a!) out) -> ()",
+    # as gather_rows_into, row i read from data[row_sources[i]]: one batch over the shards of a sharded cache
+    "gather_rows_multi_into": "gather_rows_multi_into(Tensor[] data, Tensor row_sources, Tensor row_offsets, "
+    "Tensor widths, int pitch, Tensor indices, Tensor? white, Tensor(a!) out) -> ()",
     # packed rows -> padded [B, C, h, W] with the white column, cast (on the device)
     "expand_rows_into": "expand_rows_into(Tensor packed, Tensor packed_offsets, Tensor widths, Tensor? white, "
     "Tensor(a!) out) -> ()",
@@ -152,6 +155,25 @@ def _check_gather_source(data, row_offsets, widths, pitch, indices) -> None:
 @_shape_check("gather_rows_into")
 def _gather_rows_into_check(data, row_offsets, widths, pitch, indices, white, out, backend="auto"):
     _check_gather_source(data, row_offsets, widths, pitch, indices)
+    _check_output("out", out, 4, FLOAT_OUT_DTYPES, torch.device("cpu"))
+    torch._check_value(
+        out.shape[0] == indices.numel(), lambda: f"out has B={out.shape[0]} rows but indices has {indices.numel()}"
+    )
+    _check_white(white, out.shape, torch.device("cpu"))
+
+
+@_shape_check("gather_rows_multi_into")
+def _gather_rows_multi_into_check(data, row_sources, row_offsets, widths, pitch, indices, white, out, backend="auto"):
+    for k, source in enumerate(data):
+        torch._check_value(source.device.type == "cpu", lambda: f"data[{k}] must be a CPU tensor, got {source.device}")
+        _check_vector(f"data[{k}]", source, torch.float16)
+    _check_gather_source(torch.empty(0, dtype=torch.float16), row_offsets, widths, pitch, indices)
+    torch._check_value(row_sources.device.type == "cpu", lambda: f"row_sources must be a CPU tensor, got {row_sources.device}")
+    _check_vector("row_sources", row_sources, torch.int32)
+    torch._check_value(
+        row_sources.numel() == row_offsets.numel(),
+        lambda: f"row_sources has {row_sources.numel()} rows but row_offsets has {row_offsets.numel()}",
+    )
     _check_output("out", out, 4, FLOAT_OUT_DTYPES, torch.device("cpu"))
     torch._check_value(
         out.shape[0] == indices.numel(), lambda: f"out has B={out.shape[0]} rows but indices has {indices.numel()}"

@@ -12,7 +12,7 @@ import os
 import time
 import traceback
 
-SUITES = ("normalize", "decode", "cache", "balance", "replay", "sampling", "remote")
+SUITES = ("normalize", "decode", "cache", "balance", "replay", "sampling", "remote", "scale")
 
 
 def load_suite(name: str):

@@ -56,7 +56,12 @@ def gather_rows_into(data, row_offsets, widths, pitch: int, indices, white, out)
     when no row needs padding.
     """
     _, channels, latent_h, max_width = out.shape
-    views = _row_views(data, row_offsets, widths, pitch, indices, channels, latent_h, max_width)
+    _pad_rows(_row_views(data, row_offsets, widths, pitch, indices, channels, latent_h, max_width), white, out)
+
+
+def _pad_rows(views, white, out) -> None:
+    """``out[b]`` = ``views[b]`` then the white column up to W (a narrower row without white: an error)."""
+    _, channels, latent_h, max_width = out.shape
     if white is None:
         for b, row in enumerate(views):
             if row.shape[-1] != max_width:
@@ -68,6 +73,23 @@ def gather_rows_into(data, row_offsets, widths, pitch: int, indices, white, out)
         out[b, :, :, :width] = row
         if width < max_width:
             out[b, :, :, width:] = white.reshape(channels, latent_h, 1)
+
+
+def gather_rows_multi_into(data, row_sources, row_offsets, widths, pitch: int, indices, white, out) -> None:
+    """:func:`gather_rows_into` with row ``i`` read from ``data[row_sources[i]]`` (its ``row_offsets[i]``
+    counting that source's elements): one batch over several shards."""
+    n_rows = row_offsets.numel()
+    for position, i in enumerate(indices.tolist()):  # every row checked before any copy
+        if not 0 <= i < n_rows:
+            raise IndexError(f"indices[{position}] = {i} is out of range for {n_rows} rows")
+        if not 0 <= int(row_sources[i]) < len(data):
+            raise ValueError(f"row {i} names source {int(row_sources[i])}, outside the {len(data)} data tensors")
+    _, channels, latent_h, max_width = out.shape
+    views = []
+    for i in indices.tolist():
+        one = torch.tensor([i], dtype=torch.int64)
+        views += _row_views(data[int(row_sources[i])], row_offsets, widths, pitch, one, channels, latent_h, max_width)
+    _pad_rows(views, white, out)
 
 
 def gather_rows_packed_into(data, row_offsets, widths, pitch: int, indices, channels: int, latent_h: int, out) -> None:

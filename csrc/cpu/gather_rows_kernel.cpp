@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "checked_math.h"
+#include "gather_rows.h"
 #include "native.h"
 #include "overlap_check.h"
 #include "thread_pool.h"
@@ -40,58 +41,22 @@ void check_no_overlap_with_sources(const char* op, const Tensor& out, const Tens
   check_no_overlap(op, out, "out", indices, "indices");
 }
 
-// One requested row, resolved and bounds-checked.
-struct RowSpan {
-  const Half* src;  // start of line (0, 0)
-  int64_t width;        // real columns
-  int64_t line_pitch;   // elements between consecutive lines
-};
-
 std::vector<RowSpan> resolve_rows(const char* op, const Tensor& data, const Tensor& row_offsets,
                                   const Tensor& widths, int64_t pitch, const Tensor& indices,
                                   int64_t lines_per_row, int64_t max_width) {
-  LF_CHECK_VALUE(data.is_cpu() && row_offsets.is_cpu() && widths.is_cpu() &&
-                  indices.is_cpu(),
-              op, ": data, row_offsets, widths and indices must be CPU tensors");
+  LF_CHECK_VALUE(data.is_cpu(), op, ": data, row_offsets, widths and indices must be CPU tensors");
   LF_CHECK_VALUE(data.dtype == kHalf && data.dim() == 1 && data.is_contiguous(), op,
               ": data must be a contiguous 1-D float16 tensor, got ", dtype_name(data.dtype), " ", data.shape());
-  LF_CHECK_VALUE(row_offsets.dtype == kLong && row_offsets.dim() == 1 && row_offsets.is_contiguous(),
-              op, ": row_offsets must be a contiguous 1-D int64 tensor, got ", dtype_name(row_offsets.dtype), " ",
-              row_offsets.shape());
-  LF_CHECK_VALUE(widths.dtype == kInt && widths.dim() == 1 && widths.is_contiguous(), op,
-              ": widths must be a contiguous 1-D int32 tensor, got ", dtype_name(widths.dtype), " ", widths.shape());
-  LF_CHECK_VALUE(indices.dtype == kLong && indices.dim() == 1 && indices.is_contiguous(), op,
-              ": indices must be a contiguous 1-D int64 tensor, got ", dtype_name(indices.dtype), " ",
-              indices.shape());
-  const int64_t n_rows = row_offsets.numel();
-  LF_CHECK_VALUE(widths.numel() == n_rows, op, ": widths has ", widths.numel(), " rows but row_offsets has ", n_rows);
-  LF_CHECK_VALUE(pitch >= 0, op, ": pitch must be >= 0 (0 = ragged layout), got ", pitch);
-
+  const int64_t n_rows = check_row_vectors(op, row_offsets, widths, pitch, indices);
   const int64_t* idx = indices.ptr<int64_t>();
   const int64_t* offs = row_offsets.ptr<int64_t>();
   const int32_t* wid = widths.ptr<int32_t>();
-  const int64_t data_len = data.numel();
-  const Half* base = data.ptr<Half>();
   std::vector<RowSpan> rows(indices.numel());
   for (int64_t b = 0; b < indices.numel(); ++b) {
     const int64_t i = idx[b];
     LF_CHECK_INDEX(i >= 0 && i < n_rows, op, ": indices[", b, "] = ", i, " is out of range for ", n_rows,
                       " rows");
-    const int64_t w = wid[i];
-    LF_CHECK_VALUE(w >= 0 && w <= max_width, op, ": row ", i, " has width ", w, ", outside [0, ", max_width, "]");
-    LF_CHECK_VALUE(pitch == 0 || w <= pitch, op, ": row ", i, " has width ", w, " > pitch ", pitch);
-    const int64_t line_pitch = pitch == 0 ? w : pitch;
-    const int64_t start = offs[i];
-    // the row reads [start, start + extent), extent = (lines-1)*line_pitch + w; a pitch or a line
-    // count so large that extent does not fit in int64 cannot lie inside any data either
-    int64_t extent = 0;
-    const bool fits = lines_per_row == 0 || w == 0 ||
-                      (mul_fits(lines_per_row - 1, line_pitch, &extent) && add_fits(extent, w, &extent));
-    LF_CHECK_VALUE(fits, op, ": row ", i, " spans (", lines_per_row, " - 1) lines * pitch ", line_pitch, " + width ",
-                      w, " elements, more than int64 holds: outside the data's ", data_len, " elements");
-    LF_CHECK_VALUE(start >= 0 && start <= data_len && extent <= data_len - start, op, ": row ", i, " spans [",
-                      start, ", ", start, " + ", extent, ") outside the data's ", data_len, " elements");
-    rows[b] = RowSpan{base + start, w, line_pitch};
+    rows[b] = checked_row_span(op, i, wid[i], offs[i], pitch, lines_per_row, max_width, data.ptr<Half>(), data.numel());
   }
   return rows;
 }
@@ -273,35 +238,11 @@ void gather_padded(const std::vector<RowSpan>& rows, const Half* white, int64_t 
 void gather_rows_into_cpu(const Tensor& data, const Tensor& row_offsets, const Tensor& widths, int64_t pitch,
                           const Tensor& indices, const Tensor* white, const Tensor& out, int64_t threads) {
   constexpr const char* op = "gather_rows_into";
-  LF_CHECK_VALUE(out.is_cpu() && out.dim() == 4 && out.is_contiguous(), op,
-              ": out must be a contiguous CPU tensor [B, C, h, W], got sizes ", out.shape(), " strides ",
-              out.strides(), " on ", out.device_name());
-  const int64_t B = out.size(0), C = out.size(1), H = out.size(2), W = out.size(3);
-  LF_CHECK_VALUE(indices.numel() == B, op, ": out has B=", B, " rows but indices has ", indices.numel());
-  const int64_t lines = checked_mul(C, H, op, "C * h");  // an empty out may have any sizes
-  if (white) {
-    LF_CHECK_VALUE(white->is_cpu() && white->dtype == kHalf && white->is_contiguous() &&
-                    white->numel() == lines,
-                op, ": white must be a contiguous float16 CPU tensor of C*h=", lines, " elements ([C, h, 1]), got ",
-                dtype_name(white->dtype), " ", white->shape(), " on ", white->device_name());
-  }
-  const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, lines, W);
+  const int64_t lines = check_padded_out(op, out, indices, white);
+  const auto rows = resolve_rows(op, data, row_offsets, widths, pitch, indices, lines, out.size(3));
   check_no_overlap_with_sources(op, out, data, row_offsets, widths, indices);
   if (white) check_no_overlap(op, out, "out", *white, "white");
-  if (!white) {
-    for (size_t b = 0; b < rows.size(); ++b) {
-      LF_CHECK_VALUE(rows[b].width == W, op, ": indices[", b, "] (width ", rows[b].width, ") needs padding to W=", W,
-                  " but no white column was given");
-    }
-  }
-  if (out.numel() == 0) return;
-  const Half* white_ptr = white ? white->ptr<Half>() : nullptr;
-  switch (out.dtype) {
-    case kHalf: gather_padded<Half>(rows, white_ptr, lines, out.ptr<Half>(), W, threads); break;
-    case kBFloat16: gather_padded<BFloat16>(rows, white_ptr, lines, out.ptr<BFloat16>(), W, threads); break;
-    case kFloat: gather_padded<float>(rows, white_ptr, lines, out.ptr<float>(), W, threads); break;
-    default: LF_CHECK_VALUE(false, op, ": out dtype must be float16, bfloat16 or float32, got ", dtype_name(out.dtype));
-  }
+  copy_padded_rows(op, rows, white, lines, out, threads);
 }
 
 void gather_rows_packed_into_cpu(const Tensor& data, const Tensor& row_offsets, const Tensor& widths,
@@ -355,6 +296,76 @@ void gather_rows_packed_into_cpu(const Tensor& data, const Tensor& row_offsets, 
 }
 
 }  // namespace
+
+int64_t check_row_vectors(const char* op, const Tensor& row_offsets, const Tensor& widths, int64_t pitch,
+                          const Tensor& indices) {
+  LF_CHECK_VALUE(row_offsets.is_cpu() && widths.is_cpu() && indices.is_cpu(),
+              op, ": data, row_offsets, widths and indices must be CPU tensors");
+  LF_CHECK_VALUE(row_offsets.dtype == kLong && row_offsets.dim() == 1 && row_offsets.is_contiguous(),
+              op, ": row_offsets must be a contiguous 1-D int64 tensor, got ", dtype_name(row_offsets.dtype), " ",
+              row_offsets.shape());
+  LF_CHECK_VALUE(widths.dtype == kInt && widths.dim() == 1 && widths.is_contiguous(), op,
+              ": widths must be a contiguous 1-D int32 tensor, got ", dtype_name(widths.dtype), " ", widths.shape());
+  LF_CHECK_VALUE(indices.dtype == kLong && indices.dim() == 1 && indices.is_contiguous(), op,
+              ": indices must be a contiguous 1-D int64 tensor, got ", dtype_name(indices.dtype), " ",
+              indices.shape());
+  const int64_t n_rows = row_offsets.numel();
+  LF_CHECK_VALUE(widths.numel() == n_rows, op, ": widths has ", widths.numel(), " rows but row_offsets has ", n_rows);
+  LF_CHECK_VALUE(pitch >= 0, op, ": pitch must be >= 0 (0 = ragged layout), got ", pitch);
+  return n_rows;
+}
+
+RowSpan checked_row_span(const char* op, int64_t i, int64_t w, int64_t start, int64_t pitch, int64_t lines_per_row,
+                         int64_t max_width, const Half* base, int64_t data_len) {
+  LF_CHECK_VALUE(w >= 0 && w <= max_width, op, ": row ", i, " has width ", w, ", outside [0, ", max_width, "]");
+  LF_CHECK_VALUE(pitch == 0 || w <= pitch, op, ": row ", i, " has width ", w, " > pitch ", pitch);
+  const int64_t line_pitch = pitch == 0 ? w : pitch;
+  // the row reads [start, start + extent), extent = (lines-1)*line_pitch + w; a pitch or a line
+  // count so large that extent does not fit in int64 cannot lie inside any data either
+  int64_t extent = 0;
+  const bool fits = lines_per_row == 0 || w == 0 ||
+                    (mul_fits(lines_per_row - 1, line_pitch, &extent) && add_fits(extent, w, &extent));
+  LF_CHECK_VALUE(fits, op, ": row ", i, " spans (", lines_per_row, " - 1) lines * pitch ", line_pitch, " + width ",
+                    w, " elements, more than int64 holds: outside the data's ", data_len, " elements");
+  LF_CHECK_VALUE(start >= 0 && start <= data_len && extent <= data_len - start, op, ": row ", i, " spans [",
+                    start, ", ", start, " + ", extent, ") outside the data's ", data_len, " elements");
+  return RowSpan{base + start, w, line_pitch};
+}
+
+int64_t check_padded_out(const char* op, const Tensor& out, const Tensor& indices, const Tensor* white) {
+  LF_CHECK_VALUE(out.is_cpu() && out.dim() == 4 && out.is_contiguous(), op,
+              ": out must be a contiguous CPU tensor [B, C, h, W], got sizes ", out.shape(), " strides ",
+              out.strides(), " on ", out.device_name());
+  const int64_t B = out.size(0), C = out.size(1), H = out.size(2);
+  LF_CHECK_VALUE(indices.numel() == B, op, ": out has B=", B, " rows but indices has ", indices.numel());
+  const int64_t lines = checked_mul(C, H, op, "C * h");  // an empty out may have any sizes
+  if (white) {
+    LF_CHECK_VALUE(white->is_cpu() && white->dtype == kHalf && white->is_contiguous() &&
+                    white->numel() == lines,
+                op, ": white must be a contiguous float16 CPU tensor of C*h=", lines, " elements ([C, h, 1]), got ",
+                dtype_name(white->dtype), " ", white->shape(), " on ", white->device_name());
+  }
+  return lines;
+}
+
+void copy_padded_rows(const char* op, const std::vector<RowSpan>& rows, const Tensor* white, int64_t lines,
+                      const Tensor& out, int64_t threads) {
+  const int64_t W = out.size(3);
+  if (!white) {
+    for (size_t b = 0; b < rows.size(); ++b) {
+      LF_CHECK_VALUE(rows[b].width == W, op, ": indices[", b, "] (width ", rows[b].width, ") needs padding to W=", W,
+                  " but no white column was given");
+    }
+  }
+  if (out.numel() == 0) return;
+  const Half* white_ptr = white ? white->ptr<Half>() : nullptr;
+  switch (out.dtype) {
+    case kHalf: gather_padded<Half>(rows, white_ptr, lines, out.ptr<Half>(), W, threads); break;
+    case kBFloat16: gather_padded<BFloat16>(rows, white_ptr, lines, out.ptr<BFloat16>(), W, threads); break;
+    case kFloat: gather_padded<float>(rows, white_ptr, lines, out.ptr<float>(), W, threads); break;
+    default: LF_CHECK_VALUE(false, op, ": out dtype must be float16, bfloat16 or float32, got ", dtype_name(out.dtype));
+  }
+}
 
 // args: data, row_offsets, widths, pitch, indices, white?, out, threads
 LATENTFAST_ENTRY(latentfast_gather_rows_into) {

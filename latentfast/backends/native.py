@@ -33,6 +33,7 @@ ENTRY_POINTS = {  # op -> exported kernel
     "read_spans_into": "latentfast_read_spans_into",
     "scatter_cotangents_into": "latentfast_scatter_cotangents_into",
     "sample_latents_into": "latentfast_sample_latents_into",
+    "gather_rows_multi_into": "latentfast_gather_rows_multi_into",  # sharded caches (see gather_rows_multi_into below)
 }
 # entry points that are no op's kernel: test hooks
 HOOKS = {"sample_latents_philox_words": "latentfast_sample_latents_philox_words"}
@@ -228,6 +229,25 @@ def sample_latents_philox_words(item_seeds, n: int, *, first_group: int = 0) -> 
     out = torch.empty(item_seeds.shape[0], 4 * ((n + 3) // 4), dtype=torch.int64)
     _call(_FN["latentfast_sample_latents_philox_words"], (*_tensor(item_seeds), first_group, *_tensor(out)))
     return out
+
+
+# ---- the several-source gather of sharded caches (csrc/cpu/gather_rows_multi_kernel.cpp) ----
+def gather_rows_multi_into(data, row_sources, row_offsets, widths, pitch, indices, white, out) -> None:
+    args = [len(data)]
+    for source in data:
+        _put(args, source)
+    for t in (row_sources, row_offsets, widths):
+        _put(args, t)
+    args.append(pitch)
+    _put(args, indices)
+    if white is None:
+        args.append(0)
+    else:
+        args.append(1)
+        _put(args, white)
+    _put(args, out)
+    args.append(torch.get_num_threads())
+    _call("latentfast_gather_rows_multi_into", args)
 
 
 KERNELS = {op: globals()[op] for op in ENTRY_POINTS}  # op -> the Python function that calls its kernel

@@ -1,4 +1,4 @@
-"""``latentfast cache build | import | inspect | verify``.
+"""``latentfast cache build | import | inspect | verify | merge``.
 
 ``add_cache_subparsers(subparsers)`` adds the ``cache`` command to a parent parser's subparsers;
 each leaf sets ``func`` to a handler taking the parsed namespace and returning the exit status.
@@ -67,10 +67,11 @@ def _one_line_errors(handler):
 
 def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
     cache = subparsers.add_parser("cache", help="build, import, inspect or verify an offline VAE latent cache")
-    commands = cache.add_subparsers(dest="cache_command", metavar="{build,import,inspect,verify,push,pull}")
+    commands = cache.add_subparsers(dest="cache_command", metavar="{build,import,inspect,verify,push,pull,merge}")
     commands.required = True
     _add_build(commands)
     _add_import(commands)
+    _add_merge(commands)
     for name, handler, text in (("inspect", run_inspect, "meta, size, padding waste and latent-width (or shape) histogram"),
                                 ("verify", run_verify, "recompute checksums, check finiteness, widths and shapes")):
         sub = commands.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
@@ -172,6 +173,9 @@ def _add_build(commands) -> None:
     build.add_argument("--lock-timeout", type=float, default=0.0,
                        help="seconds to wait for another build of the same split in --out before failing")
     build.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    build.add_argument("--distributed", action="store_true", help="one rank of a distributed build (run under torchrun): "
+                       "each rank encodes its share into a shard of --out, rank 0 writes the manifest; --device cuda "
+                       "means each rank's own GPU (LOCAL_RANK)")
     build.set_defaults(func=_one_line_errors(run_build))
 
 
@@ -248,7 +252,7 @@ def run_build(args) -> int:
                            vae_dtype=args.vae_dtype)
     new_folder = not os.path.isdir(args.out)
     try:
-        path = _build(args, encoder)
+        path = _build_distributed(args, encoder) if args.distributed else _build(args, encoder)
     except BaseException:
         if new_folder:  # the lock file went with its lock (durable.BuildLock); the folder goes if we made it and it is empty
             with contextlib.suppress(OSError):
@@ -259,13 +263,34 @@ def run_build(args) -> int:
     return 0
 
 
-def _build(args, encoder) -> str:
+def _build_distributed(args, encoder) -> str:
+    """``--distributed``: join the torchrun group (gloo on CPU, NCCL on GPUs), build this rank's shard."""
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise CliError("--distributed runs under torchrun (e.g. torchrun --nproc_per_node 2 -m latentfast cache build ... "
+                       "--distributed): RANK and WORLD_SIZE are not set")
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu:
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(args.device)
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    try:
+        args.quiet = args.quiet or dist.get_rank() != 0  # one progress bar and one summary: rank 0's
+        return _build(args, encoder, group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def _build(args, encoder, group=None) -> str:
     """Build the cache the mode flags ask for (images by default, --video, --lines)."""
     import torch
 
     autocast = _AUTOCAST[args.autocast]
     common = dict(batch_size=args.batch_size, device=args.device, num_workers=args.workers, quiet=args.quiet,
-                  autocast_dtype=getattr(torch, autocast) if autocast else None, lock_timeout=args.lock_timeout)
+                  autocast_dtype=getattr(torch, autocast) if autocast else None, lock_timeout=args.lock_timeout,
+                  group=group)
     source = args.manifest or args.images
     if args.lines:
         from .build.lines import build_latent_cache
@@ -305,6 +330,26 @@ def run_import(args) -> int:
             print(stats["evidence"])
         print(stats["summary"])
         print(f"latent cache written: {path} ({what})")
+    return 0
+
+
+def _add_merge(commands) -> None:
+    text = ("join caches of one encoder stamp into one sharded cache, without re-encoding: --out refers to the sources' "
+            "files (or copies them with --copy); the items in the order of the sources")
+    merge = commands.add_parser("merge", help=text, description=text, formatter_class=HelpFormatter)
+    merge.add_argument("sources", nargs="+", help="cache folders (complete caches, single or sharded)")
+    merge.add_argument("--out", required=True, help="folder of the sharded cache")
+    merge.add_argument("--split", default="train", help="which split of every folder")
+    merge.add_argument("--copy", action="store_true", help="copy the sources' files into --out/shards/ instead of referring to them")
+    merge.set_defaults(func=_one_line_errors(run_merge))
+
+
+def run_merge(args) -> int:
+    from .store.shards import merge_caches
+    from .store.reader import LatentCache
+
+    path = merge_caches(args.sources, args.out, args.split, copy=args.copy)
+    print(f"sharded cache written: {path} ({len(LatentCache(args.out, args.split))} items from {len(args.sources)} caches)")
     return 0
 
 

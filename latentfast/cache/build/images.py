@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import math
 import os
 import time
 import zlib
@@ -29,7 +30,7 @@ import torch
 
 from ...errors import ArgumentTypeError, CacheError, ImageError, InvalidArgumentError
 from ..store import format as fmt
-from . import media
+from . import distributed, media
 from .encode import encode, prepare
 from ..store.durable import BuildLock
 from ..store.writer import encoder_identity, open_for_sources
@@ -58,7 +59,7 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
                       device="cpu", autocast_dtype: torch.dtype | None = None, num_workers: int = 4,
                       skip_bad_images: bool = False, no_upscale: bool = False, bucket_step: int = 64,
                       quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
-                      flip: bool = False, text_encoder: Any = None, captions: Any = None) -> str:
+                      flip: bool = False, text_encoder: Any = None, captions: Any = None, group=None) -> str:
     """Encode every image of ``source`` (a folder, walked recursively, or a JSONL manifest of
     ``{"image": path, "key": optional}``) into a shaped cache in ``out_dir``; returns the data path.
 
@@ -74,7 +75,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     and by how much at most. ``skip_bad_images`` leaves out unreadable or truncated images (decoded
     fully while planning; listed in the meta's ``skipped`` and named in the summary) instead of
     raising :class:`~latentfast.errors.ImageError`. ``lock_timeout``: seconds to wait for another
-    build of this split. ``stats`` (a dict) receives counts and timings.
+    build of this split. ``stats`` (a dict) receives counts and timings. ``group`` (a
+    ``torch.distributed`` process group): a distributed build, see :mod:`latentfast.cache.build.distributed`.
 
     Records beside the latent (each its own field, see ``cache.fields``):
 
@@ -91,6 +93,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
       captions are encoded once per batch and stored once. The meta's ``text_encoder`` stamps the
       encoder's identity; an edited caption re-encodes its item on a rerun.
     """
+    if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
+        return distributed.build_sharded(build_image_cache, locals())
     factor = getattr(encoder, "spatial_downscale", None)
     bucket_list = media.check_buckets(buckets, video=False, factor=factor)
     bucket_of = _image_bucket_rule(bucket_list, no_upscale, bucket_step, factor)
@@ -110,7 +114,7 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
 def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, buckets, frame_stride: int = 1,
                       batch_size: int = 1, device="cpu", autocast_dtype: torch.dtype | None = None,
                       num_workers: int = 4, skip_bad_clips: bool = False, quiet: bool = False,
-                      lock_timeout: float = 0.0, stats: dict | None = None) -> str:
+                      lock_timeout: float = 0.0, stats: dict | None = None, group=None) -> str:
     """Encode every clip of ``source`` into a shaped cache of ``[C, T', h, w]`` latents; returns the data path.
 
     A clip is a folder of frame images (file-name order) or a video file (PyAV). ``source`` is a
@@ -120,6 +124,8 @@ def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     resized and centre-cropped. ``encoder.encode_video([B, 3, T, H, W])`` encodes them. Otherwise as
     :func:`build_image_cache`.
     """
+    if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
+        return distributed.build_sharded(build_video_cache, locals())
     if isinstance(frame_stride, bool) or not isinstance(frame_stride, int) or frame_stride < 1:
         raise InvalidArgumentError(f"frame_stride must be a positive int, got {frame_stride!r}")
     bucket_list = media.check_buckets(buckets, video=True, factor=getattr(encoder, "spatial_downscale", None))
@@ -204,6 +210,10 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
     counts = {"decode_s": 0.0, "encode_s": 0.0, "write_s": 0.0, "encoded": 0, "copied": 0, "resumed": 0}
     with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
         items, skipped = _plan(job, source, pool, skip_bad)
+        share = distributed.current_share()
+        if share is not None:  # a distributed build: this rank's whole batches, costed pixels x frames
+            batches = _batches(items, batch_size)
+            items = share.keep([x for b in batches for x in b], batches, key=lambda x: x.key, cost=lambda x: math.prod(x.bucket))
         meta = {**settings, "kind": job.kind, "source": os.path.abspath(os.fspath(source)), "skipped": skipped}
         identity = encoder_identity(encoder)
         lock = BuildLock(out_dir, split, lock_timeout)
@@ -240,7 +250,8 @@ def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], li
         raise InvalidArgumentError(f"source {os.fspath(source)} holds no {job.kind}s")
     items, skipped = [], []
     # skip_bad: decode every item fully now, so a truncated file is skipped, not fatal mid-build
-    futures = [pool.submit(media.probe, key, path, skip_bad) for key, path in entries]
+    share, probes = distributed.current_share(), [(key, path, skip_bad) for key, path in entries]
+    futures = [pool.submit(media.probe, *a) for a in probes] if share is None else share.map(pool, media.probe, probes)
     for (key, path), future in zip(entries, futures):
         try:
             item = future.result()

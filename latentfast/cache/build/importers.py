@@ -38,6 +38,7 @@ from ..store.durable import BuildLock, content_hash
 from ..store.writer import LatentCacheWriter, encoder_identity, open_for_sources
 from .. import trainers
 from ..trainers.common import array_to_tensor, load_pt
+from . import distributed
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
 TRAINER_FORMATS = (*trainers.FORMATS, "auto")
@@ -120,7 +121,7 @@ def _read_pt(path: str, key: str | None):
 def import_latents(source_dir, out_dir, split: str = "train", *, format: str, key: str | None = None,
                    encoder: Any = None, quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
                    scaled: bool | None = None, scaling_factor: float | None = None, shift_factor: float | None = None,
-                   **options) -> str:
+                   group=None, **options) -> str:
     """Import ``source_dir`` into a shaped cache in ``out_dir``; returns the data path.
 
     ``format``: a trainer's name or ``"auto"`` (see the module docstring; ``options`` go to the
@@ -137,7 +138,16 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     ``.pt`` dict); by default ``latents`` / the one tensor named ``latent...`` / the only entry.
     ``encoder``: the VAE (or its identity dict) that made the latents, stamped in the meta so a
     trainer can refuse a cache from another VAE. ``stats`` receives ``imported``, ``resumed``, ``unchanged``.
+    ``group`` (a ``torch.distributed`` process group): a distributed import of an extension format, see
+    :mod:`latentfast.cache.build.distributed`.
     """
+    if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
+        if format in TRAINER_FORMATS:
+            raise InvalidArgumentError(f"group= imports the extension formats {sorted(FORMATS)}; a distributed import of "
+                                       f"format {format!r} (a trainer's cache) is not supported yet: import it in one process")
+        args = dict(locals())
+        args.update(args.pop("options"))
+        return distributed.build_sharded(import_latents, args)
     from tqdm import tqdm
 
     if format in TRAINER_FORMATS:
@@ -154,6 +164,9 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     files = list_latent_files(source_dir, format)
     if not files:
         raise InvalidArgumentError(f"source_dir {source_dir} holds no .{format} files")
+    share = distributed.current_share()
+    if share is not None:  # a distributed import: this rank's files, costed by their bytes
+        files = share.keep(files, [[f] for f in files], key=lambda f: f[0], cost=lambda f: os.path.getsize(f[1]))
     others = _other_files(source_dir, FORMATS[format])
     meta = {"kind": "import", "import_format": format, "import_key": key, "source": os.path.abspath(os.fspath(source_dir))}
     digests = [content_hash(path) for _, path in files]

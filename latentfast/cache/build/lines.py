@@ -44,7 +44,7 @@ import torch
 from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, ImageError, InvalidArgumentError
 from ..store import format as fmt
 from ..store.durable import BuildLock, append_log, content_hash, file_size, publish, pwrite_all, read_log, rewrite_log
-from . import manifest
+from . import distributed, manifest
 from .encode import encode, prepare
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -313,6 +313,7 @@ def build_latent_cache(
     quiet: bool = False,
     lock_timeout: float = 0.0,
     stats: dict | None = None,
+    group=None,
 ) -> str:
     """Encode every line of ``source`` (a JSONL manifest of ``{"image": path}`` or a folder of
     images) into a latent cache in ``out_dir``; returns the data file's path.
@@ -326,8 +327,11 @@ def build_latent_cache(
     interrupted build with the same arguments resumes it; rerunning a finished one re-encodes only
     the batches of edited images or damaged blocks. ``lock_timeout``: seconds to wait for another
     build of this split (then :class:`~latentfast.errors.CacheLockedError`). ``stats`` (a dict)
-    receives timings and counts.
+    receives timings and counts. ``group`` (a ``torch.distributed`` process group): a distributed
+    build, see :mod:`latentfast.cache.build.distributed`.
     """
+    if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
+        return distributed.build_sharded(build_latent_cache, locals())
     if layout not in fmt.LINE_LAYOUTS:
         raise InvalidArgumentError(f"layout must be one of {fmt.LINE_LAYOUTS}, got {layout!r}")
     encoder, device = prepare(encoder, device, batch_size)
@@ -360,6 +364,10 @@ def _plan(encoder, source, pool, stamp, layout, batch_size, device, autocast_dty
     lines, skipped = _plan_lines(pool, entries, root, stamp["line_height"], stamp["max_line_width"], skip_bad_images)
     if not lines:
         raise InvalidArgumentError(f"source {os.fspath(source)} has no usable images")
+    share = distributed.current_share()
+    if share is not None:  # a distributed build: this rank's whole width-sorted batches (cut again the same)
+        units = [[lines[k] for k in rows] for rows, _, _ in _plan_batches(lines, batch_size, factor, w_max)]
+        lines = share.keep(lines, units, key=lambda x: x.key, cost=lambda x: x.width)
     batches = _plan_batches(lines, batch_size, factor, w_max)
     widths = np.zeros(len(lines), dtype=np.int32)
     for rows, _, latent_widths in batches:
@@ -397,7 +405,8 @@ def _plan_lines(pool, entries, root, line_height, max_line_width, skip_bad_image
     lines, skipped = [], []
     for start in range(0, len(entries), chunk):
         part = entries[start : start + chunk]
-        futures = [pool.submit(_probe, e, root, line_height, max_line_width, skip_bad_images) for e in part]
+        probes, share = [(e, root, line_height, max_line_width, skip_bad_images) for e in part], distributed.current_share()
+        futures = [pool.submit(_probe, *a) for a in probes] if share is None else share.map(pool, _probe, probes)
         for (number, path), fut in zip(part, futures):
             try:
                 lines.append(fut.result())

@@ -227,7 +227,15 @@ def _field_packed(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
         with layout.holding_items(table.cache, table.index_np):  # (a cache in object storage: fetched, held)
             _before_copy(table, cold)
             data, row_offsets, widths, pitch = table.source
-            torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
+            if isinstance(data, torch.Tensor):
+                torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
+            else:  # a sharded cache: the one multi-source gather, padded to the longest, then the real units kept
+                lengths = torch.from_numpy(np.ascontiguousarray(table.widths))
+                padded = torch.empty((len(lengths), 1, 1, int(lengths.max())), dtype=torch.float16)
+                torch.ops.latentfast.gather_rows_multi_into.default(data.tensors, data.row_sources, row_offsets, widths, pitch,
+                                                                     table.index, torch.zeros((1, 1, 1), dtype=torch.float16),
+                                                                     padded, backend)
+                out.copy_(padded.view(len(lengths), -1)[torch.arange(padded.shape[-1])[None, :] < lengths[:, None]])
     values = out.view(torch.uint8).view(batch.dtype).view(batch.shape)
     return values if on_cpu else values.to(device, non_blocking=True)
 
@@ -269,6 +277,9 @@ def _copy_local(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch
         raise InvalidArgumentError(f"device must be a CPU or CUDA device, got {device}")
     if not torch.cuda.is_available():
         raise DeviceUnavailableError(f"read_batch(device={str(device)!r}): CUDA is not available here; use device='cpu'")
+    if not isinstance(table.source[0], torch.Tensor):  # sharded: one host gather over the shards, then one copy
+        host = _gather_cpu(table, torch.float16, None, backend, cold)
+        return host.to(device, dtype) if out is None else out.copy_(host.view(out.shape))
     with torch.cuda.device(device):  # every allocation, launch and stream below belongs to `device`
         state = _before_copy(table, cold)
         return device_path.stage_and_expand(table, device, dtype, out, backend, state)
@@ -284,7 +295,11 @@ def _gather_cpu(table, dtype, out, backend, cold) -> torch.Tensor:
     state = _before_copy(table, cold)
     start = time.perf_counter() if state is not None else 0.0
     data, row_offsets, widths, pitch = table.source
-    torch.ops.latentfast.gather_rows_into.default(data, row_offsets, widths, pitch, table.index, white, out, backend)
+    if not isinstance(data, torch.Tensor):  # a sharded cache's ShardSources: the one gather over every shard's data
+        torch.ops.latentfast.gather_rows_multi_into.default(data.tensors, data.row_sources, row_offsets, widths, pitch,
+                                                             table.index, white, out, backend)
+    else:
+        torch.ops.latentfast.gather_rows_into.default(data, row_offsets, widths, pitch, table.index, white, out, backend)
     if state is not None and state.hot:  # a hot batch pays this clock read and a compare
         seconds = time.perf_counter() - start
         if seconds > coldread.SLOW_FLOOR_S:

@@ -38,6 +38,8 @@ def item_chunks(cache, chunk_bytes: int = SAMPLER_CHUNK_BYTES) -> np.ndarray:
     local chunk cache's (:data:`~latentfast.cache.remote.chunks.CHUNK_BYTES`) holding several items
     (a chunk smaller than an item makes each item a chunk of its own)."""
     chunk_bytes = as_int("chunk_bytes", chunk_bytes, minimum=1)
+    if hasattr(cache, "shard_chunks"):  # a sharded cache: each shard's file cut apart (store/shards.py)
+        return cache.shard_chunks(chunk_bytes)
     if hasattr(cache, "row_starts"):
         starts = np.asarray(cache.row_starts[:-1], dtype=np.int64) * ELEMENT_BYTES
     else:

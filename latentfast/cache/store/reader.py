@@ -44,6 +44,13 @@ class LatentCache:
     then say how to reach it and where its fetched chunks live (see :mod:`latentfast.cache.remote.files`).
     """
 
+    def __new__(cls, cache_dir=None, split: str = "train", *args, **kwargs):
+        from . import shards  # a folder of shards opens as one (see latentfast.cache.store.shards)
+
+        if cls is LatentCache and cache_dir is not None and shards.is_sharded(cache_dir, split):
+            return super().__new__(shards.ShardedCache)
+        return super().__new__(cls)
+
     def __init__(self, cache_dir: str | os.PathLike, split: str = "train", expected: Any = None,
                  white_column: Any = None, *, verify_rows: bool = False, storage_options: dict | None = None,
                  local_cache: str | os.PathLike | None = None, local_cache_bytes: int | None = None):
@@ -66,6 +73,10 @@ class LatentCache:
                     f"latent cache {self.cache_dir} (split {split!r}) is incomplete: its build was interrupted "
                     f"before writing {meta_path}. Re-run the same `{fmt.resume_command(self.cache_dir, split)}` command to resume it (or the same LatentCacheWriter job)."
                 )
+            if os.path.isdir(os.path.join(self.cache_dir, "shards")):  # the folder of a distributed build (build.distributed)
+                raise IncompleteCacheError(
+                    f"latent cache {self.cache_dir} (split {split!r}) is incomplete: a distributed build wrote shards but not "
+                    f"yet its manifest (a rank failed or is still running). Re-run the same build to resume every shard.")
             raise FileNotFoundError(f"latent cache meta {meta_path} does not exist (no cache for split {split!r} in {self.cache_dir})")
         for _ in range(3):  # a rebuild that publishes while we read the index: read the new generation
             self._open_generation(meta_path, expected, white_column)
@@ -483,6 +494,10 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
     ``gb_per_s`` is the rate of this pass, from whatever page cache state the file was in (a second
     run over a cache that fits in RAM measures a hot page cache, not the disk). ``remote``:
     ``storage_options``, ``local_cache``, ``local_cache_bytes`` of a cache in object storage."""
+    from . import shards
+
+    if shards.is_sharded(cache_dir, split):
+        return shards.verify_sharded(cache_dir, split)
     start = time.perf_counter()
     cache = LatentCache(cache_dir, split, **remote)  # validates sizes, widths, shapes and offsets
     damaged = fmt.damaged_files(cache.cache_dir, split, cache.meta)
@@ -516,6 +531,10 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
 def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int = 10, **remote) -> dict:
     """Meta, row count, bytes on disk, padding waste and a latent-width histogram (line caches), or
     the count of items per shape (shaped caches). ``remote``: as :func:`verify_cache`'s."""
+    from . import shards
+
+    if shards.is_sharded(cache_dir, split):
+        return shards.inspect_sharded(cache_dir, split, bins)
     cache = LatentCache(cache_dir, split, **remote)
     cache_dir = cache.cache_dir  # (a cache in object storage: the local folder of its files)
     files = {}
@@ -533,22 +552,26 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
     info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files, "fields": fields,
             "bytes_on_disk": sum(files.values()), "data_bytes": data_bytes,
             "resident_bytes": coldread.resident_bytes(cache._data_path)}  # in the page cache now (None: the OS cannot say)
+    info.update(layout_summary(cache, data_bytes, bins))
+    return info
+
+
+def layout_summary(cache: LatentCache, data_bytes: int, bins: int = 10) -> dict:
+    """What :func:`inspect_cache` says of the items: per shape counts and buckets (shaped caches), or
+    padding waste and a latent-width histogram (line caches)."""
     if cache.shaped:
         shapes, counts = np.unique(cache.shapes, axis=0, return_counts=True)
         order = np.argsort(-counts, kind="stable")
-        info["shape_counts"] = [(shapes[k].tolist(), int(counts[k])) for k in order]
-        info["padding_waste_pct"] = 0.0
-        info.update(_bucket_summary(cache))
-        return info
+        return {"shape_counts": [(shapes[k].tolist(), int(counts[k])) for k in order], "padding_waste_pct": 0.0,
+                **_bucket_summary(cache)}
     real = int(cache.widths.sum(dtype=np.int64)) * cache.channels * cache.latent_h * 2
     edges = np.unique(np.linspace(1, cache.w_max + 1, min(bins, cache.w_max) + 1).astype(np.int64))
     counts, _ = np.histogram(cache.widths, bins=edges)
-    info.update(
+    return dict(
         padding_waste_pct=100.0 * (data_bytes - real) / data_bytes if data_bytes else 0.0,
         padded_layout_bytes=len(cache) * fmt.row_elements(cache.meta) * 2,
         histogram=[(int(lo), int(hi) - 1, int(c)) for lo, hi, c in zip(edges[:-1], edges[1:], counts)],  # inclusive bounds
     )
-    return info
 
 
 def _bucket_summary(cache: LatentCache) -> dict:

@@ -1,0 +1,444 @@
+"""One cache over many shards: a manifest naming shard caches, read as one :class:`~latentfast.cache.LatentCache`.
+
+A sharded cache folder holds, for split ``split``:
+
+- ``{split}.shards.json``       the manifest: ``{"format": "latentfast-shards", "version": 1, "n": N,
+  "shards": [{"path", "n", "meta_crc"}], "order_crc"}``; each ``path`` (relative to the folder) is
+  a complete cache of its own, written by the usual crash-safe writer; ``meta_crc`` is the CRC-32 of
+  its meta file's bytes when the manifest was written (a shard rebuilt since is refused, not misread);
+- ``{split}.shards.order.npy``  int64 ``[N, 2]``: item ``i`` of the sharded cache is row
+  ``order[i, 1]`` of shard ``order[i, 0]`` (a distributed build keeps the single-process order
+  this way; a merge concatenates).
+
+The manifest is written last (after every shard is complete), durably, through a rename: a folder
+without it is no sharded cache, and a folder with it reads whole. Every shard must share the
+stamp (encoder identity and geometry, layout, fields and their dtypes, the white column).
+
+Reads: ``len``, ``keys``, ``shapes``, ``fields``, ``cache[i]``, ``record(i)``, ``read_batch``
+(records, ``pad``/``pad_to``, ``out=``) behave as on one cache. A batch whose items lie in several
+shards is one compiled gather per field (``latentfast::gather_rows_multi_into``: row ``i`` is read
+from source ``row_sources[i]``), never one call per shard or per item. On a CUDA device the batch
+is gathered on the host by that one call and copied over; cold-read advice is not given for
+sharded caches (pages fault in as touched).
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import numpy as np
+import torch
+
+from ...errors import CacheCorruptError, IncompleteCacheError, InvalidArgumentError
+from . import fields as fieldstore
+from . import format as fmt
+from .reader import LatentCache, inspect_cache, layout_summary, verify_cache
+
+FORMAT = "latentfast-shards"
+VERSION = 1
+# what every shard (and every cache `cache merge` joins) must share: not n, nor (in a shaped cache,
+# where they are the largest item's) latent_h and w_max
+STAMP_KEYS = tuple(k for k in fmt.STAMP_FIELDS if k != "n") + ("layout", "ndim", "dtype", "encode_dtype", "kind")
+_SHAPED_SIZES = ("latent_h", "w_max")
+
+
+def manifest_path(cache_dir, split: str) -> str:
+    return os.path.join(os.fspath(cache_dir), f"{split}.shards.json")
+
+
+def order_path(cache_dir, split: str) -> str:
+    return os.path.join(os.fspath(cache_dir), f"{split}.shards.order.npy")
+
+
+def is_sharded(cache_dir, split: str) -> bool:
+    """Whether ``cache_dir`` holds a sharded cache of ``split`` (a manifest and no single-cache meta)."""
+    return os.path.exists(manifest_path(cache_dir, split)) and not os.path.exists(fmt.cache_path(cache_dir, split, "meta"))
+
+
+def stamp_of(meta: dict) -> dict:
+    """The part of a cache's meta every shard must share: encoder, geometry, layout, field dtypes."""
+    stamp = {k: meta.get(k) for k in STAMP_KEYS if not (meta.get("layout") == "shaped" and k in _SHAPED_SIZES)}
+    stamp["fields"] = {name: (e.get("dtype"), e.get("ndim")) for name, e in sorted((meta.get("fields") or {}).items())}
+    return stamp
+
+
+def stamp_mismatch(first: LatentCache, other: LatentCache) -> list[str]:
+    """Lines naming each stamp field where ``other`` differs from ``first`` (white column included)."""
+    a, b = stamp_of(first.meta), stamp_of(other.meta)
+    lines = [f"  {k}: {first.cache_dir} has {a[k]!r}, {other.cache_dir} has {b[k]!r}" for k in a if a[k] != b[k]]
+    wa, wb = first.white_column, other.white_column
+    if (wa is None) != (wb is None) or (wa is not None and not torch.equal(wa, wb)):
+        lines.append(f"  white column: {first.cache_dir} and {other.cache_dir} store different ones")
+    return lines
+
+
+def write_manifest(cache_dir, split: str, shard_dirs: list[str], order: np.ndarray | None = None) -> str:
+    """Publish the manifest of the complete caches ``shard_dirs`` (each of ``split``) in ``cache_dir``:
+    ``order`` (int64 ``[N, 2]`` of (shard, row); default: the shards concatenated) written first,
+    the manifest last, both durably. Checks every shard opens and shares the stamp; returns the path."""
+    cache_dir = os.fspath(cache_dir)
+    shards = [LatentCache(d, split) for d in shard_dirs]
+    if not shards:
+        raise InvalidArgumentError("a sharded cache needs at least one shard")
+    for other in shards[1:]:
+        lines = stamp_mismatch(shards[0], other)
+        if lines:
+            raise InvalidArgumentError("caches of different encoders, geometry or fields cannot be one cache:\n" + "\n".join(lines))
+    if order is None:
+        order = np.concatenate([np.stack([np.full(len(s), k), np.arange(len(s))], axis=1) for k, s in enumerate(shards)]
+                               ).astype(np.int64).reshape(-1, 2)
+    _check_order(order, [len(s) for s in shards], order_path(cache_dir, split))
+    payload = fmt.npy_bytes(np.ascontiguousarray(order, dtype=np.int64))
+    os.makedirs(cache_dir, exist_ok=True)
+    fmt.write_bytes_durably(order_path(cache_dir, split), payload)
+    entries = [{"path": os.path.relpath(os.path.abspath(s.cache_dir), os.path.abspath(cache_dir)), "n": len(s),
+                "meta_crc": _file_crc(fmt.cache_path(s.cache_dir, split, "meta"))} for s in shards]
+    manifest = {"format": FORMAT, "version": VERSION, "split": split, "n": int(len(order)), "shards": entries,
+                "order_crc": zlib.crc32(payload)}
+    path = manifest_path(cache_dir, split)
+    fmt.write_bytes_durably(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    return path
+
+
+def _file_crc(path: str) -> int:
+    with open(path, "rb") as fh:
+        return zlib.crc32(fh.read())
+
+
+def _check_order(order: np.ndarray, sizes: list[int], path: str) -> None:
+    """Every row of every shard named exactly once, as (shard, row) pairs."""
+    if order.ndim != 2 or order.shape[1] != 2 or not np.issubdtype(order.dtype, np.integer) or len(order) != sum(sizes):
+        raise CacheCorruptError(f"sharded cache order {path} must be an int64 [N, 2] array of (shard, row) with N = {sum(sizes)}, "
+                                f"got {order.dtype} {list(order.shape)}")
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    if len(order) and (order[:, 0].min() < 0 or order[:, 0].max() >= len(sizes)):
+        raise CacheCorruptError(f"sharded cache order {path} names a shard outside [0, {len(sizes)})")
+    flat = starts[order[:, 0]] + order[:, 1] if len(order) else np.zeros(0, np.int64)
+    bad = (order[:, 1] < 0) | (order[:, 1] >= np.asarray(sizes, dtype=np.int64)[order[:, 0]]) if len(order) else flat < 0
+    if bad.any() or len(np.unique(flat)) != len(flat):
+        raise CacheCorruptError(f"sharded cache order {path} must name every row of every shard exactly once")
+
+
+class ShardSources:
+    """Several flat float16 sources and, per row of a gather source, which of them holds it: what
+    :func:`latentfast.cache.feed.gather` hands ``gather_rows_multi_into`` in place of one ``data``."""
+
+    __slots__ = ("tensors", "row_sources")
+
+    def __init__(self, tensors: list[torch.Tensor], row_sources: torch.Tensor):
+        self.tensors, self.row_sources = tensors, row_sources
+
+
+def _joined_source(parts: list[tuple], order: np.ndarray):
+    """One gather source over shards: ``(ShardSources, row_offsets, widths, pitch)`` in the global order,
+    from each shard's ``(data, row_offsets, widths, pitch)``."""
+    pitches = {int(p[3]) for p in parts}
+    if len(pitches) != 1:
+        raise CacheCorruptError(f"the shards of a sharded cache have different line pitches {sorted(pitches)}")
+    offsets = [p[1].numpy() for p in parts]
+    widths = [p[2].numpy() for p in parts]
+    shard, row = order[:, 0], order[:, 1]
+    starts = np.concatenate([[0], np.cumsum([len(o) for o in offsets])]).astype(np.int64)
+    flat = starts[shard] + row
+    all_offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
+    all_widths = np.concatenate(widths) if widths else np.zeros(0, np.int32)
+    sources = ShardSources([p[0] for p in parts], torch.from_numpy(shard.astype(np.int32)))
+    return (sources, torch.from_numpy(np.ascontiguousarray(all_offsets[flat])),
+            torch.from_numpy(np.ascontiguousarray(all_widths[flat].astype(np.int32))), pitches.pop())
+
+
+class _ShardChecks:
+    """``verify_rows`` over shards: each item's checksum block checked in its own shard."""
+
+    def __init__(self, items: "ShardedItems"):
+        self.items = items
+
+    def check(self, _items, _starts, index_np) -> None:
+        for k, rows in self.items.by_shard(index_np):
+            shard = self.items.shards[k]
+            shard.items.block_checks.check(shard.items, shard.row_starts, rows)
+
+
+class ShardedItems:
+    """What the read path needs of a sharded cache (see :class:`~latentfast.cache.store.layout.Items`):
+    geometry in the global order, and a gather source over every shard's data file."""
+
+    def __init__(self, cache: "ShardedCache"):
+        self.shards, self.order = cache.shards, cache.order
+        self.cache_dir, self.split, self.meta = cache.cache_dir, cache.split, cache.meta
+        self.path = manifest_path(cache.cache_dir, cache.split)
+        self.n, self.shaped, self.verify_rows = len(cache), cache.shaped, cache.verify_rows
+        self.channels, self.latent_h, self.w_max = cache.channels, cache.latent_h, cache.w_max
+        self.widths, self.white = cache.widths, cache.white_column
+        self.shapes = cache.shapes if cache.shaped else None
+        self.dtype = cache.dtype  # the stored latents' dtype (one across shards: part of the stamp)
+        self.row_starts = None  # no single file: the cold-read path (keyed on row_starts) stands aside
+        self.remote = None  # shards are local folders (a sharded cache in object storage: not yet)
+        self.block_checks = _ShardChecks(self)
+        self._source = None
+
+    def source(self):
+        if self._source is None:
+            self._source = _joined_source([s.items.source() for s in self.shards], self.order)
+        for shard in self.shards:
+            shard.items.check_unchanged()
+        return self._source
+
+    def by_shard(self, index_np):
+        """``(shard, its rows)`` for the items ``index_np`` (in range) grouped by shard."""
+        picked = self.order[np.asarray(index_np, dtype=np.int64)]
+        for k in np.unique(picked[:, 0]).tolist():
+            yield k, picked[picked[:, 0] == k, 1]
+
+    def check_unchanged(self) -> None:
+        for shard in self.shards:
+            shard.items.check_unchanged()
+
+
+class ShardedFieldItems:
+    """One record field over shards (see :class:`~latentfast.cache.store.fields.FieldItems`)."""
+
+    def __init__(self, cache: "ShardedCache", name: str):
+        self.name, self.order, self.verify_rows = name, cache.order, cache.verify_rows
+        self.parts = [s.field_items[name] for s in cache.shards]
+        self.dtype = self.parts[0].dtype
+        flat = _flat_rows(cache.order, [p.n for p in self.parts])
+        self.shapes = np.concatenate([p.shapes for p in self.parts])[flat]
+        self.nbytes = np.concatenate([p.nbytes for p in self.parts])[flat]
+        self.n = len(self.order)
+        self.row_starts = self.row_ends = None
+        self.remote = None
+        self._source = None
+
+    def source(self):
+        if self._source is None:
+            self._source = _joined_source([p.source() for p in self.parts], self.order)
+        return self._source
+
+    def check(self, index_np) -> None:
+        picked = self.order[np.asarray(index_np, dtype=np.int64)]
+        for k in np.unique(picked[:, 0]).tolist():
+            self.parts[k].check(picked[picked[:, 0] == k, 1])
+
+
+def _flat_rows(order: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Each global item's row in the shards' arrays concatenated."""
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return starts[order[:, 0]] + order[:, 1]
+
+
+class ShardedCache(LatentCache):
+    """A sharded cache opened as one (``LatentCache(dir)`` returns one when ``dir`` holds a manifest)."""
+
+    def __init__(self, cache_dir, split: str = "train", expected=None, white_column=None, *, verify_rows: bool = False):
+        self.cache_dir, self.split, self.verify_rows = os.fspath(cache_dir), split, bool(verify_rows)
+        self.remote = None  # (local shards only)
+        path = manifest_path(self.cache_dir, split)
+        manifest = _load_manifest(path)
+        self.shard_dirs = [os.path.normpath(os.path.join(self.cache_dir, e["path"])) for e in manifest["shards"]]
+        self.shards = []
+        for entry, folder in zip(manifest["shards"], self.shard_dirs):
+            if not os.path.exists(fmt.cache_path(folder, split, "meta")):
+                raise IncompleteCacheError(f"sharded cache {path}: shard {folder} is missing or incomplete; "
+                                           f"re-run the build (or the merge) that wrote it")
+            shard = LatentCache(folder, split, expected, white_column, verify_rows=verify_rows)
+            if len(shard) != entry["n"] or _file_crc(fmt.cache_path(folder, split, "meta")) != entry["meta_crc"]:
+                raise CacheCorruptError(f"sharded cache {path}: shard {folder} changed after the manifest was written "
+                                        f"(now {len(shard)} items, the manifest says {entry['n']}); re-run the build or merge")
+            self.shards.append(shard)
+        for other in self.shards[1:]:
+            lines = stamp_mismatch(self.shards[0], other)
+            if lines:
+                raise CacheCorruptError(f"sharded cache {path}: its shards disagree:\n" + "\n".join(lines))
+        opath = order_path(self.cache_dir, split)
+        order = fmt.load_npy(opath, "shard order")
+        if zlib.crc32(fmt.npy_bytes(np.ascontiguousarray(order))) != manifest["order_crc"]:
+            raise CacheCorruptError(f"sharded cache order {opath} fails its CRC-32 recorded in {path}")
+        _check_order(order, [len(s) for s in self.shards], opath)
+        self.order = order.astype(np.int64, copy=False)
+        first = self.shards[0]
+        self.meta = {k: v for k, v in first.meta.items() if k != "files"}  # (each shard's files are its own)
+        self.meta.update(n=int(len(self.order)), shards=len(self.shards))
+        if first.shaped:
+            self.meta.update({k: max(int(s.meta[k]) for s in self.shards) for k in _SHAPED_SIZES})
+        self.white_column = first.white_column
+        self._flat = _flat_rows(self.order, [len(s) for s in self.shards])
+        self.widths = np.concatenate([s.widths for s in self.shards])[self._flat].astype(np.int32)
+        if self.shaped:
+            self._shapes = np.concatenate([s.shapes for s in self.shards])[self._flat]
+        self.row_starts = None
+        self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        self.items = ShardedItems(self)
+        self.field_items = {name: ShardedFieldItems(self, name) for name in self.shards[0].field_items}
+        self._keys = None
+        self._key_index = None
+
+    # -- per item: the shard's own reads --------------------------------------------------------
+    def _where(self, i) -> tuple[LatentCache, int]:
+        i = self._checked_index(i)
+        return self.shards[int(self.order[i, 0])], int(self.order[i, 1])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        shard, row = self._where(i)
+        return shard[row]
+
+    def record(self, i: int) -> dict[str, torch.Tensor]:
+        shard, row = self._where(i)
+        return shard.record(row)
+
+    def info(self, i: int) -> dict:
+        shard, row = self._where(i)
+        return shard.info(row)
+
+    @property
+    def keys(self) -> list[str]:
+        if self._keys is None:
+            if not any(os.path.exists(fmt.cache_path(s.cache_dir, self.split, "keys")) for s in self.shards):
+                self._keys = [str(i) for i in range(len(self))]  # as a keyless cache: the row numbers (of the whole)
+            else:
+                keys = [k for s in self.shards for k in s.keys]
+                self._keys = [keys[j] for j in self._flat.tolist()]
+        return self._keys
+
+    def content_hashes(self) -> np.ndarray | None:
+        parts = [s.content_hashes() for s in self.shards]
+        return None if any(p is None for p in parts) else np.concatenate(parts)[self._flat]
+
+    def verify_items(self, indices) -> None:
+        self.items.block_checks.check(None, None, np.asarray(indices, dtype=np.int64))
+
+    def check_unchanged(self) -> None:
+        self.items.check_unchanged()
+
+    def gather_source(self):
+        return self.items.source()
+
+    def prefetch(self, indices) -> None:
+        for k, rows in self.items.by_shard(np.asarray(indices, dtype=np.int64)):
+            self.shards[k].prefetch(rows)
+
+    def shard_chunks(self, chunk_bytes: int) -> np.ndarray:
+        """int64 ``[N]``: each item's chunk (:func:`latentfast.cache.feed.sampler.item_chunks`), the chunks
+        of each shard's data file numbered after the previous shard's (no chunk spans two files)."""
+        per_shard, base = [], 0
+        for shard in self.shards:
+            chunks = np.asarray(shard.row_starts[:-1], dtype=np.int64) * 2 // chunk_bytes + base  # float16 elements
+            base = int(chunks.max(initial=base - 1)) + 1
+            per_shard.append(chunks)
+        return np.concatenate(per_shard)[self._flat]
+
+    def _memmap(self):
+        raise InvalidArgumentError(f"sharded cache {self.cache_dir} has no single data file; read its shards ({self.shard_dirs})")
+
+    def __repr__(self) -> str:
+        return f"ShardedCache({self.cache_dir!r}, split={self.split!r}, n={len(self)}, shards={len(self.shards)}, layout={self.layout!r})"
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for key in ("items", "field_items", "_keys", "_key_index", "_info"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()
+
+
+def _load_manifest(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CacheCorruptError(f"sharded cache manifest {path} is not valid JSON: {exc}") from None
+    ok = (isinstance(manifest, dict) and manifest.get("format") == FORMAT and manifest.get("version") == VERSION
+          and isinstance(manifest.get("shards"), list) and manifest["shards"]
+          and all(isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("n"), int)
+                  and isinstance(e.get("meta_crc"), int) for e in manifest["shards"]) and isinstance(manifest.get("order_crc"), int))
+    if not ok:
+        raise CacheCorruptError(f"sharded cache manifest {path} must be a {FORMAT} version {VERSION} object with a list "
+                                f"of shards ({{path, n, meta_crc}}) and order_crc")
+    return manifest
+
+
+def _copy_durably(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` through a partial name, fsynced before the rename (a crash leaves no torn file)."""
+    import shutil
+
+    tmp = fmt.partial_path(dst)
+    shutil.copyfile(src, tmp)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, dst)
+    fmt.fsync_dir(os.path.dirname(dst) or ".")
+
+
+def verify_sharded(cache_dir, split: str = "train") -> dict:
+    """:func:`~latentfast.cache.verify_cache` of every shard (and the manifest and order); the summed figures."""
+    cache = ShardedCache(cache_dir, split)
+    results = [verify_cache(d, split) for d in cache.shard_dirs]
+    seconds = sum(r["seconds"] for r in results)
+    nbytes = sum(r["bytes"] for r in results)
+    return {"rows": len(cache), "bytes": nbytes, "blocks": sum(r["blocks"] for r in results),
+            "checksummed": all(r["checksummed"] for r in results), "seconds": seconds,
+            "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf"), "shards": len(results)}
+
+
+def inspect_sharded(cache_dir, split: str = "train", bins: int = 10) -> dict:
+    """:func:`~latentfast.cache.inspect_cache` over the shards: the same keys, summed, plus ``shards``
+    (each shard's folder, items and bytes on disk). Histograms and counts are of the whole cache."""
+    cache = ShardedCache(cache_dir, split)
+    parts = [inspect_cache(d, split, bins) for d in cache.shard_dirs]
+    files = {os.path.basename(p): os.path.getsize(p) for p in (manifest_path(cache_dir, split), order_path(cache_dir, split))}
+    info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files,
+            "bytes_on_disk": sum(p["bytes_on_disk"] for p in parts) + sum(files.values()),
+            "data_bytes": sum(p["data_bytes"] for p in parts),
+            "resident_bytes": None if any(p["resident_bytes"] is None for p in parts) else sum(p["resident_bytes"] for p in parts),
+            "shards": [{"path": d, "n": p["n"], "bytes_on_disk": p["bytes_on_disk"]} for d, p in zip(cache.shard_dirs, parts)]}
+    info["fields"] = {name: {**entry, "logical_bytes": sum(p["fields"][name]["logical_bytes"] for p in parts),
+                             "stored_bytes": sum(p["fields"][name]["stored_bytes"] for p in parts)}
+                      for name, entry in parts[0]["fields"].items()}
+    info.update(layout_summary(cache, info["data_bytes"], bins))
+    return info
+
+
+def merge_caches(sources: list, out_dir, split: str = "train", *, copy: bool = False) -> str:
+    """Join complete caches of one stamp into the sharded cache ``out_dir`` (the sources' items in
+    order); the data stays where it is (the manifest refers to the sources), or with ``copy`` each
+    source's files are copied into ``out_dir/shards/`` first. Returns the manifest's path. Sources of
+    different encoders, geometry or fields are refused, naming what differs. A sharded source
+    contributes its shards (in its order)."""
+    out_dir = os.fspath(out_dir)
+    if len(sources) < 1:
+        raise InvalidArgumentError("cache merge needs at least one source cache")
+    if os.path.exists(fmt.cache_path(out_dir, split, "meta")):
+        raise InvalidArgumentError(f"--out {out_dir} already holds a single cache of split {split!r}; choose another folder")
+    os.makedirs(out_dir, exist_ok=True)
+    dirs, orders, base = [], [], 0
+    for source in sources:
+        opened = LatentCache(source, split)
+        parts = opened.shard_dirs if isinstance(opened, ShardedCache) else [opened.cache_dir]
+        order = opened.order.copy() if isinstance(opened, ShardedCache) else np.stack(
+            [np.zeros(len(opened), np.int64), np.arange(len(opened), dtype=np.int64)], axis=1)
+        order[:, 0] += base
+        dirs += parts
+        orders.append(order)
+        base += len(parts)
+    if copy:
+        copied = []
+        for k, folder in enumerate(dirs):
+            target = os.path.join(out_dir, "shards", f"{split}-{k:05d}")
+            os.makedirs(target, exist_ok=True)
+            for name in sorted(os.listdir(folder)):
+                if name.startswith(f"{split}.") and ".shards." not in name and os.path.isfile(os.path.join(folder, name)):
+                    if name != os.path.basename(fmt.cache_path(folder, split, "meta")):
+                        _copy_durably(os.path.join(folder, name), os.path.join(target, name))
+            _copy_durably(fmt.cache_path(folder, split, "meta"), fmt.cache_path(target, split, "meta"))  # the meta last
+            copied.append(target)
+        dirs = copied
+    return write_manifest(out_dir, split, dirs, np.concatenate(orders))
+
+
+__all__ = ["ShardedCache", "is_sharded", "merge_caches", "write_manifest", "verify_sharded", "inspect_sharded"]

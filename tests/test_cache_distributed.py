@@ -1,0 +1,209 @@
+"""Distributed builds on spawned gloo ranks: images, video, lines and imports built by 2-3 ranks read
+exactly as a single-process build (same keys, order, bytes; batches spanning shards); a rank SIGKILLed
+mid-build loses nothing the others wrote and the rerun resumes each shard; the CLI under torchrun."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from latentfast.cache import IncompleteCacheError, LatentCache
+from latentfast.cache.build.distributed import shard_dir
+from latentfast.cache.build.images import build_image_cache, build_video_cache
+from latentfast.cache.build.importers import import_latents
+from latentfast.cache.build.lines import build_latent_cache
+from latentfast.cache.store import shards as shardstore
+from latentfast.testing import spawn_gloo
+from latentfast.toy import ToyVAE
+
+BUCKETS = [(32, 32), (32, 48), (48, 32)]
+SIZES = [(64, 48), (48, 64), (50, 50), (100, 40), (30, 70), (41, 39), (200, 60)]
+
+
+def make_sources(root: str) -> dict:
+    rng = np.random.default_rng(5)
+    images = os.path.join(root, "images")
+    os.makedirs(os.path.join(images, "sub"))
+    for i in range(17):
+        w, h = SIZES[i % len(SIZES)]
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(os.path.join(images, f"{'sub/' if i % 4 == 3 else ''}im{i:02d}.png"))
+    lines = os.path.join(root, "lines")
+    os.makedirs(lines)
+    for i, w in enumerate(rng.integers(5, 120, size=23).tolist()):
+        Image.fromarray(rng.integers(0, 256, (16, w, 3), dtype=np.uint8)).save(os.path.join(lines, f"l{i:02d}.png"))
+    clips = os.path.join(root, "clips")
+    for c in range(5):
+        folder = os.path.join(clips, f"clip{c}")
+        os.makedirs(folder)
+        w, h = SIZES[c]
+        for f in range(3 + c % 3):
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(os.path.join(folder, f"{f:03d}.png"))
+    latents = os.path.join(root, "npz")
+    os.makedirs(latents)
+    for i in range(11):
+        np.savez(os.path.join(latents, f"z{i:02d}.npz"), latents=rng.standard_normal((4, 2 + i % 3, 5)).astype(np.float32))
+    return {"images": images, "lines": lines, "clips": clips, "npz": latents}
+
+
+def build_all(sources: dict, out: str, group=None) -> None:
+    """Every builder into ``out/<kind>`` (one process, or one rank of ``group``)."""
+    vae = ToyVAE(seed=3)
+    build_image_cache(vae, sources["images"], os.path.join(out, "images"), buckets=BUCKETS, batch_size=3, quiet=True, group=group)
+    build_video_cache(vae, sources["clips"], os.path.join(out, "video"), buckets=[(2, 32, 32), (2, 32, 48), (4, 32, 48), (2, 48, 32)], quiet=True, group=group)
+    build_latent_cache(vae, sources["lines"], os.path.join(out, "lines"), line_height=16, max_line_width=96, batch_size=4,
+                       quiet=True, group=group)
+    import_latents(sources["npz"], os.path.join(out, "npz"), format="npz", quiet=True, group=group)
+
+
+def _rank_builds(rank: int, world: int, sources: dict, out: str):
+    import torch.distributed as dist
+
+    build_all(sources, out, group=dist.group.WORLD)
+    return "ok"
+
+
+def assert_same_cache(single: LatentCache, sharded: LatentCache) -> None:
+    assert isinstance(sharded, shardstore.ShardedCache) and not isinstance(single, shardstore.ShardedCache)
+    assert sharded.keys == single.keys and np.array_equal(sharded.shapes, single.shapes)
+    for i in range(len(single)):
+        assert torch.equal(sharded[i].view(torch.int16), single[i].view(torch.int16)), single.keys[i]
+        assert sharded.info(i) == single.info(i)
+    rng = np.random.default_rng(0)
+    for _ in range(3):  # batches spanning shards
+        if single.shaped:
+            shape = single.shapes[rng.integers(len(single))]
+            pool = np.flatnonzero((single.shapes == shape).all(axis=1))
+        else:
+            pool = np.arange(len(single))
+        batch = rng.choice(pool, size=min(6, len(pool))).tolist()
+        for x, y in zip(single.read_batch(batch), sharded.read_batch(batch)):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_three_ranks_build_what_one_process_builds(tmp_path):
+    sources = make_sources(str(tmp_path / "src"))
+    build_all(sources, str(tmp_path / "single"))
+    assert spawn_gloo(_rank_builds, 3, sources, str(tmp_path / "dist"), timeout_s=120) == ["ok"] * 3
+    for kind in ("images", "video", "lines", "npz"):
+        single, sharded = LatentCache(str(tmp_path / "single" / kind)), LatentCache(str(tmp_path / "dist" / kind))
+        assert_same_cache(single, sharded)
+        used = [d for d in sharded.shard_dirs]
+        assert len(used) >= 2, f"{kind}: the work went to one rank only"
+        assert all(os.path.basename(d).endswith("-of-00003") for d in used)
+    lines = LatentCache(str(tmp_path / "dist" / "lines"))
+    assert lines.layout == "padded" and torch.equal(lines.white_column, LatentCache(str(tmp_path / "single" / "lines")).white_column)
+
+
+def _rank_builds_bad_source(rank: int, world: int, images: str, out: str):
+    import torch.distributed as dist
+
+    from latentfast.errors import ImageError
+
+    try:
+        build_image_cache(ToyVAE(seed=3), images, out, buckets=BUCKETS, batch_size=3, quiet=True, group=dist.group.WORLD)
+    except ImageError as exc:
+        raised = str(exc)
+    else:
+        raised = None
+    build_image_cache(ToyVAE(seed=3), images, out, buckets=BUCKETS, batch_size=3, quiet=True, skip_bad_images=True,
+                      group=dist.group.WORLD)
+    return raised
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_bad_image_fails_every_rank_alike_and_skips_alike(tmp_path):
+    images = make_sources(str(tmp_path / "src"))["images"]
+    with open(os.path.join(images, "im05.png"), "r+b") as fh:
+        fh.truncate(60)  # probed by one rank only: the others learn of it in the exchange
+    raised = spawn_gloo(_rank_builds_bad_source, 2, images, str(tmp_path / "dist"), timeout_s=120)
+    assert all(r is not None and "im05" in r for r in raised), raised
+    build_image_cache(ToyVAE(seed=3), images, str(tmp_path / "single"), buckets=BUCKETS, batch_size=3, quiet=True,
+                      skip_bad_images=True)
+    single, sharded = LatentCache(str(tmp_path / "single")), LatentCache(str(tmp_path / "dist"))
+    assert "im05" not in sharded.keys and sharded.meta["skipped"] == single.meta["skipped"] and len(single.meta["skipped"]) == 1
+    assert_same_cache(single, sharded)
+
+
+RANK_SCRIPT = r"""
+import datetime, sys, time
+import torch.distributed as dist
+from latentfast.cache.build.images import build_image_cache
+from latentfast.toy import ToyVAE
+
+rank, world, store, src, out, slow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])
+
+class Slow(ToyVAE):
+    encoded = 0
+    def encode(self, images):
+        Slow.encoded += images.shape[0]
+        time.sleep(slow if rank == 1 else 0.0)
+        return super().encode(images)
+
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+try:
+    build_image_cache(Slow(seed=3), src, out, buckets=[(32, 32), (32, 48), (48, 32)], batch_size=1, quiet=True, group=dist.group.WORLD)
+finally:
+    print("encoded", Slow.encoded, flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def _start_ranks(tmp_path, src, out, run, slow):
+    store = str(tmp_path / f"store{run}")
+    return [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), "2", store, src, out, str(slow)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_sigkilled_rank_loses_nothing_the_others_wrote_and_the_rerun_resumes(tmp_path):
+    src = make_sources(str(tmp_path / "src"))["images"]
+    out = str(tmp_path / "out")
+    ranks = _start_ranks(tmp_path, src, out, 0, slow=0.3)
+    progress = os.path.join(shard_dir(out, "train", 1, 2), "train.latents.progress")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress, "rb").read().count(b"\n") >= 3):
+        time.sleep(0.02)
+    ranks[1].send_signal(signal.SIGKILL)
+    ranks[1].wait()
+    ranks[0].communicate(timeout=120)
+    assert ranks[1].returncode == -signal.SIGKILL and ranks[0].returncode != 0  # rank 0 learns its peer died
+    first = LatentCache(shard_dir(out, "train", 0, 2))  # rank 0's shard: complete
+    logged = open(progress, "rb").read().count(b"\n") - 1
+    assert len(first) > 0 and logged >= 2
+    with pytest.raises(IncompleteCacheError, match="manifest"):
+        LatentCache(out)
+    ranks = _start_ranks(tmp_path, src, out, 1, slow=0.0)
+    outputs = [p.communicate(timeout=120) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outputs
+    encoded = [int(o.split()[-1]) for o, _ in outputs]
+    assert encoded[0] == 0, "rank 0's finished shard is kept, not encoded again"
+    assert encoded[1] == 17 - len(first) - logged, "rank 1 encodes only what its log does not hold"
+    single = str(tmp_path / "single")
+    build_image_cache(ToyVAE(seed=3), src, single, buckets=BUCKETS, batch_size=1, quiet=True)
+    assert_same_cache(LatentCache(single), LatentCache(out))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_distributed_build_under_torchrun(tmp_path):
+    src = make_sources(str(tmp_path / "src"))["lines"]
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "latentfast",
+           "cache", "build", "--images", src, "--out", out, "--lines", "--line-height", "16", "--max-line-width", "96",
+           "--encoder", "toy", "--batch-size", "4", "--distributed", "--quiet"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = str(tmp_path / "single")
+    build_latent_cache(ToyVAE(), src, single, line_height=16, max_line_width=96, batch_size=4, quiet=True)
+    assert_same_cache(LatentCache(single), LatentCache(out))
