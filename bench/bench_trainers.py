@@ -174,28 +174,41 @@ def run(items: int) -> list[tuple]:
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=100, help="images per trainer fixture")
-    parser.add_argument("--batch", type=int, default=16, help="items per read_batch of the imported cache")
-    args = parser.parse_args()
-    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+def run_report(quick: bool = False, items: int | None = None, batch: int = 16) -> dict:
+    """The ``latentfast bench`` suite: both tables (printed) and their rows."""
+    items = items or (40 if quick else 100)
+    load = os.getloadavg()
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'format':>15} {'records':>8} {'records/s':>10} {'records s (min-max)':>24} {'trainer reads s (min-max)':>26} {'ratio':>6}")
     with torch_threads(1):
-        rows = run(args.items)
-    for fmt, count, rate, ours, theirs, ratio in rows:
+        reads = run(items)
+    for fmt, count, rate, ours, theirs, ratio in reads:
         print(f"{fmt:>15} {count:>8} {rate:>10.0f} {ours[0]:>8.3f} ({ours[1]:.3f}-{ours[2]:.3f}) "
               f"{theirs[0]:>10.3f} ({theirs[1]:.3f}-{theirs[2]:.3f}) {ratio:>6.2f}")
     print()
     print(f"{'format':>15} {'items':>6} {'batch':>6} {'import items/s':>15} {'import s (min-max)':>22} "
           f"{'cache epoch s (min-max)':>26} {'trainer reads s (min-max)':>26} {'trainer / cache':>16}")
     with torch_threads(1):
-        rows = run_import(args.items, args.batch)
-    for fmt, count, rate, imported, ours, theirs, ratio, left_out, per_batch in rows:
+        imports = run_import(items, batch)
+    for fmt, count, rate, imported, ours, theirs, ratio, left_out, per_batch in imports:
         print(f"{fmt:>15} {count:>6} {per_batch:>6.1f} {rate:>15.0f} {imported[0]:>9.3f} ({imported[1]:.3f}-{imported[2]:.3f}) "
               f"{ours[0]:>12.4f} ({ours[1]:.4f}-{ours[2]:.4f}) {theirs[0]:>12.4f} ({theirs[1]:.4f}-{theirs[2]:.4f}) {ratio:>16.1f}"
               + (f"   (read per shape: {', '.join(left_out)})" if left_out else ""))
-    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+    load = os.getloadavg()
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    return {"items": items, "batch": batch,
+            "records": [{"format": r[0], "records": r[1], "records_per_s": r[2], "ratio": r[5]} for r in reads],
+            "imports": [{"format": r[0], "items": r[1], "import_items_per_s": r[2], "trainer_over_cache": r[6],
+                         "read_per_shape": r[7]} for r in imports]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=100, help="images per trainer fixture")
+    parser.add_argument("--batch", type=int, default=16, help="items per read_batch of the imported cache")
+    args = parser.parse_args()
+    run_report(items=args.items, batch=args.batch)
+
 
 
 if __name__ == "__main__":
