@@ -231,23 +231,12 @@ def sample_latents_philox_words(item_seeds, n: int, *, first_group: int = 0) -> 
     return out
 
 
-# ---- the several-source gather of sharded caches (csrc/cpu/gather_rows_multi_kernel.cpp) ----
 def gather_rows_multi_into(data, row_sources, row_offsets, widths, pitch, indices, white, out) -> None:
-    args = [len(data)]
-    for source in data:
-        _put(args, source)
-    for t in (row_sources, row_offsets, widths):
-        _put(args, t)
-    args.append(pitch)
-    _put(args, indices)
-    if white is None:
-        args.append(0)
-    else:
-        args.append(1)
-        _put(args, white)
-    _put(args, out)
-    args.append(torch.get_num_threads())
-    _call("latentfast_gather_rows_multi_into", args)
+    """The several-source gather of sharded caches (csrc/cpu/gather_rows_multi_kernel.cpp)."""
+    flag_white = (0,) if white is None else (1, *_tensor(white))
+    args = (*_tensor_list(data), *_tensor(row_sources), *_tensor(row_offsets), *_tensor(widths), pitch,
+            *_tensor(indices), *flag_white, *_tensor(out), torch.get_num_threads())
+    _call(_FN["latentfast_gather_rows_multi_into"], args)
 
 
 KERNELS = {op: globals()[op] for op in ENTRY_POINTS}  # op -> the Python function that calls its kernel
