@@ -16,7 +16,7 @@ from latentfast import sampling
 from latentfast.cache import DevicePrefetcher, LatentCache, LatentCacheWriter, verify_cache
 from latentfast.cache.build.images import build_image_cache
 from latentfast.cache.feed.loader import CacheBatchDataset
-from latentfast.errors import InvalidArgumentError
+from latentfast.errors import InvalidArgumentError, NonFiniteError
 from latentfast.toy import ToyVAE
 
 BUCKETS = [(32, 32), (32, 48)]
@@ -250,3 +250,53 @@ def test_a_store_video_vae_build_keeps_the_normalized_std(tmp_path):
     assert cache.record(i)["latent_std"].shape == cache.record(i)["latent"].shape and (cache.record(i)["latent_std"] > 0).all()
     drawn = cache.read_batch([i], sample=True, seed=0)["latent"][0]
     assert drawn.shape == cache[i].shape and not torch.equal(drawn, cache[i])
+
+
+class LoudVAE(ToyVAE):
+    """ToyVAE's latents times 1e5: beyond float16's range (65504), as bf16-native latents can be."""
+
+    def encode(self, x, **kwargs):
+        return super().encode(x, **kwargs) * 1e5
+
+    def identity(self) -> dict:
+        return {**super().identity(), "scale": 1e5}
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_latent_dtype_stores_bf16_latents_float16_cannot_hold(images, tmp_path, flip):
+    from test_cache_images import by_hand
+
+    vae = LoudVAE()
+    with pytest.raises(NonFiniteError, match="beyond (float16.s range|\+-65504)"):
+        build_image_cache(vae, images, tmp_path / "f16", buckets=BUCKETS, batch_size=2, quiet=True, flip=flip)
+    build_image_cache(vae, images, tmp_path / "bf16", buckets=BUCKETS, batch_size=2, quiet=True, flip=flip,
+                      latent_dtype="bfloat16")
+    cache = LatentCache(tmp_path / "bf16")
+    assert cache.dtype == torch.bfloat16 and cache.meta["latent_dtype"] == "bfloat16"
+    for i, key in enumerate(cache.keys):
+        pixels = by_hand(os.path.join(images, key + ".png"), cache.info(i)["bucket"])[0]
+        want = vae.encode(pixels[None])[0]
+        assert want.abs().max() > 65504  # the point: float16 could not hold these
+        record = cache.record(i)
+        assert record["latent"].dtype == torch.bfloat16 and torch.equal(cache[i], record["latent"])
+        torch.testing.assert_close(record["latent"].float(), want, rtol=1e-2, atol=0)
+        if flip:
+            assert record["latent_flipped"].dtype == torch.bfloat16
+    same_shape = [i for i in range(len(cache)) if cache.shapes[i].tolist() == cache.shapes[0].tolist()]
+    batch = cache.read_batch(same_shape, fields=("latent",))
+    assert batch["latent"].dtype == torch.bfloat16
+    assert torch.equal(batch["latent"], torch.stack([cache[i] for i in same_shape]))
+    assert verify_cache(tmp_path / "bf16")["rows"] == 5
+
+
+def test_a_rebuild_with_another_latent_dtype_re_encodes(images, tmp_path):
+    vae = ToyVAE()
+    build_image_cache(vae, images, tmp_path, buckets=BUCKETS, batch_size=2, quiet=True)
+    assert LatentCache(tmp_path).dtype == torch.float16
+    stats = {}
+    build_image_cache(vae, images, tmp_path, buckets=BUCKETS, batch_size=2, quiet=True, latent_dtype=torch.float32,
+                      stats=stats)
+    cache = LatentCache(tmp_path)
+    assert cache.dtype == torch.float32 and stats["encoded"] == 5
+    with pytest.raises(InvalidArgumentError, match="latent_dtype must be one of"):
+        build_image_cache(vae, images, tmp_path, buckets=BUCKETS, quiet=True, latent_dtype="int8")

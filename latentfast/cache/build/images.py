@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ...errors import ArgumentTypeError, CacheError, ImageError, InvalidArgumentError
+from ...errors import ArgumentTypeError, CacheError, ImageError, InvalidArgumentError, NonFiniteError
 from ..store import format as fmt
 from . import distributed, media
 from .encode import encode, prepare
@@ -48,18 +48,30 @@ class _Job:
     flip: bool = False  # also encode each image's mirror: field latent_flipped (and latent_flipped_std)
     text_encoder: Any = None  # captions -> fields text [L_i, D] and text_pooled [P]
     captions: Any = None  # (key, path) -> caption, with text_encoder
+    latent_dtype: torch.dtype = torch.float16  # latent_dtype=: the latent fields' stored dtype
 
 
-# the dtype of the latent (and of the fields beside it that share its meaning: latent_std, latent_flipped),
-# as the writer stores the latent file
-LATENT_DTYPE = torch.float16
+# the dtypes a builder can store the latent in (and the fields beside it that share its meaning:
+# latent_std, latent_flipped): float16 by default, as every cache before; bfloat16 where the latents
+# overflow float16's range (e.g. Wan VAE latents, which the trainers keep in bf16), float32 to keep
+# all of what the encoder computed
+LATENT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _latent_dtype(value) -> torch.dtype:
+    if isinstance(value, str) and value in LATENT_DTYPES:
+        return LATENT_DTYPES[value]
+    if isinstance(value, torch.dtype) and value in LATENT_DTYPES.values():
+        return value
+    raise InvalidArgumentError(f"latent_dtype must be one of {sorted(LATENT_DTYPES)} (or that torch dtype), got {value!r}")
 
 
 def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, buckets, batch_size: int = 8,
                       device="cpu", autocast_dtype: torch.dtype | None = None, num_workers: int = 4,
                       skip_bad_images: bool = False, no_upscale: bool = False, bucket_step: int = 64,
                       quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
-                      flip: bool = False, text_encoder: Any = None, captions: Any = None, group=None) -> str:
+                      flip: bool = False, text_encoder: Any = None, captions: Any = None,
+                      latent_dtype="float16", group=None) -> str:
     """Encode every image of ``source`` (a folder, walked recursively, or a JSONL manifest of
     ``{"image": path, "key": optional}``) into a shaped cache in ``out_dir``; returns the data path.
 
@@ -75,7 +87,10 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     and by how much at most. ``skip_bad_images`` leaves out unreadable or truncated images (decoded
     fully while planning; listed in the meta's ``skipped`` and named in the summary) instead of
     raising :class:`~latentfast.errors.ImageError`. ``lock_timeout``: seconds to wait for another
-    build of this split. ``stats`` (a dict) receives counts and timings. ``group`` (a
+    build of this split. ``stats`` (a dict) receives counts and timings. ``latent_dtype``
+    (``"float16"``, ``"bfloat16"`` or ``"float32"``): the stored dtype of the latent and the fields
+    beside it that share its meaning (``latent_std``, ``latent_flipped``); a rebuild with another one
+    re-encodes. ``group`` (a
     ``torch.distributed`` process group): a distributed build, see :mod:`latentfast.cache.build.distributed`.
 
     Records beside the latent (each its own field, see ``cache.fields``):
@@ -100,7 +115,7 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     bucket_of = _image_bucket_rule(bucket_list, no_upscale, bucket_step, factor)
     if not isinstance(flip, bool):
         raise ArgumentTypeError(f"flip must be a bool, got {type(flip).__name__} ({flip!r})")
-    job = _Job("image", bucket_of, media.load_image, encoder.encode, flip=flip)
+    job = _Job("image", bucket_of, media.load_image, encoder.encode, flip=flip, latent_dtype=_latent_dtype(latent_dtype))
     settings = {"buckets": [list(b) for b in bucket_list], "resize": "lanczos-cover-center-crop",
                 "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
     if no_upscale:
@@ -114,7 +129,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
 def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, buckets, frame_stride: int = 1,
                       batch_size: int = 1, device="cpu", autocast_dtype: torch.dtype | None = None,
                       num_workers: int = 4, skip_bad_clips: bool = False, quiet: bool = False,
-                      lock_timeout: float = 0.0, stats: dict | None = None, group=None) -> str:
+                      lock_timeout: float = 0.0, stats: dict | None = None, latent_dtype="float16",
+                      group=None) -> str:
     """Encode every clip of ``source`` into a shaped cache of ``[C, T', h, w]`` latents; returns the data path.
 
     A clip is a folder of frame images (file-name order) or a video file (PyAV). ``source`` is a
@@ -130,7 +146,8 @@ def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
         raise InvalidArgumentError(f"frame_stride must be a positive int, got {frame_stride!r}")
     bucket_list = media.check_buckets(buckets, video=True, factor=getattr(encoder, "spatial_downscale", None))
     job = _Job("video", lambda item: media.clip_bucket(item, bucket_list, frame_stride),
-               lambda item: media.load_clip(item, frame_stride), encoder.encode_video)
+               lambda item: media.load_clip(item, frame_stride), encoder.encode_video,
+               latent_dtype=_latent_dtype(latent_dtype))
     settings = {"buckets": [list(b) for b in bucket_list], "frame_stride": frame_stride,
                 "resize": "lanczos-cover-center-crop", "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
     settings.update(_record_settings(job, encoder, source, None, None))
@@ -139,12 +156,27 @@ def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
                   lock_timeout=lock_timeout, stats=stats)
 
 
+def _as_latent_dtype(items, name: str, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``z`` cast to the stored dtype; a float16 cast that would turn finite values into inf raises,
+    naming the item and the way out (the writer finds NaN/inf that came from the encoder itself)."""
+    if dtype == torch.float16:
+        peak = z.detach().abs().flatten(1).amax(1)
+        over = (peak > 65504).nonzero()
+        if len(over):
+            b = int(over[0])
+            raise NonFiniteError(f"{name} of key {items[b].key!r} holds values beyond float16's range (+-65504; largest "
+                                 f"magnitude {float(peak[b]):.4g}): build with latent_dtype='bfloat16' or 'float32'")
+    return z.to(dtype)
+
+
 def _record_settings(job: _Job, encoder, source, text_encoder, captions) -> dict:
     """Set up the fields beside the latent on ``job``; the meta entries that stamp them."""
     from ..captions import Captions
 
     job.store_std = getattr(encoder, "sample", None) == "store"
     settings = {}
+    if job.latent_dtype != torch.float16:
+        settings["latent_dtype"] = str(job.latent_dtype).removeprefix("torch.")
     if job.store_std:
         settings["latent_std"] = True
     if job.flip:
@@ -291,7 +323,7 @@ def _previous_cache(out_dir, split, identity, meta):
     # other buckets are fine: an item is copied only if its own bucket is unchanged
     same = cache.shaped and cache.meta.get("encoder") == identity and all(
         cache.meta.get(k) == meta.get(k) for k in ("kind", "resize", "frame_stride", "encode_dtype", "latent_std", "flip",
-                                                   "text_encoder"))
+                                                   "text_encoder", "latent_dtype"))
     return cache if same else None
 
 
@@ -416,8 +448,8 @@ class _Runner:
         if self.job.text_encoder is not None:
             fields.update(self._text_fields([item.caption for item in items]))
         self.counts["encode_s"] += time.perf_counter() - t0
-        if len(fields) == 1:
-            return list(fields["latent"])
+        if len(fields) == 1 and self.job.latent_dtype == torch.float16:
+            return list(fields["latent"])  # plain float16 latents: the single-tensor append, as always
         return [{name: values[b] for name, values in fields.items()} for b in range(len(items))]
 
     def _latent_fields(self, items, batch, name) -> dict:
@@ -428,11 +460,12 @@ class _Runner:
         z, std = z if self.job.store_std else (z, None)
         if z.shape[0] != len(items):
             raise InvalidArgumentError(f"the encoder returned {z.shape[0]} latents for a batch of {len(items)}")
-        if std is None and name == "latent" and not self.job.flip and self.job.text_encoder is None:
+        plain = std is None and name == "latent" and not self.job.flip and self.job.text_encoder is None
+        if plain and self.job.latent_dtype == torch.float16:
             return {name: z}  # a plain cache: the writer stores the latent as it always has
-        fields = {name: z.to(LATENT_DTYPE)}
+        fields = {name: _as_latent_dtype(items, name, z, self.job.latent_dtype)}
         if std is not None:
-            fields[name + "_std"] = std.to(LATENT_DTYPE)
+            fields[name + "_std"] = _as_latent_dtype(items, name + "_std", std, self.job.latent_dtype)
         return fields
 
     def _text_fields(self, captions: list[str]) -> dict:
