@@ -291,3 +291,23 @@ def test_scaled_needs_factors_that_agree_and_vae_latents(tmp_path):
         import_latents(tmp_path / "kohya", tmp_path / "o6", format="kohya", key="latents")
     with pytest.raises(TrainerCacheError, match="expected one trainer's cache to detect"):
         import_latents(tmp_path, tmp_path / "o7", format="auto")
+
+
+@pytest.mark.parametrize("format", ["npz", "safetensors", "pt"])
+def test_an_item_over_max_item_bytes_is_refused_before_it_is_read(tmp_path, format):
+    src = tmp_path / "src"
+    {"npz": write_npz, "safetensors": write_safetensors, "pt": write_pt}[format](src, latents(7))
+    with pytest.raises(InvalidArgumentError, match=rf"img_\d+\.{format}: its item takes \d+ bytes .* max_item_bytes=100"):
+        import_latents(str(src), str(tmp_path / "out"), format=format, max_item_bytes=100)
+    assert not os.path.exists(cache_path(str(tmp_path / "out"), "train", "meta"))
+    import_latents(str(src), str(tmp_path / "ok"), format=format, max_item_bytes=1 << 20)
+    assert len(LatentCache(str(tmp_path / "ok"))) == 7
+
+
+def test_a_compressed_npz_is_judged_by_its_inflated_arrays(tmp_path):
+    src = tmp_path / "src"
+    os.makedirs(src)
+    np.savez_compressed(src / "a.npz", latents=np.zeros((4, 64, 64), np.float32))  # 64 KiB of zeros: tiny on disk
+    assert os.path.getsize(src / "a.npz") < 10_000
+    with pytest.raises(InvalidArgumentError, match="max_item_bytes=10000"):
+        import_latents(str(src), str(tmp_path / "out"), format="npz", max_item_bytes=10_000)

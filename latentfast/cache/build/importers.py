@@ -156,6 +156,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
                                        f"the trainer's own entry names")
         return _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
                                scaling_factor, shift_factor, options)
+    max_item_bytes = options.pop("max_item_bytes", trainers.DEFAULT_MAX_ITEM_BYTES)
     if options or scaled is not None or scaling_factor is not None or shift_factor is not None:
         raise InvalidArgumentError(f"format {format!r} takes no trainer options (scaled=, scaling_factor=, shift_factor=, "
                                    f"{sorted(options)}); those are for the trainer formats {list(TRAINER_FORMATS)}")
@@ -164,6 +165,8 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     files = list_latent_files(source_dir, format)
     if not files:
         raise InvalidArgumentError(f"source_dir {source_dir} holds no .{format} files")
+    for _, path in files:  # before anything is read: an item is loaded whole, so its size bounds the memory
+        _check_item_bytes(path, format, max_item_bytes)
     share = distributed.current_share()
     if share is not None:  # a distributed import: this rank's files, costed by their bytes
         files = share.keep(files, [[f] for f in files], key=lambda f: f[0], cost=lambda f: os.path.getsize(f[1]))
@@ -193,6 +196,24 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     if stats is not None:
         stats.update(imported=done, resumed=resumed, unchanged=False, **_listed(format, files, others))
     return fmt.cache_path(out_dir, split, "data")
+
+
+def _check_item_bytes(path: str, format: str, limit: int) -> None:
+    """Refuse a file whose item would take more than ``limit`` bytes of memory to read: its size on
+    disk, for ``.npz`` the sum of its arrays' uncompressed sizes (what ``np.load`` inflates)."""
+    if format == "npz":
+        import zipfile
+
+        try:
+            with zipfile.ZipFile(path) as archive:
+                size = sum(info.file_size for info in archive.infolist())
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise CacheError(f"cannot read npz latents from {path}: {exc}") from None
+    else:
+        size = os.path.getsize(path)
+    if size > limit:
+        raise InvalidArgumentError(f"{path}: its item takes {size} bytes to read, more than max_item_bytes={limit} "
+                                   f"(items are read whole); pass a larger max_item_bytes= if the memory is there")
 
 
 def _listed(format: str, files: list, others: list[str]) -> dict:
