@@ -30,6 +30,7 @@ import torch
 
 from ...errors import ArgumentTypeError, CacheError, ImageError, InvalidArgumentError, NonFiniteError
 from ..store import format as fmt
+from ..store import fields as fieldstore
 from . import distributed, media
 from .encode import encode, prepare
 from ..store.durable import BuildLock
@@ -55,7 +56,7 @@ class _Job:
 # latent_std, latent_flipped): float16 by default, as every cache before; bfloat16 where the latents
 # overflow float16's range (e.g. Wan VAE latents, which the trainers keep in bf16), float32 to keep
 # all of what the encoder computed
-LATENT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+LATENT_DTYPES = {name: fieldstore.DTYPES[name] for name in fmt.LATENT_DTYPES}  # the store's own list
 
 
 def _latent_dtype(value) -> torch.dtype:
