@@ -209,6 +209,9 @@ def test_inspect_and_verify_on_the_command_line_take_urls(server, tmp_path, monk
                      "--local-cache", str(tmp_path / "lc"), "--local-cache-bytes", "64M"]) == 0
         assert f'"n": {len(LatentCache(local))}' in capsys.readouterr().out
     assert os.listdir(tmp_path / "lc")  # the given local cache is kept (a temporary one is not)
+    assert main(["cache", "pull", "s3://lfshards/sharded", str(tmp_path / "back"), "--endpoint-url", endpoint]) == 0
+    assert f"verify OK: split 'train', {N} rows" in capsys.readouterr().out  # the pulled shards, verified
+    assert_same(LatentCache(str(tmp_path / "back")).read_batch(list(range(N)), **FIELDS), LatentCache(folder).read_batch(list(range(N)), **FIELDS))
     assert main(["cache", "verify", "s3://lfshards/none", "--endpoint-url", endpoint]) == 1
     assert "s3://lfshards/none" in capsys.readouterr().err
     assert main(["cache", "verify", single, "--endpoint-url", endpoint]) == 2
