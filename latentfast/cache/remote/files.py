@@ -139,39 +139,20 @@ class RemoteFiles:
 
         return self.holding(items, *item_spans(items, index))
 
-    @contextlib.contextmanager
     def holding(self, items, starts, ends):
         """Keep bytes ``[starts[i], ends[i])`` of ``items``' data file (its ``path`` in the mirror) local
         for the block: their chunks fetched (and checked, see :meth:`_fetch_checked`) and safe from
         eviction until it ends."""
+        return _holding([self._hold_plan(items, starts, ends)])
+
+    def _hold_plan(self, items, starts, ends) -> tuple:
+        """``(self, items, name, chunks, starts, ends, chunk rows)`` of non-empty spans: what :func:`_holding` needs."""
         name, obj = self._object(items.path)
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         if not (ends > starts).all():  # (a warm batch of latents skips this: every item has bytes)
             keep = ends > starts
             starts, ends = starts[keep], ends[keep]
-        if not len(starts):
-            yield
-            return
-        chunks = _span_chunks(obj, starts, ends)
-        for _ in range(_HOLD_ATTEMPTS):
-            if not obj.present[chunks].all():
-                self.reader._run(self._fetch_checked(name, obj, starts, ends, self._values(items))).result()
-            with obj.reading():  # the evictor waits until the block ends
-                if obj.present[chunks].all():
-                    obj.atime[chunks] = now_ns()
-                    yield
-                    return
-        raise RemoteReadError(
-            f"{self.reader.folder.where(name, int(starts.min()), int(ends.max()))}: its chunks were evicted again before "
-            f"they could be read, {_HOLD_ATTEMPTS} times: local_cache_bytes ({self.reader.cache.capacity}) is too small "
-            f"for what is read at once")
-
-    def is_local(self, items, starts, ends) -> bool:
-        """Whether every chunk under the (non-empty) spans is in the local chunk cache now."""
-        _name, obj = self._object(items.path)
-        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        keep = ends > starts
-        return bool(obj.present[_span_chunks(obj, starts[keep], ends[keep])].all()) if keep.any() else True
+        return self, items, name, obj, starts, ends, _span_chunks(obj, starts, ends) if len(starts) else None
 
     def prefetch(self, items, starts, ends):
         """Start fetching (and checking) these spans of ``items``' data file into the local chunk cache;
@@ -348,20 +329,40 @@ def mirror_manifest(url: str, split: str, storage_options, local_cache, local_ca
     return generation_folder(reader.cache.directory, url, split + ".shards", manifest, fill)
 
 
-@contextlib.contextmanager
 def holding_many(requests):
     """One hold over several caches' items: ``requests`` are ``(items, index)`` pairs (a shard's
-    :class:`~latentfast.cache.store.layout.Items` or field items, and rows of it). The missing chunks
-    of all are fetched concurrently first (one round trip for a batch over many shards, not one per
-    shard), then each is held as :meth:`RemoteFiles.holding_items`."""
+    :class:`~latentfast.cache.store.layout.Items` or field items, and rows of it), each held as
+    :meth:`RemoteFiles.holding_items`; the missing chunks of all are fetched concurrently (one round
+    trip for a batch over many shards, not one per shard)."""
     from ..store.layout import item_spans
 
-    spans = [(items, *item_spans(items, index)) for items, index in requests if len(index)]
-    pending = [items.remote.prefetch(items, s, e) for items, s, e in spans if not items.remote.is_local(items, s, e)]
-    for future in pending:
-        future.result()
-    stack = contextlib.ExitStack()
-    with stack:
-        for items, s, e in spans:
-            stack.enter_context(items.remote.holding(items, s, e))
-        yield
+    return _holding([items.remote._hold_plan(items, *item_spans(items, index)) for items, index in requests if len(index)])
+
+
+@contextlib.contextmanager
+def _holding(plans):
+    """Hold the spans of every plan (:meth:`RemoteFiles._hold_plan`): fetch what is missing (all plans'
+    fetches at once), then take each object's reader lock (the evictor waits) and check it is all
+    still there; evicted meanwhile: fetch again, up to ``_HOLD_ATTEMPTS`` rounds."""
+    plans = [p for p in plans if p[6] is not None]
+    for _ in range(_HOLD_ATTEMPTS):
+        missing = [p for p in plans if not p[3].present[p[6]].all()]
+        fetches = [files.reader._run(files._fetch_checked(name, obj, s, e, files._values(items)))
+                   for files, items, name, obj, s, e, _chunks in missing]
+        for fetch in fetches:
+            fetch.result()
+        with contextlib.ExitStack() as stack:
+            for p in plans:
+                stack.enter_context(p[3].reading())
+            evicted = [p for p in plans if not p[3].present[p[6]].all()]
+            if not evicted:
+                now = now_ns()
+                for p in plans:
+                    p[3].atime[p[6]] = now
+                yield
+                return
+    files, _items, name, _obj, s, e, _chunks = evicted[0]
+    raise RemoteReadError(
+        f"{files.reader.folder.where(name, int(s.min()), int(e.max()))}: its chunks were evicted again before "
+        f"they could be read, {_HOLD_ATTEMPTS} times: local_cache_bytes ({files.reader.cache.capacity}) is too small "
+        f"for what is read at once")

@@ -303,12 +303,23 @@ class ShardedCache(LatentCache):
             self.shard_dirs = [remote_shard_url(self.url, e["path"], path) for e in manifest["shards"]]
         else:
             self.shard_dirs = [os.path.normpath(os.path.join(self.cache_dir, e["path"])) for e in manifest["shards"]]
-        self.shards = []
-        for entry, folder in zip(manifest["shards"], self.shard_dirs):
-            if self.url is None and not os.path.exists(fmt.cache_path(folder, split, "meta")):
+        for folder in self.shard_dirs if self.url is None else ():
+            if not os.path.exists(fmt.cache_path(folder, split, "meta")):
                 raise IncompleteCacheError(f"sharded cache {path}: shard {folder} is missing or incomplete; "
                                            f"re-run the build (or the merge) that wrote it")
-            shard = LatentCache(folder, split, expected, white_column, verify_rows=verify_rows, **remote)
+
+        def open_shard(folder):
+            return LatentCache(folder, split, expected, white_column, verify_rows=verify_rows, **remote)
+
+        if self.url is None:
+            opened = [open_shard(folder) for folder in self.shard_dirs]
+        else:  # each shard's index files are a dozen small GETs: all shards' at once
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(16, len(self.shard_dirs))) as pool:
+                opened = list(pool.map(open_shard, self.shard_dirs))
+        self.shards = []
+        for entry, folder, shard in zip(manifest["shards"], self.shard_dirs, opened):
             if len(shard) != entry["n"] or _file_crc(fmt.cache_path(shard.cache_dir, split, "meta")) != entry["meta_crc"]:
                 raise CacheCorruptError(f"sharded cache {path}: shard {folder} changed after the manifest was written "
                                         f"(now {len(shard)} items, the manifest says {entry['n']}); re-run the build or merge")
