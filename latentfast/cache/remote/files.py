@@ -128,31 +128,46 @@ class RemoteFiles:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        for key in ("_objects", "_value_tables", "_generation_lock"):  # (a worker reads under its parent's lock)
+        for key in ("_objects", "_value_tables", "_chunk_tables", "_generation_lock"):  # (a worker reads under its parent's lock)
             state.pop(key, None)
         return state
 
     # ---- holding bytes local --------------------------------------------------------------------
     def holding_items(self, items, index):
         """:meth:`holding` of whole items ``index`` (in range) of ``items``."""
-        from ..store.layout import item_spans
-
-        return self.holding(items, *item_spans(items, index))
+        return _holding([self._hold_items(items, index)])
 
     def holding(self, items, starts, ends):
         """Keep bytes ``[starts[i], ends[i])`` of ``items``' data file (its ``path`` in the mirror) local
         for the block: their chunks fetched (and checked, see :meth:`_fetch_checked`) and safe from
         eviction until it ends."""
-        return _holding([self._hold_plan(items, starts, ends)])
-
-    def _hold_plan(self, items, starts, ends) -> tuple:
-        """``(self, items, name, chunks, starts, ends, chunk rows)`` of non-empty spans: what :func:`_holding` needs."""
         name, obj = self._object(items.path)
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        if not (ends > starts).all():  # (a warm batch of latents skips this: every item has bytes)
+        if not (ends > starts).all():
             keep = ends > starts
             starts, ends = starts[keep], ends[keep]
-        return self, items, name, obj, starts, ends, _span_chunks(obj, starts, ends) if len(starts) else None
+        return _holding([_Hold(self, items, name, obj, _span_chunks(obj, starts, ends), (starts, ends))] if len(starts) else [])
+
+    def _hold_items(self, items, index) -> "_Hold | None":
+        """The :class:`_Hold` of whole items ``index``: their chunks from a per-file table (a warm batch's
+        hold costs a few array operations), their byte spans only if something must be fetched."""
+        name, obj = self._object(items.path)
+        memo = self.__dict__.setdefault("_chunk_tables", {})
+        if items.path not in memo:
+            from ..store.layout import item_spans
+
+            starts, ends = item_spans(items, np.arange(items.n))
+            has_bytes = ends > starts
+            first, last = starts // obj.chunk_bytes, np.maximum(ends - 1, starts) // obj.chunk_bytes
+            steps = np.arange(int((last - first).max(initial=0)) + 1)
+            memo[items.path] = first, last, steps, has_bytes, bool(has_bytes.all())
+        first, last, steps, has_bytes, all_have = memo[items.path]
+        index = np.asarray(index, dtype=np.int64)
+        if not all_have:
+            index = index[has_bytes[index]]
+        if not len(index):
+            return None
+        return _Hold(self, items, name, obj, np.minimum(first[index][:, None] + steps, last[index][:, None]), index)
 
     def prefetch(self, items, starts, ends):
         """Start fetching (and checking) these spans of ``items``' data file into the local chunk cache;
@@ -329,40 +344,58 @@ def mirror_manifest(url: str, split: str, storage_options, local_cache, local_ca
     return generation_folder(reader.cache.directory, url, split + ".shards", manifest, fill)
 
 
+class _Hold:
+    """One data file's part of a hold: its chunks (a row per span) and what to fetch if some are
+    missing -- byte spans, or item indices whose spans are worked out then."""
+
+    __slots__ = ("files", "items", "name", "obj", "chunks", "_what")
+
+    def __init__(self, files: "RemoteFiles", items, name: str, obj, chunks: np.ndarray, what):
+        self.files, self.items, self.name, self.obj, self.chunks, self._what = files, items, name, obj, chunks, what
+
+    def spans(self) -> tuple[np.ndarray, np.ndarray]:
+        if not isinstance(self._what, tuple):
+            from ..store.layout import item_spans
+
+            starts, ends = item_spans(self.items, self._what)
+            self._what = starts[ends > starts], ends[ends > starts]
+        return self._what
+
+    def fetch(self):
+        return self.files.reader._run(self.files._fetch_checked(self.name, self.obj, *self.spans(), self.files._values(self.items)))
+
+
 def holding_many(requests):
     """One hold over several caches' items: ``requests`` are ``(items, index)`` pairs (a shard's
     :class:`~latentfast.cache.store.layout.Items` or field items, and rows of it), each held as
     :meth:`RemoteFiles.holding_items`; the missing chunks of all are fetched concurrently (one round
     trip for a batch over many shards, not one per shard)."""
-    from ..store.layout import item_spans
-
-    return _holding([items.remote._hold_plan(items, *item_spans(items, index)) for items, index in requests if len(index)])
+    return _holding([items.remote._hold_items(items, index) for items, index in requests])
 
 
 @contextlib.contextmanager
-def _holding(plans):
-    """Hold the spans of every plan (:meth:`RemoteFiles._hold_plan`): fetch what is missing (all plans'
-    fetches at once), then take each object's reader lock (the evictor waits) and check it is all
-    still there; evicted meanwhile: fetch again, up to ``_HOLD_ATTEMPTS`` rounds."""
-    plans = [p for p in plans if p[6] is not None]
-    for _ in range(_HOLD_ATTEMPTS):
-        missing = [p for p in plans if not p[3].present[p[6]].all()]
-        fetches = [files.reader._run(files._fetch_checked(name, obj, s, e, files._values(items)))
-                   for files, items, name, obj, s, e, _chunks in missing]
-        for fetch in fetches:
-            fetch.result()
+def _holding(holds):
+    """Hold every :class:`_Hold`: under each object's reader lock (the evictor waits) check its chunks
+    are all there; if some are not, let go, fetch them (all holds' fetches at once) and look again,
+    up to ``_HOLD_ATTEMPTS`` rounds."""
+    holds = [h for h in holds if h is not None]
+    for attempt in range(_HOLD_ATTEMPTS + 1):  # (the first look is before any fetch)
         with contextlib.ExitStack() as stack:
-            for p in plans:
-                stack.enter_context(p[3].reading())
-            evicted = [p for p in plans if not p[3].present[p[6]].all()]
-            if not evicted:
+            for h in holds:
+                stack.enter_context(h.obj.reading())
+            missing = [h for h in holds if not h.obj.present[h.chunks].all()]
+            if not missing:
                 now = now_ns()
-                for p in plans:
-                    p[3].atime[p[6]] = now
+                for h in holds:
+                    h.obj.atime[h.chunks] = now
                 yield
                 return
-    files, _items, name, _obj, s, e, _chunks = evicted[0]
+        if attempt == _HOLD_ATTEMPTS:
+            break
+        for fetch in [h.fetch() for h in missing]:
+            fetch.result()
+    starts, ends = missing[0].spans()
     raise RemoteReadError(
-        f"{files.reader.folder.where(name, int(s.min()), int(e.max()))}: its chunks were evicted again before "
-        f"they could be read, {_HOLD_ATTEMPTS} times: local_cache_bytes ({files.reader.cache.capacity}) is too small "
-        f"for what is read at once")
+        f"{missing[0].files.reader.folder.where(missing[0].name, int(starts.min()), int(ends.max()))}: its chunks were "
+        f"evicted again before they could be read, {_HOLD_ATTEMPTS} times: local_cache_bytes "
+        f"({missing[0].files.reader.cache.capacity}) is too small for what is read at once")

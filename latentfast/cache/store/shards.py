@@ -267,7 +267,9 @@ class _ShardHolds:
         from ..remote.files import holding_many
 
         picked = self.order[np.asarray(index, dtype=np.int64)]
-        return holding_many([(self.parts[k], picked[picked[:, 0] == k, 1]) for k in np.unique(picked[:, 0]).tolist()])
+        picked = picked[np.argsort(picked[:, 0], kind="stable")]  # grouped by shard
+        cuts = np.flatnonzero(picked[1:, 0] != picked[:-1, 0]) + 1
+        return holding_many([(self.parts[int(rows[0, 0])], rows[:, 1]) for rows in np.split(picked, cuts) if len(rows)])
 
 
 def _flat_rows(order: np.ndarray, sizes: list[int]) -> np.ndarray:
