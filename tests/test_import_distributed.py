@@ -34,6 +34,23 @@ def make_folders(root: str) -> dict:
     return folders
 
 
+def test_a_part_of_a_source_keeps_the_whole_folders_keys_and_description(tmp_path):
+    from latentfast.cache.trainers import open_source
+
+    fixtures.write_kohya(str(tmp_path), arch="flux", n=2)
+    open(tmp_path / "notes.txt", "w").write("x")
+    whole = open_source(str(tmp_path), "auto")
+    part = whole.only(["img_001@16x24", "img_000@8x8"])
+    assert part.keys == ["img_000@8x8", "img_001@16x24"]  # the whole folder's order and keys (not "img_000")
+    assert [r.key for r in part] == part.keys and len(part) == 2 and len(whole) == 4
+    assert part.item_bytes == [b for k, b in zip(whole.keys, whole.item_bytes) if k in part.keys]
+    assert (part.format, part.evidence, part.skipped, part.convention) == (whole.format, whole.evidence, whole.skipped, whole.convention)
+    for got, want in zip(part, (r for r in whole if r.key in part.keys)):
+        assert got.info == want.info and all(fixtures.same_bits(got.fields[n], want.fields[n]) for n in want.fields)
+    with pytest.raises(KeyError, match="no item 'img_009'"):
+        whole.only(["img_009"])
+
+
 def _mtimes(folder: str) -> dict:
     return {name: os.stat(os.path.join(folder, name)).st_mtime_ns for name in sorted(os.listdir(folder))}
 
