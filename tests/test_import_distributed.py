@@ -6,12 +6,11 @@ other wrote and the rerun resumes; ``latentfast cache import --distributed`` und
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from test_cache_distributed import file_mtimes, kill_rank_and_rerun
 
 from latentfast.cache import IncompleteCacheError, LatentCache
 from latentfast.cache.build.distributed import shard_dir
@@ -51,10 +50,6 @@ def test_a_part_of_a_source_keeps_the_whole_folders_keys_and_description(tmp_pat
         whole.only(["img_009"])
 
 
-def _mtimes(folder: str) -> dict:
-    return {name: os.stat(os.path.join(folder, name)).st_mtime_ns for name in sorted(os.listdir(folder))}
-
-
 def _rank_imports(rank: int, world: int, folders: dict, out: str):
     import torch.distributed as dist
 
@@ -65,9 +60,9 @@ def _rank_imports(rank: int, world: int, folders: dict, out: str):
         target, stats, again = os.path.join(out, kind), {}, {}
         import_latents(folders[kind], target, format=format, quiet=True, stats=stats, group=dist.group.WORLD)
         mine = shard_dir(target, "train", rank, world)
-        before = _mtimes(mine) if os.path.isdir(mine) else None
+        before = file_mtimes([mine]) if os.path.isdir(mine) else None
         import_latents(folders[kind], target, format=format, quiet=True, stats=again, group=dist.group.WORLD)
-        result[kind] = (stats, again, before, _mtimes(mine) if os.path.isdir(mine) else None)
+        result[kind] = (stats, again, before, file_mtimes([mine]) if os.path.isdir(mine) else None)
     try:  # the same keys, but rank 0 (and 2) detect kohya, rank 1 musubi-tuner
         import_latents(folders["kohya_sd" if rank % 2 == 0 else "musubi"], os.path.join(out, "mixed"), format="auto",
                        quiet=True, group=dist.group.WORLD)
@@ -143,37 +138,14 @@ finally:
 """
 
 
-def _start_ranks(tmp_path, src, out, run, slow):
-    store = str(tmp_path / f"store{run}")
-    return [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), "2", store, src, out, str(slow)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_sigkilled_rank_loses_nothing_the_other_imported_and_the_rerun_resumes(tmp_path):
     src, out = str(tmp_path / "kohya"), str(tmp_path / "out")
     fixtures.write_kohya(src, arch="flux", n=6)  # 12 items
-    ranks = _start_ranks(tmp_path, src, out, 0, slow=0.3)
-    progress = os.path.join(shard_dir(out, "train", 1, 2), "train.latents.progress")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress, "rb").read().count(b"\n") >= 3):
-        time.sleep(0.02)
-    ranks[1].send_signal(signal.SIGKILL)
-    ranks[1].wait()
-    ranks[0].communicate(timeout=120)
-    assert ranks[1].returncode == -signal.SIGKILL and ranks[0].returncode != 0  # rank 0 learns its peer died
-    first = LatentCache(shard_dir(out, "train", 0, 2))  # rank 0's shard: complete
-    logged = open(progress, "rb").read().count(b"\n") - 1
-    assert len(first) > 0 and logged >= 2
-    with pytest.raises(IncompleteCacheError, match="manifest"):
-        LatentCache(out)
-    ranks = _start_ranks(tmp_path, src, out, 1, slow=0.0)
-    outputs = [p.communicate(timeout=120) for p in ranks]
-    assert [p.returncode for p in ranks] == [0, 0], outputs
-    appended = [int(o.split()[-1]) for o, _ in outputs]
+    first, logged, appended = kill_rank_and_rerun(RANK_SCRIPT, tmp_path, src, out)
     assert appended[0] == 0, "rank 0's finished shard is kept, not imported again"
-    assert appended[1] == 12 - len(first) - logged, "rank 1 imports only what its log does not hold"
+    assert appended[1] == 12 - first - logged, "rank 1 imports only what its log does not hold"
     single = str(tmp_path / "single")
     import_latents(src, single, format="kohya", quiet=True)
     assert_same_records(LatentCache(single), LatentCache(out))
