@@ -21,6 +21,9 @@ batches of an epoch's permutation: no item twice). Per configuration, ``--runs``
   batch k+1 before reading batch k, what ``LookaheadSampler`` does), against
 - LatentCache local: ``read_batch`` of the same rows from the local cache (page cache hot): the
   issue's "warm local chunk cache >= 0.9x a local cache" compares these two (5 interleaved passes).
+- LatentCache s3://, 8 shards, cold + lookahead / warm: the same rows as a sharded cache of 8 shards
+  (contiguous ranges: every batch spans all 8) pushed beside it, read the same way: what a pushed
+  distributed build costs against one cache in the bucket.
 
 - mosaic streaming / litdata (when installed: ``pip install 'latentfast[bench-compare]'``), over the
   same server and rows: an MDS dataset written by ``MDSWriter`` (defaults: 64 MiB shards) read by
@@ -60,10 +63,12 @@ import torch
 from latentfast.bench.common import format_table
 from latentfast.cache import LatentCache
 from latentfast.cache.remote import RemoteReader, push
-from latentfast.testing import free_port, write_random_cache
+from latentfast.cache.store.shards import write_manifest
+from latentfast.testing import free_port, write_cache, write_random_cache
 
 BUCKET, PREFIX, DATA = "bench", "cache", "train.latents.f16.dat"
 PASSES = 5  # warm and local passes per run (their median), interleaved
+SHARDS = 8
 
 
 def start_s3rver(binary: str, directory: str):
@@ -104,6 +109,19 @@ def make_cache(folder: str, n: int, item_kib: int) -> tuple[str, int]:
     w_max = item_kib * 1024 // (2 * channels * latent_h)
     path = write_random_cache(folder, n, channels, latent_h, w_max, min_width=w_max, layouts=("padded",))["padded"]
     return path, channels * latent_h * w_max * 2
+
+
+def make_sharded(path: str, out: str) -> str:
+    """The rows of the cache in ``path`` as one sharded cache in ``out`` of SHARDS shards of contiguous rows."""
+    cache = LatentCache(path)
+    bounds = np.linspace(0, len(cache), SHARDS + 1).astype(int)
+    dirs = []
+    for k, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        rows, widths = cache.read_batch(list(range(a, b)))
+        dirs.append(os.path.join(out, "shards", f"train-{k:05d}"))
+        write_cache(dirs[-1], list(rows.numpy()), widths.numpy(), w_max=cache.w_max)
+    write_manifest(out, "train", dirs)
+    return out
 
 
 def epoch_batches(n: int, batch: int, count: int, seed: int) -> list[np.ndarray]:
@@ -192,15 +210,19 @@ def run_latent_cache(open_cache, batches, lookahead=False, cache=None):
         last[:] = [cache.read_batch(batches[k])[0]]
 
     def fetched():
-        return 0 if cache is None or cache.remote is None else cache.remote.reader.stats["bytes_fetched"]
+        if cache is None:
+            return 0
+        remotes = [s.remote for s in getattr(cache, "shards", [cache]) if s.remote is not None]  # (a sharded cache: its shards')
+        return sum(r.reader.stats["bytes_fetched"] for r in remotes)
 
     before = fetched()
     total, first = timed(read_batch, batches)
     return total, first, fetched() - before, cache, last[0]
 
 
-def latent_cache_runs(url, options, folder, batches, row, chunks_dir) -> dict:
-    """{config: (seconds, first, bytes)} of LatentCache over s3:// (cold, cold + lookahead, warm) and local."""
+def latent_cache_runs(url, options, folder, batches, row, chunks_dir, sharded_url) -> dict:
+    """{config: (seconds, first, bytes)} of LatentCache over s3:// (cold, cold + lookahead, warm; one
+    cache and SHARDS shards) and local."""
     local = LatentCache(folder)
     want = local.read_batch(batches[-1])[0]
 
@@ -210,22 +232,24 @@ def latent_cache_runs(url, options, folder, batches, row, chunks_dir) -> dict:
 
     budget = 4 * len(batches) * len(batches[0]) * row
     results = {}
-    for tag, lookahead in (("cold", False), ("cold + lookahead", True)):
-        opened = lambda: LatentCache(url, storage_options=options, local_cache=tempfile.mkdtemp(dir=chunks_dir), local_cache_bytes=budget)  # noqa: E731
+    filled = {}
+    for tag, where, lookahead in (("cold", url, False), ("cold + lookahead", url, True),
+                                  (f"{SHARDS} shards, cold + lookahead", sharded_url, True)):
+        opened = lambda: LatentCache(where, storage_options=options, local_cache=tempfile.mkdtemp(dir=chunks_dir), local_cache_bytes=budget)  # noqa: E731
         run = run_latent_cache(opened, batches, lookahead)
         check(f"LatentCache s3://, {tag}", run[4])
         results[f"LatentCache s3://, {tag}"] = run[:3]
-    warm, plain = [], []
+        filled[where] = run[3]
+    passes = {"LatentCache s3://, warm": filled[url], f"LatentCache s3://, {SHARDS} shards, warm": filled[sharded_url],
+              "LatentCache local": local}
+    times = {tag: [] for tag in passes}
     run_latent_cache(None, batches, cache=local)  # page cache hot
-    for _ in range(PASSES):  # interleaved, so both see the same load on a shared machine
-        got = run_latent_cache(None, batches, cache=run[3])
-        check("LatentCache s3://, warm", got[4])
-        warm.append(got[:3])
-        got = run_latent_cache(None, batches, cache=local)
-        check("LatentCache local", got[4])
-        plain.append(got[:3])
-    results["LatentCache s3://, warm"] = tuple(statistics.median(x) for x in zip(*warm))
-    results["LatentCache local"] = tuple(statistics.median(x) for x in zip(*plain))
+    for _ in range(PASSES):  # interleaved, so all see the same load on a shared machine
+        for tag, cache in passes.items():
+            got = run_latent_cache(None, batches, cache=cache)
+            check(tag, got[4])
+            times[tag].append(got[:3])
+    results.update({tag: tuple(statistics.median(x) for x in zip(*t)) for tag, t in times.items()})
     return results
 
 
@@ -348,7 +372,7 @@ def prepare_peers(path: str, row: int, n: int, scratch: str, options: dict) -> N
     put_folder(lit, f"s3://{BUCKET}/lit", options)
 
 
-def one_run(url, options, path, batches, row, scratch, peers=False, chunks_dir=None):
+def one_run(url, options, path, batches, row, scratch, peers=False, chunks_dir=None, sharded_url=None):
     """{config: (seconds, first batch seconds, bytes fetched)} for one run; checks the bytes read."""
     out = np.empty(len(batches[0]) * row, dtype=np.uint8)
     local = np.memmap(path, dtype=np.uint8, mode="r")
@@ -381,7 +405,7 @@ def one_run(url, options, path, batches, row, scratch, peers=False, chunks_dir=N
         check("local file")
     results["warm"] = tuple(statistics.median(x) for x in zip(*warm))
     results["local file"] = tuple(statistics.median(x) for x in zip(*plain))
-    results.update(latent_cache_runs(url, options, os.path.dirname(path), batches, row, chunks_dir))
+    results.update(latent_cache_runs(url, options, os.path.dirname(path), batches, row, chunks_dir, sharded_url))
     if peers:
         results.update(peer_runs(options, batches, row, out, chunks_dir, check))
     return results
@@ -407,6 +431,9 @@ def summarize(runs: list[dict], n_items: int, used: int) -> str:
     lines = [format_table(f"random batches, {len(runs)} runs", header, rows),
              f"warm chunk cache / local file (items/s, per run): {fmt(warm_vs_local)}",
              f"LatentCache s3:// warm / LatentCache local (read_batch items/s, per run): {fmt(cache_vs_local)}   target >= 0.9"]
+    for kind in ("cold + lookahead", "warm"):
+        ratio = [r[f"LatentCache s3://, {kind}"][0] / r[f"LatentCache s3://, {SHARDS} shards, {kind}"][0] for r in runs]
+        lines.append(f"LatentCache s3:// {SHARDS} shards / one cache, {kind} (items/s, per run): {fmt(ratio)}   target >= 0.9")
     if "litdata, cold" in runs[0]:
         lines += peer_ratios(runs, fmt)
     return "\n".join(lines)
@@ -452,13 +479,15 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
             start = time.perf_counter()
             push(path, url, options)
             pushed_s = time.perf_counter() - start
+            sharded_url = f"s3://{BUCKET}/{PREFIX}-sharded"
+            push(make_sharded(path, os.path.join(scratch, "sharded")), sharded_url, options)
             if peers:
                 prepare_peers(os.path.join(path, DATA), row, items, scratch, options)
             saved = {k: os.environ.get(k) for k in peer_env(options)}
             os.environ.update(peer_env(options) if peers else {})
             try:
                 results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch, peers,
-                                   chunks_dir)
+                                   chunks_dir, sharded_url)
                            for seed in range(runs)]
             finally:
                 for k, v in saved.items():

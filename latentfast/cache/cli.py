@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 
 _AUTOCAST = {"none": None, "bf16": "bfloat16", "fp16": "float16"}
 _ENCODERS = "'toy' (latentfast.toy.ToyVAE), 'module:factory' (a callable returning an encoder), " \
@@ -74,10 +75,16 @@ def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
     _add_merge(commands)
     for name, handler, text in (("inspect", run_inspect, "meta, size, padding waste and latent-width (or shape) histogram"),
                                 ("verify", run_verify, "recompute checksums, check finiteness, widths and shapes")):
-        sub = commands.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
-        sub.add_argument("cache_dir", help="folder holding the cache")
+        sub = commands.add_parser(name, help=text, description=text + ". A cache in object storage (s3://bucket/prefix) "
+                                  "is read through a local chunk cache; the standard AWS environment variables are honoured.",
+                                  formatter_class=HelpFormatter)
+        sub.add_argument("cache_dir", help="folder holding the cache, or its object-store URL (s3://bucket/prefix)")
         sub.add_argument("--split", default="train", help="which split of the folder")
         sub.add_argument("--json", action="store_true", help="print the result as JSON")
+        sub.add_argument("--endpoint-url", help="URLs: the S3-compatible endpoint (overrides AWS_ENDPOINT_URL)")
+        sub.add_argument("--local-cache", help="URLs: the folder of fetched chunks (default: a temporary folder, removed after)")
+        sub.add_argument("--local-cache-bytes", type=parse_bytes, default=2 << 30,
+                         help="URLs: the local cache's budget, in bytes or with a K/M/G/T suffix")
         sub.set_defaults(func=_one_line_errors(handler))
     _add_push_pull(commands)
     return cache
@@ -104,6 +111,36 @@ def _storage_options(args) -> dict | None:
     return {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
 
 
+def parse_bytes(text: str) -> int:
+    """``"2G"`` -> ``2 << 30``; ``"4096"`` as it is (K, M, G, T: powers of 1024)."""
+    shifts = {"K": 10, "M": 20, "G": 30, "T": 40}
+    number = text.strip().upper().removesuffix("B").removesuffix("I")  # (512M, 512MB, 512MiB)
+    shift = shifts.get(number[-1:], 0)
+    try:
+        value = float(number[:-1] if shift else number) * (1 << shift)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 1073741824, 512M or 2G, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive byte count, got {text!r}")
+    return int(value)
+
+
+@contextlib.contextmanager
+def _remote_options(args):
+    """The ``storage_options`` / ``local_cache`` / ``local_cache_bytes`` of inspect and verify: none for a
+    local folder; for a URL, the given local cache or a temporary one removed afterwards."""
+    from .remote.storage import is_remote
+
+    if not is_remote(args.cache_dir):
+        if args.endpoint_url or args.local_cache:
+            raise CliError(f"--endpoint-url and --local-cache are for caches in object storage (s3://...), not the folder {args.cache_dir!r}")
+        yield {}
+        return
+    with contextlib.ExitStack() as stack:
+        folder = args.local_cache or stack.enter_context(tempfile.TemporaryDirectory(prefix="latentfast-"))
+        yield {"storage_options": _storage_options(args), "local_cache": folder, "local_cache_bytes": args.local_cache_bytes}
+
+
 def run_push(args) -> int:
     from .remote import push
 
@@ -119,7 +156,8 @@ def run_pull(args) -> int:
     names = pull(args.url, args.cache_dir, _storage_options(args))
     print(f"pulled {len(names)} files of {args.url} into {args.cache_dir}")
     if not args.no_verify:
-        splits = sorted({n[: -len(".latents.meta.json")] for n in names if n.endswith(".latents.meta.json") and "/" not in n})
+        splits = sorted({n[: -len(".latents.meta.json")] if n.endswith(".latents.meta.json") else n[: -len(".shards.json")]
+                         for n in names if n.endswith((".latents.meta.json", ".shards.json")) and "/" not in n})
         for split in splits:
             result = verify_cache(args.cache_dir, split)
             print(f"verify OK: split {split!r}, {result['rows']} rows, {result['bytes']:,} bytes")
@@ -374,7 +412,8 @@ def run_merge(args) -> int:
 def run_inspect(args) -> int:
     from .store.reader import inspect_cache
 
-    info = inspect_cache(args.cache_dir, args.split)
+    with _remote_options(args) as remote:
+        info = inspect_cache(args.cache_dir, args.split, **remote)
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
@@ -441,7 +480,10 @@ def run_verify(args) -> int:
     from .store.reader import verify_cache
 
     try:
-        result = verify_cache(args.cache_dir, args.split)
+        with _remote_options(args) as remote:
+            result = verify_cache(args.cache_dir, args.split, **remote)
+    except CliError:
+        raise
     except Exception as exc:  # noqa: BLE001 - corrupt, inconsistent or missing files: one line
         if os.environ.get("LATENTFAST_DEBUG"):
             raise

@@ -82,6 +82,19 @@ def chunk_indices(c0s: np.ndarray, c1s: np.ndarray) -> np.ndarray:
     return firsts + np.arange(int(counts.sum()))
 
 
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+def _fresh_thread_locks() -> None:  # a fork taken while another thread held one would deadlock the child
+    global _THREAD_LOCKS_GUARD
+    _THREAD_LOCKS.clear()
+    _THREAD_LOCKS_GUARD = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_thread_locks)
+
+
 class UsedBytes:
     """The shared ``used_bytes`` counter of a cache folder. Downloads mark chunks present before they
     count them, so a concurrent recount can only make it too high (evicting a little early), never too
@@ -94,7 +107,10 @@ class UsedBytes:
             os.ftruncate(self.fd, 8)
         self._map = mmap.mmap(self.fd, 8)
         self.value = np.frombuffer(self._map, dtype=np.int64)
-        self._thread_lock = threading.Lock()  # lockf excludes processes, not the threads of one
+        # lockf excludes processes, not the threads of one: they take this lock first, one per counter
+        # file in this process (the shards of a sharded cache each open the folder's counter)
+        with _THREAD_LOCKS_GUARD:
+            self._thread_lock = _THREAD_LOCKS.setdefault(os.path.realpath(path), threading.Lock())
 
     @contextlib.contextmanager
     def locked(self):

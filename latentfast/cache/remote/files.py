@@ -19,12 +19,19 @@ process), as on a local cache.
 
 A generation is the remote meta's bytes: a push that replaces the cache publishes a new meta
 (written last), and readers opened after it get a new folder. A reader open while the objects
-under it are replaced is not protected (their CRCs catch it for items that have one).
+under it are replaced is not protected (their CRCs catch it for items that have one). Each open
+reader holds a shared lock on its generation's folder; the folders of older generations of the
+same cache that no reader holds are deleted when a new one is mirrored.
+
+A sharded cache in object storage (a distributed build's folder, or a ``cache merge --copy``,
+pushed) is its manifest and order file (:func:`mirror_manifest`, fetched whole into a folder of
+their own) and a ``RemoteFiles`` per shard, all sharing the one local chunk cache and its budget.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -41,6 +48,7 @@ from .reader import RemoteReader, coalesce
 
 _HOLD_ATTEMPTS = 8  # fetch-and-check rounds of one hold before giving up (eviction by others, bad CRCs)
 _HEADS = "remote.json"  # the mirror's record of each data object's (size, version): the chunks it links
+_ORIGIN = "origin.json"  # which cache (url, split) a generation folder mirrors: how older ones are found
 
 
 class RemoteFiles:
@@ -54,7 +62,14 @@ class RemoteFiles:
         self.url, self.split = str(url).rstrip("/"), split
         self.reader = RemoteReader(self.url, storage_options, local_cache=os.fspath(local_cache),
                                    local_cache_bytes=local_cache_bytes, **reader_options)
-        self.mirror = self._mirror()
+        for _ in range(3):  # (a newer generation's cleanup may take an older one away as we open it)
+            self.mirror = self._mirror()
+            self._generation_lock = hold_generation(self.mirror)
+            if self._generation_lock is not None:
+                break
+        else:
+            raise RemoteReadError(f"{self.url}: its local mirror under {self.reader.cache.directory} kept being replaced "
+                                  f"while it was opened (pushes replacing the cache?): open it again")
         with open(os.path.join(self.mirror, _HEADS)) as fh:
             self.reader.pinned_heads = {name: tuple(v) for name, v in json.load(fh).items()}
         self.reader._fresh()
@@ -73,16 +88,9 @@ class RemoteFiles:
             raise RemoteNotFoundError(
                 f"no latent cache for split {self.split!r} at {self.url}: {self.reader.folder.where(meta_name)} does not "
                 f"exist (nothing pushed there, or its push did not finish: push writes the meta last)") from None
-        generation = hashlib.sha256(self.url.encode() + b"\0" + meta).hexdigest()[:24]
-        root = os.path.join(self.reader.cache.directory, "index")
-        final = os.path.join(root, generation)
-        if os.path.exists(os.path.join(final, _HEADS)):
-            return final
-        tmp = os.path.join(root, f".{generation}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        heads = {}
-        try:
+
+        def fill(tmp: str) -> None:
+            heads = {}
             for name in self.reader.folder.list():
                 if "/" in name or not name.startswith(self.split + ".") or name == meta_name:
                     continue
@@ -98,12 +106,8 @@ class RemoteFiles:
                 fh.write(meta)
             with open(os.path.join(tmp, _HEADS), "w") as fh:
                 json.dump(heads, fh)
-            os.rename(tmp, final)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not os.path.exists(os.path.join(final, _HEADS)):  # not another process's rename winning
-                raise
-        return final
+
+        return generation_folder(self.reader.cache.directory, self.url, self.split, meta, fill)
 
     def object_name(self, path: str) -> str:
         """The object behind a mirror path (``.../train.latents.f16.dat`` -> ``train.latents.f16.dat``)."""
@@ -124,38 +128,31 @@ class RemoteFiles:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.pop("_objects", None)
-        state.pop("_value_tables", None)
+        for key in ("_objects", "_value_tables", "_generation_lock"):  # (a worker reads under its parent's lock)
+            state.pop(key, None)
         return state
 
     # ---- holding bytes local --------------------------------------------------------------------
-    @contextlib.contextmanager
+    def holding_items(self, items, index):
+        """:meth:`holding` of whole items ``index`` (in range) of ``items``."""
+        from ..store.layout import item_spans
+
+        return self.holding(items, *item_spans(items, index))
+
     def holding(self, items, starts, ends):
         """Keep bytes ``[starts[i], ends[i])`` of ``items``' data file (its ``path`` in the mirror) local
         for the block: their chunks fetched (and checked, see :meth:`_fetch_checked`) and safe from
         eviction until it ends."""
+        return _holding([self._hold_plan(items, starts, ends)])
+
+    def _hold_plan(self, items, starts, ends) -> tuple:
+        """``(self, items, name, chunks, starts, ends, chunk rows)`` of non-empty spans: what :func:`_holding` needs."""
         name, obj = self._object(items.path)
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         if not (ends > starts).all():  # (a warm batch of latents skips this: every item has bytes)
             keep = ends > starts
             starts, ends = starts[keep], ends[keep]
-        if not len(starts):
-            yield
-            return
-        first, last = starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes
-        chunks = np.minimum(first[:, None] + np.arange(int((last - first).max()) + 1), last[:, None])  # a row per span
-        for _ in range(_HOLD_ATTEMPTS):
-            if not obj.present[chunks].all():
-                self.reader._run(self._fetch_checked(name, obj, starts, ends, self._values(items))).result()
-            with obj.reading():  # the evictor waits until the block ends
-                if obj.present[chunks].all():
-                    obj.atime[chunks] = now_ns()
-                    yield
-                    return
-        raise RemoteReadError(
-            f"{self.reader.folder.where(name, int(starts.min()), int(ends.max()))}: its chunks were evicted again before "
-            f"they could be read, {_HOLD_ATTEMPTS} times: local_cache_bytes ({self.reader.cache.capacity}) is too small "
-            f"for what is read at once")
+        return self, items, name, obj, starts, ends, _span_chunks(obj, starts, ends) if len(starts) else None
 
     def prefetch(self, items, starts, ends):
         """Start fetching (and checking) these spans of ``items``' data file into the local chunk cache;
@@ -214,3 +211,158 @@ class RemoteFiles:
         s, e, _c0, _c1, crc = bad[0]
         raise RemoteCorruptError(f"{self.reader.folder.where(name, s, e)}: fails its CRC-32 ({crc:#010x}) on "
                                  f"{self.reader.read_attempts} fetches")
+
+
+def _span_chunks(obj, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The chunks under non-empty byte spans: a row per span, padded with its last chunk."""
+    first, last = starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes
+    return np.minimum(first[:, None] + np.arange(int((last - first).max()) + 1), last[:, None])
+
+
+def hold_generation(folder: str):
+    """A shared lock on a generation folder, for as long as the returned file stays open (it closes
+    when its holder is collected; no newer generation's cleanup deletes a folder held so); None if
+    the folder was taken away first."""
+    path = os.path.join(folder, _HEADS)
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    fcntl.flock(fh.fileno(), fcntl.LOCK_SH)
+    try:
+        if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+            return fh
+    except FileNotFoundError:
+        pass
+    fh.close()
+    return None
+
+
+def generation_folder(root_dir: str, url: str, split: str, key: bytes, fill) -> str:
+    """``root_dir/index/<generation>``: the local copy of one generation (``key``: the bytes that name it,
+    a meta or a manifest) of the cache of ``split`` at ``url``, made once per node -- ``fill(tmp)``
+    writes the files into a temporary folder renamed into place (a crash leaves no half folder) --
+    after which the older generations of the same cache that no open reader holds are deleted."""
+    generation = hashlib.sha256(url.encode() + b"\0" + split.encode() + b"\0" + key).hexdigest()[:24]
+    root = os.path.join(root_dir, "index")
+    final = os.path.join(root, generation)
+    if os.path.exists(os.path.join(final, _HEADS)):
+        return final
+    tmp = os.path.join(root, f".{generation}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        fill(tmp)
+        with open(os.path.join(tmp, _ORIGIN), "w") as fh:
+            json.dump({"url": url, "split": split}, fh)
+        if not os.path.exists(os.path.join(tmp, _HEADS)):
+            with open(os.path.join(tmp, _HEADS), "w") as fh:
+                json.dump({}, fh)
+        os.rename(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.exists(os.path.join(final, _HEADS)):  # not another process's rename winning
+            raise
+        return final
+    _delete_older_generations(root, generation, url, split)
+    return final
+
+
+def _delete_older_generations(root: str, keep: str, url: str, split: str) -> None:
+    """Delete the generation folders of (``url``, ``split``) other than ``keep`` that no reader holds
+    (each open reader holds a shared ``flock`` on its folder's heads file)."""
+    for name in os.listdir(root):
+        folder = os.path.join(root, name)
+        if name == keep or name.startswith("."):
+            continue
+        try:
+            with open(os.path.join(folder, _ORIGIN)) as fh:
+                if json.load(fh) != {"url": url, "split": split}:
+                    continue
+            fd = os.open(os.path.join(folder, _HEADS), os.O_RDONLY)
+        except (OSError, ValueError):
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a reader of that generation is open
+            os.close(fd)
+            continue
+        trash = os.path.join(root, f".{name}.{os.getpid()}.old")
+        try:
+            os.rename(folder, trash)  # (under the lock: a reader opening it now finds it gone, never half gone)
+        except OSError:
+            os.close(fd)
+            continue
+        os.close(fd)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def mirror_manifest(url: str, split: str, storage_options, local_cache, local_cache_bytes) -> str:
+    """The folder holding local copies of the manifest and order file of the sharded cache of
+    ``split`` at ``url`` (whole GETs, once per node and manifest), checked against each other: an
+    order file that does not match its manifest's CRC (a push replacing the cache between the two
+    GETs) is fetched again with the manifest, then refused."""
+    from ..store import shards
+
+    if local_cache is None or local_cache_bytes is None:
+        raise InvalidArgumentError(
+            f"LatentCache({url!r}) needs local_cache= (a folder on this node's disk) and local_cache_bytes= "
+            f"(its byte budget): the cache's index files and the fetched chunks of its data live there")
+    url = str(url).rstrip("/")
+    reader = RemoteReader(url, storage_options, local_cache=os.fspath(local_cache), local_cache_bytes=local_cache_bytes)
+    names = os.path.basename(shards.manifest_path("", split)), os.path.basename(shards.order_path("", split))
+    for _ in range(3):
+        manifest = reader.folder.get(names[0])
+        order = reader.folder.get(names[1])
+        try:
+            crc = json.loads(manifest).get("order_crc")
+        except (ValueError, AttributeError):
+            crc = None  # (the reader names what is wrong with it)
+        if crc is None or zlib.crc32(order) == crc:
+            break
+
+    def fill(tmp: str) -> None:
+        for name, payload in zip(names, (manifest, order)):
+            with open(os.path.join(tmp, name), "wb") as fh:
+                fh.write(payload)
+
+    return generation_folder(reader.cache.directory, url, split + ".shards", manifest, fill)
+
+
+def holding_many(requests):
+    """One hold over several caches' items: ``requests`` are ``(items, index)`` pairs (a shard's
+    :class:`~latentfast.cache.store.layout.Items` or field items, and rows of it), each held as
+    :meth:`RemoteFiles.holding_items`; the missing chunks of all are fetched concurrently (one round
+    trip for a batch over many shards, not one per shard)."""
+    from ..store.layout import item_spans
+
+    return _holding([items.remote._hold_plan(items, *item_spans(items, index)) for items, index in requests if len(index)])
+
+
+@contextlib.contextmanager
+def _holding(plans):
+    """Hold the spans of every plan (:meth:`RemoteFiles._hold_plan`): fetch what is missing (all plans'
+    fetches at once), then take each object's reader lock (the evictor waits) and check it is all
+    still there; evicted meanwhile: fetch again, up to ``_HOLD_ATTEMPTS`` rounds."""
+    plans = [p for p in plans if p[6] is not None]
+    for _ in range(_HOLD_ATTEMPTS):
+        missing = [p for p in plans if not p[3].present[p[6]].all()]
+        fetches = [files.reader._run(files._fetch_checked(name, obj, s, e, files._values(items)))
+                   for files, items, name, obj, s, e, _chunks in missing]
+        for fetch in fetches:
+            fetch.result()
+        with contextlib.ExitStack() as stack:
+            for p in plans:
+                stack.enter_context(p[3].reading())
+            evicted = [p for p in plans if not p[3].present[p[6]].all()]
+            if not evicted:
+                now = now_ns()
+                for p in plans:
+                    p[3].atime[p[6]] = now
+                yield
+                return
+    files, _items, name, _obj, s, e, _chunks = evicted[0]
+    raise RemoteReadError(
+        f"{files.reader.folder.where(name, int(s.min()), int(e.max()))}: its chunks were evicted again before "
+        f"they could be read, {_HOLD_ATTEMPTS} times: local_cache_bytes ({files.reader.cache.capacity}) is too small "
+        f"for what is read at once")

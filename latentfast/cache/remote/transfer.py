@@ -1,8 +1,10 @@
 """Move a whole cache folder to and from object storage.
 
-``push`` uploads every file, the meta files (``*meta.json``, ``*manifest.json``) last -- and first
-deletes the remote copies of those, so a reader that sees a meta sees every data file it names
-complete, whether the push is new, resumed or replaces an older cache. Large files upload in parts.
+``push`` uploads every file, the meta files (``*meta.json``, ``*manifest.json``) last and a sharded
+cache's manifest (``*.shards.json``) after its shards' metas -- and first deletes the remote copies
+of those, so a reader that sees a meta sees every data file it names complete, whether the push is
+new, resumed or replaces an older cache. Large files upload in parts. A sharded cache whose
+manifest names shards outside the folder (a ``cache merge`` without ``--copy``) is refused.
 ``pull`` refuses a folder without a meta (a push that did not finish) and writes each file to a
 temporary name, fsyncs it and renames it into place, the meta files last.
 """
@@ -19,7 +21,12 @@ _TEMP_SUFFIX = ".pulling"
 
 def is_meta(name: str) -> bool:
     """Files that declare a cache complete: written last, read first."""
-    return name.endswith(("meta.json", "manifest.json"))
+    return name.endswith(("meta.json", "manifest.json", ".shards.json"))
+
+
+def _publish_order(names: list[str]) -> list[str]:
+    """Data first, then the metas, a sharded cache's manifest (over its shards' metas) last."""
+    return sorted(names, key=lambda n: (is_meta(n), n.endswith(".shards.json"), n))
 
 
 def _local_files(local_dir: str) -> list[str]:
@@ -29,7 +36,23 @@ def _local_files(local_dir: str) -> list[str]:
             rel = os.path.relpath(os.path.join(root, f), local_dir).replace(os.sep, "/")
             if not f.startswith(".") and not f.endswith((".tmp", _TEMP_SUFFIX)):  # locks, temporaries
                 names.append(rel)
-    return sorted(names, key=lambda n: (is_meta(n), n))
+    return _publish_order(names)
+
+
+def _check_shards_inside(local_dir: str, names: list[str]) -> None:
+    """Every shard a manifest in the folder names lies in the folder (what is pushed is all there is)."""
+    from ..store.shards import load_manifest, remote_shard_url
+
+    for name in names:
+        if name.endswith(".shards.json") and "/" not in name:
+            path = os.path.join(local_dir, name)
+            for entry in load_manifest(path)["shards"]:
+                try:
+                    remote_shard_url("s3://x", entry["path"], path)
+                except ValueError:
+                    raise InvalidArgumentError(
+                        f"push: {path} names the shard {entry['path']!r} outside {local_dir!r} (a `cache merge` without "
+                        f"--copy): merge with --copy first, so the pushed folder holds every shard") from None
 
 
 def push(local_dir: str, url: str, storage_options: dict | None = None) -> list[str]:
@@ -39,6 +62,7 @@ def push(local_dir: str, url: str, storage_options: dict | None = None) -> list[
     names = _local_files(local_dir)
     if not any(is_meta(n) for n in names):
         raise InvalidArgumentError(f"push: {local_dir!r} holds no meta file (*meta.json): not a finished cache")
+    _check_shards_inside(local_dir, names)
     folder = ObjectFolder(url, storage_options)
     for name in names:
         if is_meta(name):
@@ -54,7 +78,7 @@ def push(local_dir: str, url: str, storage_options: dict | None = None) -> list[
 def pull(url: str, local_dir: str, storage_options: dict | None = None) -> list[str]:
     """Download the cache folder at ``url`` into ``local_dir``; returns the file names (meta last)."""
     folder = ObjectFolder(url, storage_options)
-    names = sorted(folder.list(), key=lambda n: (is_meta(n), n))
+    names = _publish_order(folder.list())
     if not any(is_meta(n) for n in names):
         raise RemoteNotFoundError(f"pull: {folder.url} holds no meta file (*meta.json): no cache there, or its push did not finish")
     for name in names:

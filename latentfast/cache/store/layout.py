@@ -386,10 +386,11 @@ def holding(items, starts, ends):
 
 
 def holding_items(items, index: np.ndarray):
-    """:func:`holding` for whole items ``index`` (in range)."""
+    """:func:`holding` for whole items ``index`` (in range) -- of one data file, or (a sharded cache in
+    object storage) each shard's rows in that shard's own."""
     if items.remote is None:
         return contextlib.nullcontext()
-    return holding(items, *item_spans(items, index))
+    return items.remote.holding_items(items, index)
 
 
 # ---- records: one span table per field -------------------------------------------------------------

@@ -47,7 +47,7 @@ class LatentCache:
     def __new__(cls, cache_dir=None, split: str = "train", *args, **kwargs):
         from . import shards  # a folder of shards opens as one (see latentfast.cache.store.shards)
 
-        if cls is LatentCache and cache_dir is not None and shards.is_sharded(cache_dir, split):
+        if cls is LatentCache and cache_dir is not None and shards.is_sharded(cache_dir, split, kwargs.get("storage_options")):
             return super().__new__(shards.ShardedCache)
         return super().__new__(cls)
 
@@ -496,8 +496,8 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
     ``storage_options``, ``local_cache``, ``local_cache_bytes`` of a cache in object storage."""
     from . import shards
 
-    if shards.is_sharded(cache_dir, split):
-        return shards.verify_sharded(cache_dir, split)
+    if shards.is_sharded(cache_dir, split, remote.get("storage_options")):
+        return shards.verify_sharded(cache_dir, split, **remote)
     start = time.perf_counter()
     cache = LatentCache(cache_dir, split, **remote)  # validates sizes, widths, shapes and offsets
     damaged = fmt.damaged_files(cache.cache_dir, split, cache.meta)
@@ -533,8 +533,8 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
     the count of items per shape (shaped caches). ``remote``: as :func:`verify_cache`'s."""
     from . import shards
 
-    if shards.is_sharded(cache_dir, split):
-        return shards.inspect_sharded(cache_dir, split, bins)
+    if shards.is_sharded(cache_dir, split, remote.get("storage_options")):
+        return shards.inspect_sharded(cache_dir, split, bins, **remote)
     cache = LatentCache(cache_dir, split, **remote)
     cache_dir = cache.cache_dir  # (a cache in object storage: the local folder of its files)
     files = {}

@@ -20,11 +20,19 @@ shards is one compiled gather per field (``latentfast::gather_rows_multi_into``:
 from source ``row_sources[i]``), never one call per shard or per item. On a CUDA device the batch
 is gathered on the host by that one call and copied over; cold-read advice is not given for
 sharded caches (pages fault in as touched).
+
+In object storage (``LatentCache("s3://...")`` of a pushed distributed build or ``cache merge
+--copy``), the manifest and order come whole into the local cache folder and each shard opens as a
+remote cache under the manifest's prefix, all sharing one chunk cache and budget; a batch's missing
+chunks in every shard are fetched concurrently, then held while the one gather reads them (see
+:func:`latentfast.cache.remote.files.holding_many`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import posixpath
 import zlib
 
 import numpy as np
@@ -51,9 +59,35 @@ def order_path(cache_dir, split: str) -> str:
     return os.path.join(os.fspath(cache_dir), f"{split}.shards.order.npy")
 
 
-def is_sharded(cache_dir, split: str) -> bool:
-    """Whether ``cache_dir`` holds a sharded cache of ``split`` (a manifest and no single-cache meta)."""
+def is_sharded(cache_dir, split: str, storage_options: dict | None = None) -> bool:
+    """Whether ``cache_dir`` (a folder, or an object-store URL) holds a sharded cache of ``split`` (a
+    manifest and no single-cache meta)."""
+    from ..remote.storage import is_remote
+
+    if is_remote(cache_dir):
+        from ..remote.errors import RemoteNotFoundError
+        from ..remote.storage import ObjectFolder
+
+        folder = ObjectFolder(str(cache_dir).rstrip("/"), storage_options)
+
+        def exists(name: str) -> bool:
+            try:
+                folder.head(name)
+                return True
+            except RemoteNotFoundError:
+                return False
+
+        return exists(os.path.basename(manifest_path("", split))) and not exists(os.path.basename(fmt.cache_path("", split, "meta")))
     return os.path.exists(manifest_path(cache_dir, split)) and not os.path.exists(fmt.cache_path(cache_dir, split, "meta"))
+
+
+def remote_shard_url(url: str, path: str, manifest: str) -> str:
+    """The URL of a shard of the sharded cache at ``url`` from its manifest entry's relative ``path``."""
+    parts = path.replace(os.sep, "/").split("/")
+    if posixpath.isabs(path) or ".." in parts or not path:
+        raise CacheCorruptError(f"sharded cache manifest {manifest}: shard path {path!r} leaves the cache's prefix {url}; "
+                                f"in object storage every shard lies under it (push a `cache merge --copy` or a distributed build)")
+    return url.rstrip("/") + "/" + posixpath.normpath("/".join(parts))
 
 
 def stamp_of(meta: dict) -> dict:
@@ -174,7 +208,7 @@ class ShardedItems:
         self.shapes = cache.shapes if cache.shaped else None
         self.dtype = cache.dtype  # the stored latents' dtype (one across shards: part of the stamp)
         self.row_starts = None  # no single file: the cold-read path (keyed on row_starts) stands aside
-        self.remote = None  # shards are local folders (a sharded cache in object storage: not yet)
+        self.remote = _ShardHolds(self.order, [s.items for s in self.shards]) if cache.remote_shards else None
         self.block_checks = _ShardChecks(self)
         self._source = None
 
@@ -208,7 +242,7 @@ class ShardedFieldItems:
         self.nbytes = np.concatenate([p.nbytes for p in self.parts])[flat]
         self.n = len(self.order)
         self.row_starts = self.row_ends = None
-        self.remote = None
+        self.remote = _ShardHolds(self.order, self.parts) if cache.remote_shards else None
         self._source = None
 
     def source(self):
@@ -222,6 +256,20 @@ class ShardedFieldItems:
             self.parts[k].check(picked[picked[:, 0] == k, 1])
 
 
+class _ShardHolds:
+    """What a batch of a sharded cache in object storage holds while it is gathered: each shard's rows
+    of the batch, in that shard's own files (see :func:`latentfast.cache.store.layout.holding_items`)."""
+
+    def __init__(self, order: np.ndarray, parts: list):
+        self.order, self.parts = order, parts
+
+    def holding_items(self, _items, index):
+        from ..remote.files import holding_many
+
+        picked = self.order[np.asarray(index, dtype=np.int64)]
+        return holding_many([(self.parts[k], picked[picked[:, 0] == k, 1]) for k in np.unique(picked[:, 0]).tolist()])
+
+
 def _flat_rows(order: np.ndarray, sizes: list[int]) -> np.ndarray:
     """Each global item's row in the shards' arrays concatenated."""
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -231,19 +279,48 @@ def _flat_rows(order: np.ndarray, sizes: list[int]) -> np.ndarray:
 class ShardedCache(LatentCache):
     """A sharded cache opened as one (``LatentCache(dir)`` returns one when ``dir`` holds a manifest)."""
 
-    def __init__(self, cache_dir, split: str = "train", expected=None, white_column=None, *, verify_rows: bool = False):
+    def __init__(self, cache_dir, split: str = "train", expected=None, white_column=None, *, verify_rows: bool = False,
+                 storage_options: dict | None = None, local_cache=None, local_cache_bytes: int | None = None):
+        from ..remote.storage import is_remote
+
         self.cache_dir, self.split, self.verify_rows = os.fspath(cache_dir), split, bool(verify_rows)
-        self.remote = None  # (local shards only)
+        self.remote = None  # (the shards' own: a remote cache's shards each hold their objects)
+        self.url = self.cache_dir if is_remote(self.cache_dir) else None
+        remote = {}
+        if self.url is not None:  # the manifest and order fetched into the local cache folder, the shards opened remote
+            from ..remote.files import hold_generation, mirror_manifest
+
+            remote = dict(storage_options=storage_options, local_cache=local_cache, local_cache_bytes=local_cache_bytes)
+            self.cache_dir = mirror_manifest(self.url, split, **remote)
+            self._generation_lock = hold_generation(self.cache_dir)
+        elif storage_options is not None or local_cache is not None or local_cache_bytes is not None:
+            raise InvalidArgumentError(f"storage_options, local_cache and local_cache_bytes are for caches in object "
+                                       f"storage (s3://...), not the local folder {self.cache_dir!r}")
+        self.remote_shards = self.url is not None
         path = manifest_path(self.cache_dir, split)
-        manifest = _load_manifest(path)
-        self.shard_dirs = [os.path.normpath(os.path.join(self.cache_dir, e["path"])) for e in manifest["shards"]]
-        self.shards = []
-        for entry, folder in zip(manifest["shards"], self.shard_dirs):
+        manifest = load_manifest(path)
+        if self.url is not None:
+            self.shard_dirs = [remote_shard_url(self.url, e["path"], path) for e in manifest["shards"]]
+        else:
+            self.shard_dirs = [os.path.normpath(os.path.join(self.cache_dir, e["path"])) for e in manifest["shards"]]
+        for folder in self.shard_dirs if self.url is None else ():
             if not os.path.exists(fmt.cache_path(folder, split, "meta")):
                 raise IncompleteCacheError(f"sharded cache {path}: shard {folder} is missing or incomplete; "
                                            f"re-run the build (or the merge) that wrote it")
-            shard = LatentCache(folder, split, expected, white_column, verify_rows=verify_rows)
-            if len(shard) != entry["n"] or _file_crc(fmt.cache_path(folder, split, "meta")) != entry["meta_crc"]:
+
+        def open_shard(folder):
+            return LatentCache(folder, split, expected, white_column, verify_rows=verify_rows, **remote)
+
+        if self.url is None:
+            opened = [open_shard(folder) for folder in self.shard_dirs]
+        else:  # each shard's index files are a dozen small GETs: all shards' at once
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(16, len(self.shard_dirs))) as pool:
+                opened = list(pool.map(open_shard, self.shard_dirs))
+        self.shards = []
+        for entry, folder, shard in zip(manifest["shards"], self.shard_dirs, opened):
+            if len(shard) != entry["n"] or _file_crc(fmt.cache_path(shard.cache_dir, split, "meta")) != entry["meta_crc"]:
                 raise CacheCorruptError(f"sharded cache {path}: shard {folder} changed after the manifest was written "
                                         f"(now {len(shard)} items, the manifest says {entry['n']}); re-run the build or merge")
             self.shards.append(shard)
@@ -338,7 +415,7 @@ class ShardedCache(LatentCache):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("items", "field_items", "_keys", "_key_index", "_info"):
+        for key in ("items", "field_items", "_keys", "_key_index", "_info", "_generation_lock"):
             state.pop(key, None)
         return state
 
@@ -347,7 +424,7 @@ class ShardedCache(LatentCache):
         self._reset_process_state()
 
 
-def _load_manifest(path: str) -> dict:
+def load_manifest(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as fh:
             manifest = json.load(fh)
@@ -375,10 +452,11 @@ def _copy_durably(src: str, dst: str) -> None:
     fmt.fsync_dir(os.path.dirname(dst) or ".")
 
 
-def verify_sharded(cache_dir, split: str = "train") -> dict:
-    """:func:`~latentfast.cache.verify_cache` of every shard (and the manifest and order); the summed figures."""
-    cache = ShardedCache(cache_dir, split)
-    results = [verify_cache(d, split) for d in cache.shard_dirs]
+def verify_sharded(cache_dir, split: str = "train", **remote) -> dict:
+    """:func:`~latentfast.cache.verify_cache` of every shard (and the manifest and order); the summed figures.
+    ``remote``: ``storage_options``, ``local_cache``, ``local_cache_bytes`` of a cache in object storage."""
+    cache = ShardedCache(cache_dir, split, **remote)
+    results = [verify_cache(d, split, **remote) for d in cache.shard_dirs]
     seconds = sum(r["seconds"] for r in results)
     nbytes = sum(r["bytes"] for r in results)
     return {"rows": len(cache), "bytes": nbytes, "blocks": sum(r["blocks"] for r in results),
@@ -386,12 +464,13 @@ def verify_sharded(cache_dir, split: str = "train") -> dict:
             "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf"), "shards": len(results)}
 
 
-def inspect_sharded(cache_dir, split: str = "train", bins: int = 10) -> dict:
+def inspect_sharded(cache_dir, split: str = "train", bins: int = 10, **remote) -> dict:
     """:func:`~latentfast.cache.inspect_cache` over the shards: the same keys, summed, plus ``shards``
-    (each shard's folder, items and bytes on disk). Histograms and counts are of the whole cache."""
-    cache = ShardedCache(cache_dir, split)
-    parts = [inspect_cache(d, split, bins) for d in cache.shard_dirs]
-    files = {os.path.basename(p): os.path.getsize(p) for p in (manifest_path(cache_dir, split), order_path(cache_dir, split))}
+    (each shard's folder or URL, items and bytes on disk). Histograms and counts are of the whole cache.
+    ``remote``: as :func:`verify_sharded`'s."""
+    cache = ShardedCache(cache_dir, split, **remote)
+    parts = [inspect_cache(d, split, bins, **remote) for d in cache.shard_dirs]
+    files = {os.path.basename(p): os.path.getsize(p) for p in (manifest_path(cache.cache_dir, split), order_path(cache.cache_dir, split))}
     info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files,
             "bytes_on_disk": sum(p["bytes_on_disk"] for p in parts) + sum(files.values()),
             "data_bytes": sum(p["data_bytes"] for p in parts),
