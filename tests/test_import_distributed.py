@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from test_cache_distributed import file_mtimes, kill_rank_and_rerun
 
@@ -30,7 +31,10 @@ def make_folders(root: str) -> dict:
     fixtures.write_kohya(folders["kohya_sd"], arch="sd", n=3)  # keys img_000.. as musubi's below
     fixtures.write_musubi(folders["musubi"], n=3)  # latents, image latents, clip and text-encoder files
     fixtures.write_diffusion_pipe(folders["dp"], n=3)
-    return folders
+    os.makedirs(os.path.join(root, "npz"))
+    for i in range(3):
+        np.savez(os.path.join(root, "npz", f"z{i}.npz"), latents=np.full((4, 2, 3), i, dtype=np.float32))
+    return {**folders, "npz": os.path.join(root, "npz")}
 
 
 def test_a_part_of_a_source_keeps_the_whole_folders_keys_and_description(tmp_path):
@@ -68,6 +72,11 @@ def _rank_imports(rank: int, world: int, folders: dict, out: str):
                        quiet=True, group=dist.group.WORLD)
     except CacheError as exc:
         result["mixed"] = str(exc)
+    try:  # the same plan, but shards of other encoders: rank 0's manifest write fails, and every rank hears of it
+        import_latents(folders["npz"], os.path.join(out, "stamps"), format="npz", encoder={"vae": rank}, quiet=True,
+                       group=dist.group.WORLD)
+    except Exception as exc:  # noqa: BLE001 - the type differs by rank: compared in the test
+        result["stamps"] = f"{type(exc).__name__}: {exc}"
     return result
 
 
@@ -108,6 +117,9 @@ def test_three_ranks_import_what_one_process_imports_and_a_rerun_writes_nothing(
         assert "planned different sources" in r["mixed"] and "kohya" in r["mixed"] and "musubi-tuner" in r["mixed"], (rank, r["mixed"])
     with pytest.raises(IncompleteCacheError):
         LatentCache(str(tmp_path / "dist" / "mixed"))
+    assert results[0]["stamps"].startswith("InvalidArgumentError: caches of different encoders"), results[0]["stamps"]
+    for r in results[1:]:
+        assert r["stamps"].startswith("CacheError: distributed build of") and "rank 0 could not write the manifest" in r["stamps"], r["stamps"]
 
 
 def stats_of(results, kind):
