@@ -1,8 +1,9 @@
 """Distributed imports of trainers' cache folders on spawned gloo ranks: kohya, musubi-tuner (detected by
 ``auto``) and diffusion-pipe folders, written as the trainers write them, imported by 3 ranks read
 exactly as a one-process import (same keys, order, fields, info); a rerun writes nothing; ``auto``
-that detects differently on two ranks fails every rank; a rank SIGKILLed mid-import loses nothing the
-other wrote and the rerun resumes; ``latentfast cache import --distributed`` under torchrun."""
+that detects differently on two ranks, or a manifest rank 0 cannot write, fails every rank alike; a
+rank SIGKILLed mid-import loses nothing the other wrote and the rerun resumes; ``latentfast cache
+import --distributed`` under torchrun."""
 from __future__ import annotations
 
 import os
