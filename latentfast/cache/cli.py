@@ -383,7 +383,7 @@ def _import(args, stats: dict, group=None) -> str:
         import torch.distributed as dist
 
         every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, stats, group=group)
+        dist.all_gather_object(every, {k: stats[k] for k in ("imported", "resumed", "unchanged")}, group=group)
         stats.update(imported=sum(s["imported"] for s in every), resumed=sum(s["resumed"] for s in every),
                      unchanged=all(s["unchanged"] for s in every), ranks=len(every))
     return path
