@@ -1,9 +1,11 @@
 """Distributed builds on spawned gloo ranks: images, video, lines and imports built by 2-3 ranks read
 exactly as a single-process build (same keys, order, bytes; batches spanning shards); a rank SIGKILLed
-mid-build loses nothing the others wrote and the rerun resumes each shard; the CLI under torchrun."""
+mid-build loses nothing the others wrote and the rerun resumes each shard; a build of another world
+size replaces the shards; a damaged manifest is refused and rewritten by a rerun; the CLI under torchrun."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from latentfast.cache import IncompleteCacheError, LatentCache
-from latentfast.cache.build.distributed import shard_dir
+from latentfast.cache import CacheCorruptError, IncompleteCacheError, LatentCache
+from latentfast.cache.build.distributed import remove_other_worlds, shard_dir
 from latentfast.cache.build.images import build_image_cache, build_video_cache
 from latentfast.cache.build.importers import import_latents
 from latentfast.cache.build.lines import build_latent_cache
@@ -134,6 +136,70 @@ def test_a_bad_image_fails_every_rank_alike_and_skips_alike(tmp_path):
     assert_same_cache(single, sharded)
 
 
+def test_only_this_splits_shards_of_other_world_sizes_are_removed(tmp_path):
+    names = ["train-00000-of-00003", "train-00002-of-00003", "train-00000-of-00002", "train-00001-of-00002",
+             "train-a-00000-of-00003", "val-00000-of-00003", "train-00000-of-00003-00000-of-00002", "train-00000"]
+    for name in names:
+        os.makedirs(tmp_path / "shards" / name)
+    removed = remove_other_worlds(tmp_path, "train", 2)
+    assert sorted(os.path.basename(p) for p in removed) == ["train-00000-of-00003", "train-00002-of-00003"]
+    assert sorted(os.listdir(tmp_path / "shards")) == sorted(set(names) - {"train-00000-of-00003", "train-00002-of-00003"})
+    assert remove_other_worlds(tmp_path / "nothing", "train", 2) == []
+
+
+def _rank_builds_splits(rank: int, world: int, images: str, out: str, splits: list):
+    import torch.distributed as dist
+
+    stats = {split: {} for split in splits}
+    for split in splits:
+        build_image_cache(ToyVAE(seed=3), images, out, split, buckets=BUCKETS, batch_size=3, quiet=True, stats=stats[split],
+                          group=dist.group.WORLD)
+    return stats
+
+
+def file_mtimes(folders: list) -> dict:
+    """``{path: mtime_ns}`` of every file in ``folders`` (a rerun that rewrites nothing leaves it equal)."""
+    return {os.path.join(d, n): os.stat(os.path.join(d, n)).st_mtime_ns for d in folders for n in sorted(os.listdir(d))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_another_world_size_replaces_the_shards_and_a_damaged_manifest_is_rewritten_without_encoding(tmp_path):
+    images, out = make_sources(str(tmp_path / "src"))["images"], str(tmp_path / "dist")
+    shards = os.path.join(out, "shards")
+    three = spawn_gloo(_rank_builds_splits, 3, images, out, ["train"], timeout_s=120)
+    assert all(isinstance(r, dict) for r in three), three
+    os.makedirs(os.path.join(shards, "val-00000-of-00003"))  # another split's (see the test above for the names)
+    assert sorted(os.listdir(shards)) == [f"train-{r:05d}-of-00003" for r in range(3)] + ["val-00000-of-00003"]
+    two = spawn_gloo(_rank_builds_splits, 2, images, out, ["train"], timeout_s=120)
+    assert all(isinstance(r, dict) for r in two), two
+    assert sorted(os.listdir(shards)) == [f"train-{r:05d}-of-00002" for r in range(2)] + ["val-00000-of-00003"], \
+        "the 3-rank train shards go (nothing refers to them); the 2-rank ones and the other split's stay"
+    build_image_cache(ToyVAE(seed=3), images, str(tmp_path / "single"), buckets=BUCKETS, batch_size=3, quiet=True)
+    single = LatentCache(str(tmp_path / "single"))
+    assert_same_cache(single, LatentCache(out))
+
+    manifest, order = shardstore.manifest_path(out, "train"), shardstore.order_path(out, "train")
+    good = open(manifest, "rb").read()
+    for damaged in (good[: len(good) // 2], b'{"format": latentfast-shards}'):  # truncated; not JSON
+        open(manifest, "wb").write(damaged)
+        with pytest.raises(CacheCorruptError, match=re.escape(manifest)):
+            LatentCache(out)
+    open(manifest, "wb").write(good)
+    payload = bytearray(open(order, "rb").read())
+    payload[-1] ^= 0x01
+    open(order, "wb").write(bytes(payload))
+    with pytest.raises(CacheCorruptError, match=re.escape(order)):
+        LatentCache(out)
+    open(manifest, "wb").write(good[:-7])  # both damaged for the rerun
+    folders = [shard_dir(out, "train", r, 2) for r in range(2)]
+    before = file_mtimes(folders)
+    again = spawn_gloo(_rank_builds_splits, 2, images, out, ["train"], timeout_s=120)
+    assert all(r["train"]["unchanged"] and r["train"]["encoded"] == 0 for r in again), again
+    assert file_mtimes(folders) == before, "the rerun rewrote a shard"
+    assert_same_cache(single, LatentCache(out))
+
+
 RANK_SCRIPT = r"""
 import datetime, sys, time
 import torch.distributed as dist
@@ -158,18 +224,18 @@ finally:
 """
 
 
-def _start_ranks(tmp_path, src, out, run, slow):
+def _start_ranks(script, tmp_path, src, out, run, slow):
     store = str(tmp_path / f"store{run}")
-    return [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), "2", store, src, out, str(slow)],
+    return [subprocess.Popen([sys.executable, "-c", script, str(r), "2", store, src, out, str(slow)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_sigkilled_rank_loses_nothing_the_others_wrote_and_the_rerun_resumes(tmp_path):
-    src = make_sources(str(tmp_path / "src"))["images"]
-    out = str(tmp_path / "out")
-    ranks = _start_ranks(tmp_path, src, out, 0, slow=0.3)
+def kill_rank_and_rerun(script: str, tmp_path, src: str, out: str) -> tuple[int, int, list[int]]:
+    """Run ``script`` as 2 ranks (argv: rank, world, store, src, out, seconds rank 1 sleeps per item; it
+    prints the items it wrote last), SIGKILL rank 1 once its shard logged 3 items, check rank 0 fails and
+    the folder does not open, rerun both to completion. Returns (items in rank 0's shard, items rank 1
+    had logged, items each rank wrote in the rerun)."""
+    ranks = _start_ranks(script, tmp_path, src, out, 0, slow=0.3)
     progress = os.path.join(shard_dir(out, "train", 1, 2), "train.latents.progress")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress, "rb").read().count(b"\n") >= 3):
@@ -183,12 +249,20 @@ def test_a_sigkilled_rank_loses_nothing_the_others_wrote_and_the_rerun_resumes(t
     assert len(first) > 0 and logged >= 2
     with pytest.raises(IncompleteCacheError, match="manifest"):
         LatentCache(out)
-    ranks = _start_ranks(tmp_path, src, out, 1, slow=0.0)
+    ranks = _start_ranks(script, tmp_path, src, out, 1, slow=0.0)
     outputs = [p.communicate(timeout=120) for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], outputs
-    encoded = [int(o.split()[-1]) for o, _ in outputs]
+    return len(first), logged, [int(o.split()[-1]) for o, _ in outputs]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_sigkilled_rank_loses_nothing_the_others_wrote_and_the_rerun_resumes(tmp_path):
+    src = make_sources(str(tmp_path / "src"))["images"]
+    out = str(tmp_path / "out")
+    first, logged, encoded = kill_rank_and_rerun(RANK_SCRIPT, tmp_path, src, out)
     assert encoded[0] == 0, "rank 0's finished shard is kept, not encoded again"
-    assert encoded[1] == 17 - len(first) - logged, "rank 1 encodes only what its log does not hold"
+    assert encoded[1] == 17 - first - logged, "rank 1 encodes only what its log does not hold"
     single = str(tmp_path / "single")
     build_image_cache(ToyVAE(seed=3), src, single, buckets=BUCKETS, batch_size=1, quiet=True)
     assert_same_cache(LatentCache(single), LatentCache(out))

@@ -241,6 +241,8 @@ def _add_import(commands) -> None:
     imp.add_argument("--split", default="train", help="name of the split")
     imp.add_argument("--lock-timeout", type=float, default=0.0, help="seconds to wait for another writer of the split")
     imp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    imp.add_argument("--distributed", action="store_true", help="one rank of a distributed import (run under torchrun): "
+                     "each rank imports its share into a shard of --out, rank 0 writes the manifest")
     imp.set_defaults(func=_one_line_errors(run_import))
 
 
@@ -290,7 +292,7 @@ def run_build(args) -> int:
                            vae_dtype=args.vae_dtype)
     new_folder = not os.path.isdir(args.out)
     try:
-        path = _build_distributed(args, encoder) if args.distributed else _build(args, encoder)
+        path = _distributed(args, lambda group: _build(args, encoder, group)) if args.distributed else _build(args, encoder)
     except BaseException:
         if new_folder:  # the lock file went with its lock (durable.BuildLock); the folder goes if we made it and it is empty
             with contextlib.suppress(OSError):
@@ -301,22 +303,23 @@ def run_build(args) -> int:
     return 0
 
 
-def _build_distributed(args, encoder) -> str:
-    """``--distributed``: join the torchrun group (gloo on CPU, NCCL on GPUs), build this rank's shard."""
+def _distributed(args, run):
+    """``--distributed``: join the torchrun group (gloo on CPU, NCCL on GPUs: ``--device cuda`` becomes
+    this rank's GPU, LOCAL_RANK) and return ``run(group)``, this rank's part of a build or import."""
     import torch
     import torch.distributed as dist
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise CliError("--distributed runs under torchrun (e.g. torchrun --nproc_per_node 2 -m latentfast cache build ... "
-                       "--distributed): RANK and WORLD_SIZE are not set")
-    on_gpu = args.device.startswith("cuda")
+        raise CliError(f"--distributed runs under torchrun (e.g. torchrun --nproc_per_node 2 -m latentfast cache "
+                       f"{args.cache_command} ... --distributed): RANK and WORLD_SIZE are not set")
+    on_gpu = getattr(args, "device", "cpu").startswith("cuda")
     if on_gpu:
         args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(args.device)
     dist.init_process_group("nccl" if on_gpu else "gloo")
     try:
         args.quiet = args.quiet or dist.get_rank() != 0  # one progress bar and one summary: rank 0's
-        return _build(args, encoder, group=dist.group.WORLD)
+        return run(dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
@@ -352,23 +355,38 @@ def _build(args, encoder, group=None) -> str:
 
 
 def run_import(args) -> int:
-    from .build.importers import import_latents
-
     stats: dict = {}
-    trainer = {k: v for k, v in (("arch", args.arch), ("images", args.images)) if v is not None}
-    if args.convention != "keep" or args.scaling_factor is not None or args.shift_factor is not None:
-        trainer.update(scaled={"keep": None, "scaled": True, "raw": False}[args.convention],
-                       scaling_factor=args.scaling_factor, shift_factor=args.shift_factor)
-    path = import_latents(args.source_dir, args.out, args.split, format=args.format, key=args.key, quiet=args.quiet,
-                          lock_timeout=args.lock_timeout, stats=stats, **trainer)
+    path = _distributed(args, lambda group: _import(args, stats, group)) if args.distributed else _import(args, stats)
     if not args.quiet:
         unit = "items" if "evidence" in stats else "files"
         what = "unchanged" if stats.get("unchanged") else f"{stats['imported']} {unit} imported, {stats['resumed']} resumed"
+        if "ranks" in stats:
+            what += f" by {stats['ranks']} ranks"
         if "evidence" in stats:
             print(stats["evidence"])
         print(stats["summary"])
         print(f"latent cache written: {path} ({what})")
     return 0
+
+
+def _import(args, stats: dict, group=None) -> str:
+    """Import as the flags say (one rank's share with ``group``: ``stats`` then counts every rank's items)."""
+    from .build.importers import import_latents
+
+    trainer = {k: v for k, v in (("arch", args.arch), ("images", args.images)) if v is not None}
+    if args.convention != "keep" or args.scaling_factor is not None or args.shift_factor is not None:
+        trainer.update(scaled={"keep": None, "scaled": True, "raw": False}[args.convention],
+                       scaling_factor=args.scaling_factor, shift_factor=args.shift_factor)
+    path = import_latents(args.source_dir, args.out, args.split, format=args.format, key=args.key, quiet=args.quiet,
+                          lock_timeout=args.lock_timeout, stats=stats, group=group, **trainer)
+    if group is not None:  # the summary line speaks for the whole import, not rank 0's shard
+        import torch.distributed as dist
+
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, {k: stats[k] for k in ("imported", "resumed", "unchanged")}, group=group)
+        stats.update(imported=sum(s["imported"] for s in every), resumed=sum(s["resumed"] for s in every),
+                     unchanged=all(s["unchanged"] for s in every), ranks=len(every))
+    return path
 
 
 def _add_merge(commands) -> None:

@@ -17,13 +17,21 @@ crash-safe, resumable writer under its own build lock, so ranks on different nod
 folder never write the same file. When every rank is done (one collective), rank 0 writes the
 manifest, durably and last; the others wait for it. A rank killed mid-way loses only its batch in
 flight: the shards the others finished are complete caches, and rerunning the same command resumes
-each shard (complete ones are found unchanged and skipped).
+each shard (complete ones are found unchanged and skipped). Once the manifest is durable, rank 0
+deletes the shards of this split that a build of another world size left there (nothing refers to
+them any more); a damaged manifest or order file is rewritten by rerunning the same build, which
+finds every shard unchanged.
+
+``import_latents`` takes part the same way: each file (extension formats) or each item of a
+trainer's folder is one unit, costed by the bytes it reads.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import os
+import re
+import shutil
 from concurrent.futures import Future
 
 import numpy as np
@@ -56,6 +64,7 @@ class Share:
     def __init__(self, rank: int, world: int, group=None):
         self.rank, self.world, self.group = rank, world, group
         self.order: list[str] | None = None
+        self.plan = None
 
     def map(self, pool, fn, args: list) -> list[Future]:
         """``fn(*a)`` for every ``a`` of ``args`` as completed futures, in order: each rank computes every
@@ -79,11 +88,13 @@ class Share:
             futures[-1].set_result(value) if ok else futures[-1].set_exception(value)
         return futures
 
-    def keep(self, ordered: list, units: list[list], *, key, cost) -> list:
+    def keep(self, ordered: list, units: list[list], *, key, cost, plan=None) -> list:
         """The items of ``ordered`` (every item, in the single-process cache's order) that lie in the
         ``units`` (lists of items encoded together) this rank is given; ``key(item)`` names an item,
-        ``cost(item)`` predicts its encode cost (pixels x frames). Raises :class:`IdleRank` if none."""
-        self.order = [key(x) for x in ordered]
+        ``cost(item)`` predicts its encode cost (pixels x frames, or bytes read). ``plan``: whatever
+        else every rank must have planned alike (e.g. the trainer format ``"auto"`` detected),
+        compared across ranks with the order. Raises :class:`IdleRank` if none."""
+        self.order, self.plan = [key(x) for x in ordered], plan
         if len(set(self.order)) != len(self.order):
             seen: set = set()
             twice = next(k for k in self.order if k in seen or seen.add(k))
@@ -125,21 +136,50 @@ def build_sharded(fn, args: dict) -> str:
     finally:
         _CURRENT.reset(token)
     statuses = [None] * world
-    dist.all_gather_object(statuses, (None if error is None else f"{type(error).__name__}: {error}", share.order, keys), group=group)
-    failed = [r for r, (message, _, _) in enumerate(statuses) if message is not None]
+    dist.all_gather_object(statuses, (None if error is None else f"{type(error).__name__}: {error}",
+                                      share.order, share.plan, keys), group=group)
+    failed = [r for r, (message, *_) in enumerate(statuses) if message is not None]
     if error is not None:
         raise error
     if failed:
         raise CacheError(f"distributed build of {out_dir}: rank(s) {failed} failed ({statuses[failed[0]][0]}); "
                          f"fix that and rerun the same command: every finished shard is kept and resumed")
-    orders = {tuple(o) for _, o, _ in statuses if o is not None}
-    if len(orders) != 1:
-        raise CacheError(f"distributed build of {out_dir}: the ranks planned different sources ({len(orders)} plans); "
-                         f"every rank must see the same source files and arguments")
+    orders = {tuple(o) for _, o, _, _ in statuses if o is not None}
+    plans = {repr(p) for _, o, p, _ in statuses if o is not None}
+    if len(orders) != 1 or len(plans) != 1:
+        raise CacheError(f"distributed build of {out_dir}: the ranks planned different sources ({len(orders)} orders of "
+                         f"items, {len(plans)} plans: {sorted(plans)}); every rank must see the same source files and arguments")
     if rank == 0:
-        _write_manifest(out_dir, split, world, list(orders.pop()), [k for _, _, k in statuses])
-    dist.barrier(group=group)
+        try:
+            _write_manifest(out_dir, split, world, list(orders.pop()), [k for *_, k in statuses])
+            remove_other_worlds(out_dir, split, world)
+        except Exception as exc:  # the other ranks must not wait for a manifest that will not come
+            error = exc
+    outcomes = [None] * world  # (all_gather_object, not broadcast: its source is a group rank on every torch)
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    if outcomes[0] is not None:
+        raise CacheError(f"distributed build of {out_dir}: rank 0 could not write the manifest ({outcomes[0]})")
     return shardstore.manifest_path(out_dir, split)
+
+
+def remove_other_worlds(out_dir, split: str, world: int) -> list[str]:
+    """Delete the shards of ``split`` that a build of another world size left in ``out_dir/shards``
+    (``{split}-*-of-{other:05d}``): the manifest just written refers to none of them. Called after the
+    manifest is durable, so a crash in between leaves an extra folder, never a cache without its data.
+    This world size's shards and other splits' are kept. Returns the folders removed."""
+    root = os.path.join(os.fspath(out_dir), "shards")
+    name = re.compile(re.escape(split) + r"-\d{5}-of-(\d{5})")
+    try:
+        found = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    stale = [os.path.join(root, n) for n in found if (m := name.fullmatch(n)) and int(m.group(1)) != world
+             and os.path.isdir(os.path.join(root, n))]
+    for folder in stale:
+        shutil.rmtree(folder)
+    return stale
 
 
 def _write_manifest(out_dir: str, split: str, world: int, order: list[str], shard_keys: list) -> None:

@@ -138,13 +138,16 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     ``.pt`` dict); by default ``latents`` / the one tensor named ``latent...`` / the only entry.
     ``encoder``: the VAE (or its identity dict) that made the latents, stamped in the meta so a
     trainer can refuse a cache from another VAE. ``stats`` receives ``imported``, ``resumed``, ``unchanged``.
-    ``group`` (a ``torch.distributed`` process group): a distributed import of an extension format, see
-    :mod:`latentfast.cache.build.distributed`.
+    ``group`` (a ``torch.distributed`` process group): a distributed import, any format, see
+    :mod:`latentfast.cache.build.distributed`: every rank reads the same folder (the same scan, the
+    same keys; ``"auto"`` must detect the same trainer everywhere, or every rank raises), imports its
+    share (files, or a trainer's items, spread by the bytes they read) into a shard, and rank 0
+    writes the manifest: the same keys in the same order with the same records as a one-process
+    import. Returns the manifest's path. A rank's ``stats`` count its own shard (``imported``,
+    ``resumed``, ``unchanged``; an idle rank: 0, 0, True); ``summary`` and ``skipped`` (and a
+    trainer's ``format`` and ``evidence``) describe the whole folder, alike on every rank.
     """
     if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
-        if format in TRAINER_FORMATS:
-            raise InvalidArgumentError(f"group= imports the extension formats {sorted(FORMATS)}; a distributed import of "
-                                       f"format {format!r} (a trainer's cache) is not supported yet: import it in one process")
         args = dict(locals())
         args.update(args.pop("options"))
         return distributed.build_sharded(import_latents, args)
@@ -167,10 +170,15 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         raise InvalidArgumentError(f"source_dir {source_dir} holds no .{format} files")
     for _, path in files:  # before anything is read: an item is loaded whole, so its size bounds the memory
         _check_item_bytes(path, format, max_item_bytes)
+    whole = _listed(format, files, _other_files(source_dir, FORMATS[format]))
     share = distributed.current_share()
     if share is not None:  # a distributed import: this rank's files, costed by their bytes
-        files = share.keep(files, [[f] for f in files], key=lambda f: f[0], cost=lambda f: os.path.getsize(f[1]))
-    others = _other_files(source_dir, FORMATS[format])
+        try:
+            files = share.keep(files, [[f] for f in files], key=lambda f: f[0], cost=lambda f: os.path.getsize(f[1]))
+        except distributed.IdleRank:
+            if stats is not None:
+                stats.update(whole, imported=0, resumed=0, unchanged=True)
+            raise
     meta = {"kind": "import", "import_format": format, "import_key": key, "source": os.path.abspath(os.fspath(source_dir))}
     digests = [content_hash(path) for _, path in files]
     lock = BuildLock(out_dir, split, lock_timeout)
@@ -178,7 +186,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         if _unchanged(out_dir, split, encoder_identity(encoder), meta, files, digests):
             lock.release()
             if stats is not None:
-                stats.update(imported=0, resumed=0, unchanged=True, **_listed(format, files, others))
+                stats.update(whole, imported=0, resumed=0, unchanged=True)
             return fmt.cache_path(out_dir, split, "data")
         writer = open_for_sources(out_dir, split, encoder=encoder, meta=meta, lock=lock,
                                   digests={k: d for (k, _), d in zip(files, digests)})
@@ -194,7 +202,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
             writer.append(name, latent, source_hash=digest, info=info)
             done += 1
     if stats is not None:
-        stats.update(imported=done, resumed=resumed, unchanged=False, **_listed(format, files, others))
+        stats.update(whole, imported=done, resumed=resumed, unchanged=False)
     return fmt.cache_path(out_dir, split, "data")
 
 
@@ -259,6 +267,17 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
     source = trainers.open_source(source_dir, format, **options)
     if not len(source):
         raise trainers.TrainerCacheError(f"{source.root}: {source.format} cache with no items to import ({source.summary()})")
+    whole = _described(source)
+    share = distributed.current_share()
+    if share is not None:  # a distributed import: this rank's items, each a unit costed by its tensor bytes
+        items = list(zip(source.keys, source.item_bytes))
+        try:
+            mine = share.keep(items, [[x] for x in items], key=lambda x: x[0], cost=lambda x: x[1], plan=source.format)
+        except distributed.IdleRank:
+            if stats is not None:
+                stats.update(whole, imported=0, resumed=0, unchanged=True)
+            raise
+        source = source.only([k for k, _ in mine])
     identity = encoder_identity(encoder)
     convert, convention = latent_conversion(source.convention, scaled, scaling_factor, shift_factor, identity, source.root)
     meta = {"kind": "import", "import_format": source.format, "import_key": None, "source": source.root,
@@ -267,7 +286,7 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
     try:
         if _records_unchanged(out_dir, split, identity, meta, source, convert, convention):
             lock.release()
-            _report(stats, source, imported=0, resumed=0, unchanged=True, convention=convention)
+            _report(stats, whole, imported=0, resumed=0, unchanged=True, convention=convention)
             return fmt.cache_path(out_dir, split, "data")
         writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock)
     except BaseException:
@@ -296,14 +315,19 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
     except BaseException:
         writer.__exit__(*sys.exc_info())  # flushed and resumable: a rerun continues after the last logged item
         raise
-    _report(stats, source, imported=done, resumed=resumed, unchanged=False, convention=convention)
+    _report(stats, whole, imported=done, resumed=resumed, unchanged=False, convention=convention)
     return fmt.cache_path(out_dir, split, "data")
 
 
-def _report(stats, source, **counts) -> None:
+def _described(source) -> dict:
+    """What ``stats`` says of a trainer's whole folder (a distributed import's share says the same)."""
+    return {"format": source.format, "evidence": source.evidence, "summary": source.summary(),
+            "skipped": [tuple(s) for s in source.skipped]}
+
+
+def _report(stats, whole: dict, **counts) -> None:
     if stats is not None:
-        stats.update(counts, format=source.format, evidence=source.evidence, summary=source.summary(),
-                     skipped=[tuple(s) for s in source.skipped])
+        stats.update(counts, **whole)
 
 
 # Fields holding latents of the image VAE (what scaled= converts); an audio VAE's latents are not.

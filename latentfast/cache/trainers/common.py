@@ -7,6 +7,7 @@ the source then reads one item at a time. Hidden files and folders (``.name``) a
 """
 from __future__ import annotations
 
+import copy
 import gzip
 import io
 import json
@@ -73,6 +74,25 @@ class Source:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+    @property
+    def item_bytes(self) -> list[int]:
+        """The tensor bytes each item will read, in the order of :attr:`keys`."""
+        return [p.nbytes for p in self._plans]
+
+    def only(self, keys) -> "Source":
+        """This source restricted to the items named ``keys`` (in this source's order), each keyed as
+        here -- keys are made over the whole folder (:func:`unique_keys`), so a part never renames an
+        item -- with the same format, evidence, convention, notes and skipped files (a distributed
+        import's share: :mod:`latentfast.cache.build.distributed`)."""
+        wanted = set(keys)
+        unknown = wanted.difference(self.keys)
+        if unknown:
+            raise KeyError(f"{self.root}: the {self.format} source has no item {sorted(unknown)[0]!r}")
+        part = copy.copy(self)
+        kept = [(k, p) for k, p in zip(self.keys, self._plans) if k in wanted]
+        part.keys, part._plans = [k for k, _ in kept], [p for _, p in kept]
+        return part
 
     def __iter__(self) -> Iterator[Record]:
         for key, plan in zip(self.keys, self._plans):
