@@ -22,6 +22,7 @@ from latentfast.cache.build.images import build_image_cache, build_video_cache
 from latentfast.cache.build.importers import import_latents
 from latentfast.cache.build.lines import build_latent_cache
 from latentfast.cache.store import shards as shardstore
+from latentfast.cache.store.durable import BuildLock
 from latentfast.testing import spawn_gloo
 from latentfast.toy import ToyVAE
 
@@ -145,6 +146,11 @@ def test_only_this_splits_shards_of_other_world_sizes_are_removed(tmp_path):
     assert sorted(os.path.basename(p) for p in removed) == ["train-00000-of-00003", "train-00002-of-00003"]
     assert sorted(os.listdir(tmp_path / "shards")) == sorted(set(names) - {"train-00000-of-00003", "train-00002-of-00003"})
     assert remove_other_worlds(tmp_path / "nothing", "train", 2) == []
+    os.makedirs(tmp_path / "shards" / "train-00001-of-00004")
+    with BuildLock(str(tmp_path / "shards" / "train-00001-of-00004"), "train"):  # a 4-rank build writing there now
+        assert remove_other_worlds(tmp_path, "train", 2) == []
+    assert [os.path.basename(p) for p in remove_other_worlds(tmp_path, "train", 2)] == ["train-00001-of-00004"]
+    assert not [n for n in os.listdir(tmp_path / "shards") if n.startswith(".")]  # nothing left aside
 
 
 def _rank_builds_splits(rank: int, world: int, images: str, out: str, splits: list):

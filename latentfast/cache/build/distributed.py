@@ -36,9 +36,10 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ...errors import CacheError, InvalidArgumentError
+from ...errors import CacheError, CacheLockedError, InvalidArgumentError
 from ...vision.plan import lpt_bins
 from ..store import shards as shardstore
+from ..store.durable import BuildLock
 from ..store.reader import LatentCache
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("latentfast_build_share", default=None)
@@ -168,7 +169,8 @@ def remove_other_worlds(out_dir, split: str, world: int) -> list[str]:
     """Delete the shards of ``split`` that a build of another world size left in ``out_dir/shards``
     (``{split}-*-of-{other:05d}``): the manifest just written refers to none of them. Called after the
     manifest is durable, so a crash in between leaves an extra folder, never a cache without its data.
-    This world size's shards and other splits' are kept. Returns the folders removed."""
+    This world size's shards and other splits' are kept, and so is a shard whose build lock is held
+    (a build of that world size writing into the folder now). Returns the folders removed."""
     root = os.path.join(os.fspath(out_dir), "shards")
     name = re.compile(re.escape(split) + r"-\d{5}-of-(\d{5})")
     try:
@@ -177,9 +179,18 @@ def remove_other_worlds(out_dir, split: str, world: int) -> list[str]:
         return []
     stale = [os.path.join(root, n) for n in found if (m := name.fullmatch(n)) and int(m.group(1)) != world
              and os.path.isdir(os.path.join(root, n))]
+    removed = []
     for folder in stale:
-        shutil.rmtree(folder)
-    return stale
+        try:
+            lock = BuildLock(folder, split)
+        except CacheLockedError:
+            continue
+        with lock:  # moved aside under its lock: a build starting now finds no half-deleted shard
+            trash = os.path.join(root, f".{os.path.basename(folder)}.{os.getpid()}.removing")
+            os.rename(folder, trash)
+        shutil.rmtree(trash)
+        removed.append(folder)
+    return removed
 
 
 def _write_manifest(out_dir: str, split: str, world: int, order: list[str], shard_keys: list) -> None:
