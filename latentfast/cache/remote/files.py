@@ -45,6 +45,7 @@ from ..store import format as fmt
 from .chunks import now_ns
 from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
 from .reader import RemoteReader, coalesce
+from .storage import ObjectFolder
 
 _HOLD_ATTEMPTS = 8  # fetch-and-check rounds of one hold before giving up (eviction by others, bad CRCs)
 _HEADS = "remote.json"  # the mirror's record of each data object's (size, version): the chunks it links
@@ -324,11 +325,11 @@ def mirror_manifest(url: str, split: str, storage_options, local_cache, local_ca
             f"LatentCache({url!r}) needs local_cache= (a folder on this node's disk) and local_cache_bytes= "
             f"(its byte budget): the cache's index files and the fetched chunks of its data live there")
     url = str(url).rstrip("/")
-    reader = RemoteReader(url, storage_options, local_cache=os.fspath(local_cache), local_cache_bytes=local_cache_bytes)
+    folder = ObjectFolder(url, storage_options)
     names = os.path.basename(shards.manifest_path("", split)), os.path.basename(shards.order_path("", split))
     for _ in range(3):
-        manifest = reader.folder.get(names[0])
-        order = reader.folder.get(names[1])
+        manifest = folder.get(names[0])
+        order = folder.get(names[1])
         try:
             crc = json.loads(manifest).get("order_crc")
         except (ValueError, AttributeError):
@@ -341,7 +342,7 @@ def mirror_manifest(url: str, split: str, storage_options, local_cache, local_ca
             with open(os.path.join(tmp, name), "wb") as fh:
                 fh.write(payload)
 
-    return generation_folder(reader.cache.directory, url, split + ".shards", manifest, fill)
+    return generation_folder(os.fspath(local_cache), url, split + ".shards", manifest, fill)
 
 
 class _Hold:
