@@ -26,6 +26,7 @@ from latentfast.cache.store import shards as shardstore
 from latentfast.cache.store.reader import inspect_cache, verify_cache
 from latentfast.errors import InvalidArgumentError
 from latentfast.testing import FaultProxy, create_bucket, s3_options, s3_server
+from test_remote_latent_cache import assert_same  # noqa: E402
 
 SHARDS = 3
 N = 26
@@ -72,25 +73,6 @@ def server(tmp_path_factory):
 def remote(endpoint, name, local_cache, **kw):
     return LatentCache(f"s3://lfshards/{name}", storage_options=s3_options(endpoint), local_cache=str(local_cache),
                        local_cache_bytes=1 << 30, **kw)
-
-
-def bits(t):
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(a, b):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (tuple, list)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-    else:
-        assert a == b
 
 
 def spanning_batches(cache, rng, n=6):
