@@ -168,12 +168,15 @@ def test_a_second_build_is_locked_out(lines, tmp_path, capsys):
 
 
 SLOW_BUILD = """
-import sys, time
+import os, sys, time
 from latentfast.cache import build_latent_cache
 from latentfast.toy import ToyVAE
 class Slow(ToyVAE):
-    def encode(self, images):
-        time.sleep(3.0)  # the second process must start (import torch) while the first still builds
+    def encode(self, images):  # says it is encoding (under the build lock), then waits for the file argv[4]
+        open(sys.argv[4] + ".encoding", "w").close()
+        deadline = time.monotonic() + 90
+        while not os.path.exists(sys.argv[4]) and time.monotonic() < deadline:
+            time.sleep(0.02)
         return super().encode(images)
 build_latent_cache(Slow(), sys.argv[1], sys.argv[2], line_height=16, max_line_width=96, batch_size=6, layout=sys.argv[3], quiet=True)
 """
@@ -184,11 +187,17 @@ build_latent_cache(Slow(), sys.argv[1], sys.argv[2], line_height=16, max_line_wi
 def test_concurrent_builds_in_two_processes(lines, tmp_path):
     out = str(tmp_path / "out")
     manifest = os.path.join(lines, "lines.jsonl")
-    first = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, manifest, out, "padded"], stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(cache_path(out, "train", "progress")) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    second = subprocess.run([sys.executable, "-c", SLOW_BUILD, manifest, out, "ragged"], capture_output=True, text=True, timeout=60)
+    release, unheld = str(tmp_path / "release"), str(tmp_path / "unheld")
+    open(unheld, "w").close()  # (a second build that got the lock anyway would not wait: the assert says so)
+    first = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, manifest, out, "padded", release], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(release + ".encoding") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second = subprocess.run([sys.executable, "-c", SLOW_BUILD, manifest, out, "ragged", unheld], capture_output=True,
+                                text=True, timeout=60)
+    finally:
+        open(release, "w").close()  # the first build goes on only now, however slowly the second started
     assert second.returncode != 0 and "CacheLockedError" in second.stderr and f"pid {first.pid}" in second.stderr
     assert first.wait(timeout=90) == 0
     assert LatentCache(out).layout == "padded" and verify_cache(out)["rows"] == 12
