@@ -210,9 +210,13 @@ def test_prefetch_in_dataloader_workers(cache_dir, context):
 
 # ---- read_batch's cold path --------------------------------------------------------------------------
 class AdviceSpy:
+    """Records the WILLNEED advice read_batch gives. Advice is taken as never slow here: under load a
+    slow advice call would switch the next batch to the pool of preads, which gives none (a flake)."""
+
     def __init__(self, monkeypatch):
         self.calls = []
         original = pf.DataFile.advise
+        monkeypatch.setattr(pf, "SLOW_FLOOR_S", float("inf"))
 
         def advise(handle, offsets, lengths):
             self.calls.append((offsets.copy(), lengths.copy()))
