@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import gc
 import os
+import time
 
 import numpy as np
 import pytest
@@ -144,6 +145,28 @@ def test_a_batch_over_shards_fetches_every_shard_at_once_and_nothing_when_warm(s
         before = len(proxy.gets)
         assert_same(cache.read_batch(batch, **FIELDS), local.read_batch(batch, **FIELDS))
         assert len(proxy.gets) == before  # warm: every byte from the local chunk cache
+
+
+def test_the_lookahead_prefetches_every_shard_over_the_network(server, tmp_path):
+    endpoint, folder, _ = server
+    local = LatentCache(folder)
+    batch = spanning_batches(local, np.random.default_rng(3), n=1)[0]
+    with FaultProxy(endpoint) as proxy:
+        cache = remote(proxy.endpoint, "sharded", tmp_path)
+        cache.prefetch(batch)  # returns at once; the shards' chunks come in the background
+        deadline = time.monotonic() + 30
+        touched = set()
+        while time.monotonic() < deadline and len(touched) < len(set(local.order[batch, 0].tolist())):
+            touched = {path.split("/shards/")[1].split("/")[0] for path, _ in list(proxy.gets)}
+            time.sleep(0.02)
+        assert touched == {f"train-{k:05d}" for k in set(local.order[batch, 0].tolist())}  # before any read
+        assert_same(cache.read_batch(batch, **FIELDS), local.read_batch(batch, **FIELDS))
+        chunk = cache.shards[0].remote.reader.cache.chunk_bytes
+        fetched = collections.Counter()
+        for path, rng in proxy.gets:
+            a, b = (int(x) for x in rng.split("=")[1].split("-"))
+            fetched.update((path, c) for c in range(a // chunk, b // chunk + 1))
+        assert max(fetched.values()) == 1  # the read waited for the prefetch's downloads, never fetched again
 
 
 def test_workers_and_corrupt_shards(server, tmp_path):
