@@ -469,6 +469,22 @@ def test_filesystem_type_reads_the_longest_mount_point_above_a_path(tmp_path):
     assert pf.filesystem_type("/proc/self") == "proc"  # the real table
 
 
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_the_pread_pool_reads_a_batch_up_to_the_end_of_the_file(cache_dir, layout):
+    """The pool reads whole pages too, but stops at the end of the file (a ragged cache's last page is
+    partly past it: a pread there was refused, so a loaded host that had moved to the pool failed)."""
+    directory = cache_dir / layout
+    last = len(LatentCache(str(directory))) - 1
+    indices = np.array([last, 3, last - 1, 200])
+    expected, expected_widths = hot_batch(directory, indices)
+    evicted(directory)
+    cache = LatentCache(str(directory))
+    assert os.path.getsize(cache_path(str(directory), "train", "data")) % PAGE or layout == "padded"
+    pf.cold_reads(cache).way = "pool"  # as after a slow advice call
+    got, widths = read_batch(cache, indices, cold=True)
+    assert torch.equal(got, expected) and torch.equal(widths, expected_widths)
+
+
 def test_slow_advice_tries_the_pread_pool_and_keeps_the_faster_way(cache_dir, monkeypatch):
     """Where advice reads inside the call (FUSE), the next cold batch is read by the pool; the way with
     the better rate then stays. Advice that returns at once chooses nothing."""

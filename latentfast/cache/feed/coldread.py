@@ -352,7 +352,9 @@ class ColdReads:
         if self.way == "pool":
             from ... import ops  # the op layer only where the pool is used (the samplers import this module)
 
-            ops.read_spans(self.file.fd, offsets, lengths, threads=POOL_THREADS)
+            ends = np.minimum(offsets + lengths, self.file.size)  # (spans are whole pages: the last may pass the end)
+            keep = ends > offsets
+            ops.read_spans(self.file.fd, offsets[keep], ends[keep] - offsets[keep], threads=POOL_THREADS)
         else:
             self.file.advise(offsets, lengths)
         seconds = time.perf_counter() - start
