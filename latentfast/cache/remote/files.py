@@ -56,10 +56,7 @@ class RemoteFiles:
     """The objects of one split of a cache at ``url``, mirrored under ``local_cache`` (see the module)."""
 
     def __init__(self, url: str, split: str, storage_options: dict | None, local_cache, local_cache_bytes, **reader_options):
-        if local_cache is None or local_cache_bytes is None:
-            raise InvalidArgumentError(
-                f"LatentCache({url!r}) needs local_cache= (a folder on this node's disk) and local_cache_bytes= "
-                f"(its byte budget): the cache's index files and the fetched chunks of its data live there")
+        _check_local_cache(url, local_cache, local_cache_bytes)
         self.url, self.split = str(url).rstrip("/"), split
         self.reader = RemoteReader(self.url, storage_options, local_cache=os.fspath(local_cache),
                                    local_cache_bytes=local_cache_bytes, **reader_options)
@@ -229,6 +226,13 @@ class RemoteFiles:
                                  f"{self.reader.read_attempts} fetches")
 
 
+def _check_local_cache(url, local_cache, local_cache_bytes) -> None:
+    if local_cache is None or local_cache_bytes is None:
+        raise InvalidArgumentError(
+            f"LatentCache({url!r}) needs local_cache= (a folder on this node's disk) and local_cache_bytes= "
+            f"(its byte budget): the cache's index files and the fetched chunks of its data live there")
+
+
 def _span_chunks(obj, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """The chunks under non-empty byte spans: a row per span, padded with its last chunk."""
     first, last = starts // obj.chunk_bytes, (ends - 1) // obj.chunk_bytes
@@ -320,10 +324,7 @@ def mirror_manifest(url: str, split: str, storage_options, local_cache, local_ca
     GETs) is fetched again with the manifest, then refused."""
     from ..store import shards
 
-    if local_cache is None or local_cache_bytes is None:
-        raise InvalidArgumentError(
-            f"LatentCache({url!r}) needs local_cache= (a folder on this node's disk) and local_cache_bytes= "
-            f"(its byte budget): the cache's index files and the fetched chunks of its data live there")
+    _check_local_cache(url, local_cache, local_cache_bytes)
     url = str(url).rstrip("/")
     folder = ObjectFolder(url, storage_options)
     names = os.path.basename(shards.manifest_path("", split)), os.path.basename(shards.order_path("", split))

@@ -41,18 +41,16 @@ def _local_files(local_dir: str) -> list[str]:
 
 def _check_shards_inside(local_dir: str, names: list[str]) -> None:
     """Every shard a manifest in the folder names lies in the folder (what is pushed is all there is)."""
-    from ..store.shards import load_manifest, remote_shard_url
+    from ..store.shards import load_manifest, shard_path_inside
 
     for name in names:
         if name.endswith(".shards.json") and "/" not in name:
             path = os.path.join(local_dir, name)
             for entry in load_manifest(path)["shards"]:
-                try:
-                    remote_shard_url("s3://x", entry["path"], path)
-                except ValueError:
+                if not shard_path_inside(entry["path"]):
                     raise InvalidArgumentError(
                         f"push: {path} names the shard {entry['path']!r} outside {local_dir!r} (a `cache merge` without "
-                        f"--copy): merge with --copy first, so the pushed folder holds every shard") from None
+                        f"--copy): merge with --copy first, so the pushed folder holds every shard")
 
 
 def push(local_dir: str, url: str, storage_options: dict | None = None) -> list[str]:

@@ -63,9 +63,8 @@ class LatentCache:
 
             self.remote = RemoteFiles(self.cache_dir, split, storage_options, local_cache, local_cache_bytes)
             self.cache_dir = self.remote.mirror
-        elif storage_options is not None or local_cache is not None or local_cache_bytes is not None:
-            raise InvalidArgumentError(f"storage_options, local_cache and local_cache_bytes are for caches in object "
-                                       f"storage (s3://...), not the local folder {self.cache_dir!r}")
+        else:
+            check_local_options(self.cache_dir, storage_options, local_cache, local_cache_bytes)
         meta_path = fmt.cache_path(self.cache_dir, split, "meta")
         if not os.path.exists(meta_path):
             if fmt.build_in_progress(self.cache_dir, split):
@@ -484,6 +483,13 @@ def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tu
         if first_only:
             break
     return found, block_rows
+
+
+def check_local_options(cache_dir: str, storage_options, local_cache, local_cache_bytes) -> None:
+    """A local folder takes none of the object-storage arguments."""
+    if storage_options is not None or local_cache is not None or local_cache_bytes is not None:
+        raise InvalidArgumentError(f"storage_options, local_cache and local_cache_bytes are for caches in object "
+                                   f"storage (s3://...), not the local folder {cache_dir!r}")
 
 
 def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -> dict:

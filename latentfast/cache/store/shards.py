@@ -29,7 +29,6 @@ chunks in every shard are fetched concurrently, then held while the one gather r
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import posixpath
@@ -41,7 +40,7 @@ import torch
 from ...errors import CacheCorruptError, IncompleteCacheError, InvalidArgumentError
 from . import fields as fieldstore
 from . import format as fmt
-from .reader import LatentCache, inspect_cache, layout_summary, verify_cache
+from .reader import LatentCache, check_local_options, inspect_cache, layout_summary, verify_cache
 
 FORMAT = "latentfast-shards"
 VERSION = 1
@@ -81,13 +80,17 @@ def is_sharded(cache_dir, split: str, storage_options: dict | None = None) -> bo
     return os.path.exists(manifest_path(cache_dir, split)) and not os.path.exists(fmt.cache_path(cache_dir, split, "meta"))
 
 
+def shard_path_inside(path: str) -> bool:
+    """Whether a manifest entry's ``path`` names a folder under the manifest's own (no ``..``, not absolute)."""
+    return bool(path) and not posixpath.isabs(path) and ".." not in path.replace(os.sep, "/").split("/")
+
+
 def remote_shard_url(url: str, path: str, manifest: str) -> str:
     """The URL of a shard of the sharded cache at ``url`` from its manifest entry's relative ``path``."""
-    parts = path.replace(os.sep, "/").split("/")
-    if posixpath.isabs(path) or ".." in parts or not path:
+    if not shard_path_inside(path):
         raise CacheCorruptError(f"sharded cache manifest {manifest}: shard path {path!r} leaves the cache's prefix {url}; "
                                 f"in object storage every shard lies under it (push a `cache merge --copy` or a distributed build)")
-    return url.rstrip("/") + "/" + posixpath.normpath("/".join(parts))
+    return url.rstrip("/") + "/" + posixpath.normpath(path.replace(os.sep, "/"))
 
 
 def stamp_of(meta: dict) -> dict:
@@ -208,7 +211,7 @@ class ShardedItems:
         self.shapes = cache.shapes if cache.shaped else None
         self.dtype = cache.dtype  # the stored latents' dtype (one across shards: part of the stamp)
         self.row_starts = None  # no single file: the cold-read path (keyed on row_starts) stands aside
-        self.remote = _ShardHolds(self.order, [s.items for s in self.shards]) if cache.remote_shards else None
+        self.remote = _ShardHolds(self.order, [s.items for s in self.shards]) if cache.url is not None else None
         self.block_checks = _ShardChecks(self)
         self._source = None
 
@@ -242,7 +245,7 @@ class ShardedFieldItems:
         self.nbytes = np.concatenate([p.nbytes for p in self.parts])[flat]
         self.n = len(self.order)
         self.row_starts = self.row_ends = None
-        self.remote = _ShardHolds(self.order, self.parts) if cache.remote_shards else None
+        self.remote = _ShardHolds(self.order, self.parts) if cache.url is not None else None
         self._source = None
 
     def source(self):
@@ -295,10 +298,8 @@ class ShardedCache(LatentCache):
             remote = dict(storage_options=storage_options, local_cache=local_cache, local_cache_bytes=local_cache_bytes)
             self.cache_dir = mirror_manifest(self.url, split, **remote)
             self._generation_lock = hold_generation(self.cache_dir)
-        elif storage_options is not None or local_cache is not None or local_cache_bytes is not None:
-            raise InvalidArgumentError(f"storage_options, local_cache and local_cache_bytes are for caches in object "
-                                       f"storage (s3://...), not the local folder {self.cache_dir!r}")
-        self.remote_shards = self.url is not None
+        else:
+            check_local_options(self.cache_dir, storage_options, local_cache, local_cache_bytes)
         path = manifest_path(self.cache_dir, split)
         manifest = load_manifest(path)
         if self.url is not None:
