@@ -2,7 +2,7 @@
 
 It links neither libtorch nor libc10 nor libpython, so the build needs no torch (pip's isolated build
 installs setuptools only) and one build serves every torch >= 2.4 and every CPython >= 3.10: the wheel
-is tagged py3-none-<platform>. The GPU kernels are Triton (kernels/), compiled at run time against the
+is tagged py3-none-<platform>. The GPU kernels are Triton (latentfast/kernels/), compiled at run time against the
 CUDA the user's torch brings, so nothing here needs nvcc.
 
 Environment knobs:
@@ -73,9 +73,9 @@ class PlatformWheel(bdist_wheel):
         return "py3", "none", plat
 
 
-# Every package under latentfast/, and the Triton kernels and benchmark suites, which live in kernels/
-# and bench/ but install as latentfast.kernels and latentfast.bench (pyproject.toml's package-dir).
-PACKAGES = find_packages(ROOT, include=["latentfast", "latentfast.*"]) + ["latentfast.kernels", "latentfast.bench"]
+# Every package under latentfast/ (the Triton kernels and the benchmark suites included). Nothing at the
+# checkout's top level is a package: a folder there would shadow a user's package of the same name.
+PACKAGES = find_packages(ROOT, include=["latentfast", "latentfast.*"])
 
 setup(
     packages=PACKAGES,

@@ -78,7 +78,7 @@ rm -f /tmp/latentfast-gpu-tests.xml
 timeout "$(cap 150)" "$PY" -m pytest tests -q -m "$marker" -p no:cacheprovider -rs "${timeout_flag[@]}" \
   --junitxml=/tmp/latentfast-gpu-tests.xml 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
-RESULT[tests]=$("$PY" bench/gpu_check_summary.py tests /tmp/latentfast-gpu-tests.xml "$tests_rc")
+RESULT[tests]=$("$PY" -m latentfast.bench.gpu_check_summary tests /tmp/latentfast-gpu-tests.xml "$tests_rc")
 case "${RESULT[tests]}" in passed*) ;; *) status=1 ;; esac
 echo "${RESULT[tests]}"
 
@@ -98,7 +98,7 @@ done
 grep -v "^\s*$" "$OUT/bench.log" | grep -A14 "^normalize_uint8\|^hot: B=\|^pinned-h2d\|^latentfast-cuda\|^scatter\|^replay" | head -120
 
 step "results"
-"$PY" bench/gpu_check_summary.py bench "$OUT"
+"$PY" -m latentfast.bench.gpu_check_summary bench "$OUT"
 for key in build tests normalize decode replay; do printf '  %-10s %s\n' "$key" "${RESULT[$key]:-not run}"; done
 echo "gpu_check: $([ $status = 0 ] && echo PASSED || echo FAILED) in ${SECONDS}s"
 exit $status

@@ -87,7 +87,7 @@ def train_step(unet, optimizer, scheduler, latents, text, mask):
 def cached_batches(args, vae, text_encoder, device):
     """Build (or reuse) the cache, then yield ``(latents, text, mask)`` on ``device`` from its loader."""
     from latentfast.cache import DevicePrefetcher, LatentCache, ShapeBucketBatchSampler, batch_loader
-    from latentfast.cache.build.images import build_image_cache
+    from latentfast.cache.builders.images import build_image_cache
 
     # --8<-- [start:cache-loop]
     # once: each image's VAE posterior (mean, std) and its mirror's, each caption's embedding (from <stem>.txt)
@@ -115,7 +115,7 @@ def on_the_fly_batches(args, vae, text_encoder, device):
     from torch.utils.data import DataLoader, Dataset
 
     from latentfast.cache.captions import Captions
-    from latentfast.cache.build import media
+    from latentfast.cache.builders import media
 
     class Images(Dataset):
         def __init__(self, folder):

@@ -2,7 +2,7 @@
 
 The suites live in the repository's ``bench/`` folder, installed as ``latentfast.bench``
 (``bench_<suite>.py``, each with a ``run_report(quick) -> dict``); they are the same files
-``pytest bench/ --benchmark-only`` runs.
+``pytest latentfast/bench/ --benchmark-only`` runs.
 """
 from __future__ import annotations
 

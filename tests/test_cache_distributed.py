@@ -17,10 +17,10 @@ import torch
 from PIL import Image
 
 from latentfast.cache import CacheCorruptError, IncompleteCacheError, LatentCache
-from latentfast.cache.build.distributed import remove_other_worlds, shard_dir
-from latentfast.cache.build.images import build_image_cache, build_video_cache
-from latentfast.cache.build.importers import import_latents
-from latentfast.cache.build.lines import build_latent_cache
+from latentfast.cache.builders.distributed import remove_other_worlds, shard_dir
+from latentfast.cache.builders.images import build_image_cache, build_video_cache
+from latentfast.cache.builders.importers import import_latents
+from latentfast.cache.builders.lines import build_latent_cache
 from latentfast.cache.store import shards as shardstore
 from latentfast.cache.store.durable import BuildLock
 from latentfast.testing import spawn_gloo
@@ -209,7 +209,7 @@ def test_another_world_size_replaces_the_shards_and_a_damaged_manifest_is_rewrit
 RANK_SCRIPT = r"""
 import datetime, sys, time
 import torch.distributed as dist
-from latentfast.cache.build.images import build_image_cache
+from latentfast.cache.builders.images import build_image_cache
 from latentfast.toy import ToyVAE
 
 rank, world, store, src, out, slow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])

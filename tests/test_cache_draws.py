@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from latentfast import sampling
 from latentfast.cache import DevicePrefetcher, LatentCache, LatentCacheWriter, verify_cache
-from latentfast.cache.build.images import build_image_cache
+from latentfast.cache.builders.images import build_image_cache
 from latentfast.cache.feed.loader import CacheBatchDataset
 from latentfast.errors import InvalidArgumentError, NonFiniteError
 from latentfast.toy import ToyVAE
@@ -231,7 +231,7 @@ def test_a_store_video_vae_build_keeps_the_normalized_std(tmp_path):
     from test_cache_images import make_clips
     from test_encoders import tiny_wan
 
-    from latentfast.cache.build.images import build_video_cache
+    from latentfast.cache.builders.images import build_video_cache
     from latentfast.encoders import DiffusersVAE
 
     make_clips(str(tmp_path / "clips"))

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from latentfast.cache import IncompleteCacheError, LatentCache, ShapeBucketBatchSampler, cache_path, read_batch, verify_cache
-from latentfast.cache.build.images import build_image_cache, build_video_cache
+from latentfast.cache.builders.images import build_image_cache, build_video_cache
 from latentfast.errors import ImageError, InvalidArgumentError
 from latentfast.toy import ToyVAE
 
@@ -205,7 +205,7 @@ def test_tiny_diffusers_vae_image_cache(images, tmp_path):
 
 BUILD_SCRIPT = """
 import sys, time
-from latentfast.cache.build.images import build_image_cache
+from latentfast.cache.builders.images import build_image_cache
 from latentfast.toy import ToyVAE
 
 class Slow(ToyVAE):

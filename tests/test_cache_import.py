@@ -10,7 +10,7 @@ import torch
 
 from latentfast.cache import LatentCache, cache_path, read_batch
 from latentfast.cache.cli import main as cache_cli
-from latentfast.cache.build.importers import import_latents
+from latentfast.cache.builders.importers import import_latents
 from latentfast.errors import CacheError, InvalidArgumentError, NonFiniteError
 
 

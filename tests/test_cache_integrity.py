@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from latentfast.cache import LatentCache, LatentCacheWriter, cache_path, read_batch, verify_cache
-from latentfast.cache.build.images import build_image_cache, build_video_cache
+from latentfast.cache.builders.images import build_image_cache, build_video_cache
 from latentfast.cache.store.durable import BuildLock, lock_path
 from latentfast.errors import CacheCorruptError, CacheError, CacheLockedError, InvalidArgumentError
 from latentfast.toy import ToyVAE

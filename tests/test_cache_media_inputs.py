@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from latentfast.cache import LatentCache
-from latentfast.cache.build.images import build_image_cache, build_video_cache
-from latentfast.cache.build.media import Item, load_image
+from latentfast.cache.builders.images import build_image_cache, build_video_cache
+from latentfast.cache.builders.media import Item, load_image
 from latentfast.errors import ImageError
 from latentfast.toy import ToyVAE
 
@@ -74,7 +74,7 @@ def test_small_images_upscaled_are_counted_and_no_upscale_keeps_their_size(tmp_p
 
 
 def test_resolution_buckets_follow_kohyas_scheme():
-    from latentfast.cache.build.media import resolution_buckets
+    from latentfast.cache.builders.media import resolution_buckets
 
     buckets = resolution_buckets(1024, 256, 2048, 64)
     assert (1024, 1024) in buckets and (256, 2048) in buckets and (2048, 256) in buckets

@@ -91,7 +91,7 @@ def test_disk_full_fails_then_the_rerun_finishes_with_the_right_bytes(lines, ref
 def test_rows_that_read_back_wrong_are_encoded_again(lines, reference, tmp_path, monkeypatch):
     """A write the kernel acknowledged but the disk lost (simulated: the row is zeroed right after its
     batch is logged) is caught by the read-back check and encoded again before the cache is complete."""
-    from latentfast.cache.build import lines as builder
+    from latentfast.cache.builders import lines as builder
 
     real_mark, spoiled = builder._Progress.mark, []
 

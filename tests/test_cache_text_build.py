@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from test_text_encoders import clip_tokenizer, tiny_clip  # noqa: E402
 
 from latentfast.cache import LatentCache, verify_cache  # noqa: E402
-from latentfast.cache.build.images import build_image_cache  # noqa: E402
+from latentfast.cache.builders.images import build_image_cache  # noqa: E402
 from latentfast.cache.captions import Captions  # noqa: E402
 from latentfast.cache.store.fields import field_path  # noqa: E402
 from latentfast.encoders import TextEncoder  # noqa: E402

@@ -15,8 +15,8 @@ import pytest
 from test_cache_distributed import file_mtimes, kill_rank_and_rerun
 
 from latentfast.cache import IncompleteCacheError, LatentCache
-from latentfast.cache.build.distributed import shard_dir
-from latentfast.cache.build.importers import import_latents
+from latentfast.cache.builders.distributed import shard_dir
+from latentfast.cache.builders.importers import import_latents
 from latentfast.cache.store import shards as shardstore
 from latentfast.cache.trainers import fixtures
 from latentfast.testing import spawn_gloo
@@ -130,7 +130,7 @@ def stats_of(results, kind):
 RANK_SCRIPT = r"""
 import datetime, sys, time
 import torch.distributed as dist
-from latentfast.cache.build import importers
+from latentfast.cache.builders import importers
 
 rank, world, store, src, out, slow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])
 appended, append = 0, importers.LatentCacheWriter.append

@@ -130,9 +130,6 @@ def _package_copy(tmp_path: pathlib.Path) -> pathlib.Path:
     root = tmp_path / "site"
     skip = shutil.ignore_patterns("_native.so", "__pycache__")
     shutil.copytree(PACKAGE, root / "latentfast", ignore=skip)
-    kernels = pathlib.Path(importlib.util.find_spec("latentfast.kernels").submodule_search_locations[0])
-    if not (root / "latentfast" / "kernels").exists():  # an editable install maps it from kernels/
-        shutil.copytree(kernels, root / "latentfast" / "kernels", ignore=skip)
     return root
 
 

@@ -294,7 +294,7 @@ def test_cuda_matches_reference_in_one_launch():
                 out = poisoned_like(expected.shape, expected.dtype, "cuda")
                 torch.ops.latentfast.scatter_cotangents_into(grads, batch_sizes, scales, out, backend=backend)
                 torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
-    # the GPU kernel: the CUDA C++ one of older builds, else Triton's (kernels/scatter_cotangents.py)
+    # the GPU kernel: the CUDA C++ one of older builds, else Triton's (latentfast/kernels/scatter_cotangents.py)
     gpu = next((b for b in ("cuda", "triton") if b in runnable_backends(OP, "cuda")), None)
     if gpu is None:
         pytest.skip("no GPU kernel for scatter_cotangents here (Triton is not installed)")

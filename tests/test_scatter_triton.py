@@ -1,4 +1,4 @@
-"""The Triton kernel of scatter_cotangents_into (kernels/scatter_cotangents.py) against the reference,
+"""The Triton kernel of scatter_cotangents_into (latentfast/kernels/scatter_cotangents.py) against the reference,
 bit for bit: on CPU tensors under Triton's interpreter (a child process, as TRITON_INTERPRET must be
 set before Triton is imported), and on CUDA tensors when there is a device."""
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each kernel is registered twice: as the ``cpp`` backend of the public op (called straight from its
 dispatch kernel, the hot path) and as the CPU kernel of ``latentfast_compiled::<op>`` (the kernel form
 without ``backend``, for direct calls past the op's Python checks). There are no CUDA C++ kernels:
-the GPU kernels are Triton (``kernels/``, the ``triton`` backend), so the ``cuda`` backend is never
+the GPU kernels are Triton (``latentfast/kernels/``, the ``triton`` backend), so the ``cuda`` backend is never
 available.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Triton kernels (``kernels/<op>.py``, installed as ``latentfast.kernels``) as the ``triton``
+"""The Triton kernels (``latentfast/kernels/<op>.py``, installed as ``latentfast.kernels``) as the ``triton``
 backend: on CUDA tensors, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
 
 Importing latentfast never imports Triton: a kernel module is imported on the op's first call.
@@ -46,10 +46,7 @@ def _lazy(op: str):
 def _register() -> None:
     importable, why = triton_status()
     for op in _ops.SCHEMAS:
-        try:
-            has_kernel = importlib.util.find_spec(_module_name(op)) is not None
-        except ModuleNotFoundError:  # a checkout imported uninstalled: kernels/ is not latentfast.kernels
-            has_kernel = False
+        has_kernel = importlib.util.find_spec(_module_name(op)) is not None
         for device_type in ("cpu", "cuda"):
             if not has_kernel:
                 mark_unavailable(op, device_type, "triton", f"no Triton kernel for {op}")

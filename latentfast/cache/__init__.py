@@ -1,62 +1,64 @@
-"""Offline VAE latent cache: format, builders, writer, importers, reader, the fast batch path and DataLoader pieces."""
+"""Offline VAE latent cache: format, builders, writer, importers, reader, the fast batch path and DataLoader pieces.
+
+The names below are imported on first use (module ``__getattr__``): ``import latentfast.cache`` stays cheap,
+and a reader never pays for the builders, the trainer importers, object storage or the vision modules.
+"""
 from __future__ import annotations
 
-from .build.lines import ImageError, build_latent_cache, cache_meta_for, list_source
-from .store.format import (
-    FORMAT_VERSION,
-    LAYOUTS,
-    SEED_FIELDS,
-    block_checksums,
-    cache_path,
-    ragged_offsets,
-    read_meta,
-    stamp_differences,
-)
-from .feed.gather import read_batch
-from .feed.device import DevicePrefetcher
-from .feed.loader import CacheBatchDataset, batch_loader, collate
-from .store.reader import CacheCorruptError, IncompleteCacheError, LatentCache, inspect_cache, verify_cache
-from .build.images import build_image_cache, build_video_cache
-from .build.importers import import_latents
-from .feed.sampler import LookaheadSampler, ShapeBucketBatchSampler, WidthBucketBatchSampler, item_chunks
-from .store.writer import LatentCacheWriter
-from ..errors import CacheLockedError
+import importlib
 
-__all__ = [
+# name -> the submodule (relative to this package) that defines it
+_EXPORTS = {
     # format
-    "FORMAT_VERSION",
-    "LAYOUTS",
-    "SEED_FIELDS",
-    "block_checksums",
-    "cache_path",
-    "ragged_offsets",
-    "read_meta",
-    "stamp_differences",
+    "FORMAT_VERSION": ".store.format",
+    "LAYOUTS": ".store.format",
+    "SEED_FIELDS": ".store.format",
+    "block_checksums": ".store.format",
+    "cache_path": ".store.format",
+    "ragged_offsets": ".store.format",
+    "read_meta": ".store.format",
+    "stamp_differences": ".store.format",
     # builder
-    "ImageError",
-    "build_latent_cache",
-    "cache_meta_for",
-    "list_source",
+    "ImageError": ".builders.lines",
+    "build_latent_cache": ".builders.lines",
+    "cache_meta_for": ".builders.lines",
+    "list_source": ".builders.lines",
     # reader
-    "CacheCorruptError",
-    "IncompleteCacheError",
-    "LatentCache",
-    "inspect_cache",
-    "verify_cache",
+    "CacheCorruptError": ".store.reader",
+    "IncompleteCacheError": ".store.reader",
+    "LatentCache": ".store.reader",
+    "inspect_cache": ".store.reader",
+    "verify_cache": ".store.reader",
     # shaped caches: writer, image / video builders, importers
-    "CacheLockedError",
-    "LatentCacheWriter",
-    "build_image_cache",
-    "build_video_cache",
-    "import_latents",
+    "CacheLockedError": "..errors",
+    "LatentCacheWriter": ".store.writer",
+    "build_image_cache": ".builders.images",
+    "build_video_cache": ".builders.images",
+    "import_latents": ".builders.importers",
     # fast batch path and DataLoader integration
-    "read_batch",
-    "WidthBucketBatchSampler",
-    "ShapeBucketBatchSampler",
-    "item_chunks",
-    "CacheBatchDataset",
-    "batch_loader",
-    "collate",
-    "DevicePrefetcher",
-    "LookaheadSampler",
-]
+    "read_batch": ".feed.gather",
+    "WidthBucketBatchSampler": ".feed.sampler",
+    "ShapeBucketBatchSampler": ".feed.sampler",
+    "item_chunks": ".feed.sampler",
+    "CacheBatchDataset": ".feed.loader",
+    "batch_loader": ".feed.loader",
+    "collate": ".feed.loader",
+    "DevicePrefetcher": ".feed.device",
+    "LookaheadSampler": ".feed.sampler",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

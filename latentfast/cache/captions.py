@@ -19,7 +19,7 @@ import json
 import os
 
 from ..errors import ArgumentTypeError, CaptionError, InvalidArgumentError
-from .build.media import _read_manifest
+from .builders.media import _read_manifest
 
 CAPTION_EXTENSION = ".txt"
 LINE_MODES = ("first", "join", "error")

@@ -334,12 +334,12 @@ def _build(args, encoder, group=None) -> str:
                   group=group)
     source = args.manifest or args.images
     if args.lines:
-        from .build.lines import build_latent_cache
+        from .builders.lines import build_latent_cache
 
         return build_latent_cache(encoder, source, args.out, args.split, line_height=args.line_height,
                                   max_line_width=args.max_line_width, layout=args.layout,
                                   skip_bad_images=args.skip_bad_images, **common)
-    from .build.images import build_image_cache, build_video_cache
+    from .builders.images import build_image_cache, build_video_cache
 
     if args.video:
         return build_video_cache(encoder, source, args.out, args.split, buckets=parse_buckets(args.buckets, video=True),
@@ -347,7 +347,7 @@ def _build(args, encoder, group=None) -> str:
     if args.buckets:
         buckets = parse_buckets(args.buckets, video=False)
     else:
-        from .build.media import resolution_buckets
+        from .builders.media import resolution_buckets
 
         buckets = resolution_buckets(args.resolution, args.min_bucket, args.max_bucket, args.bucket_step)
     return build_image_cache(encoder, source, args.out, args.split, buckets=buckets, no_upscale=args.no_upscale,
@@ -371,7 +371,7 @@ def run_import(args) -> int:
 
 def _import(args, stats: dict, group=None) -> str:
     """Import as the flags say (one rank's share with ``group``: ``stats`` then counts every rank's items)."""
-    from .build.importers import import_latents
+    from .builders.importers import import_latents
 
     trainer = {k: v for k, v in (("arch", args.arch), ("images", args.images)) if v is not None}
     if args.convention != "keep" or args.scaling_factor is not None or args.shift_factor is not None:

@@ -16,7 +16,7 @@ virtio disk, 1 GiB file evicted before each batch, 64 random rows, median of 7 b
 
 WILLNEED reaches the parallel-pread ceiling (the disk's queue is the limit, not the submitter) with
 no threads and no second copy; io_uring serves buffered reads that miss the cache from kernel
-worker threads, i.e. the same pool, so it cannot beat that ceiling either. ``bench/bench_decode.py``
+worker threads, i.e. the same pool, so it cannot beat that ceiling either. ``latentfast/bench/bench_decode.py``
 re-measures the pread ceiling beside read_batch in every run.
 
 Pieces:
@@ -27,7 +27,7 @@ Pieces:
   (``cachestat(2)`` where the kernel has it, else ``mincore(2)`` over a private map), eviction.
 - :class:`ColdReads` -- the per-cache switch read_batch consults (it also picks how spans are
   brought in: advice, or a pool of ``pread`` workers where advice reads synchronously, see
-  :meth:`ColdReads.bring_in` and ``bench/bench_cold_fs.py``): while batches are found cold it
+  :meth:`ColdReads.bring_in` and ``latentfast/bench/bench_cold_fs.py``): while batches are found cold it
   checks each batch's residency and advises what is missing; after :data:`HOT_AFTER` fully resident
   batches it stops checking (a hot batch then pays two clock reads), and one batch that copies at
   page-fault speed turns the checks back on (off again at once if the next batch is resident).

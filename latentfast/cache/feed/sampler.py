@@ -78,7 +78,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
     and ``drop_last``. A rank then reads about ``K`` chunks at a time, each chunk in one stretch of
     the epoch, so a local chunk cache that holds a few windows (leftovers reach one window on)
     fetches each chunk about once per epoch per node; the price is that a batch mixes items of
-    ``K`` chunks, not of the whole cache (``bench/bench_sampler.py`` measures both). Choose ``K``
+    ``K`` chunks, not of the whole cache (``latentfast/bench/bench_sampler.py`` measures both). Choose ``K``
     so a window holds a batch of each bucket: a bucket with fewer items per window waits for later
     windows, and the chunks its batches come from may be fetched again. The order is the same at
     any world size, so every node reads from every chunk of a window (not a share of the chunks).

@@ -84,7 +84,7 @@ class Source:
         """This source restricted to the items named ``keys`` (in this source's order), each keyed as
         here -- keys are made over the whole folder (:func:`unique_keys`), so a part never renames an
         item -- with the same format, evidence, convention, notes and skipped files (a distributed
-        import's share: :mod:`latentfast.cache.build.distributed`)."""
+        import's share: :mod:`latentfast.cache.builders.distributed`)."""
         wanted = set(keys)
         unknown = wanted.difference(self.keys)
         if unknown:

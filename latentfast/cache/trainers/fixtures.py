@@ -453,7 +453,7 @@ def records_via(folder, format: str, via: str, out_dir=None, **options) -> dict:
     ``via="reader"`` straight from :func:`~latentfast.cache.trainers.open_source`; ``"import"`` /
     ``"auto"`` imported into a latentfast cache in ``out_dir`` by ``import_latents(format=format / "auto")``
     and read back from that cache (``cache.record(i)``, ``cache.info(i)``)."""
-    from ..build.importers import import_latents
+    from ..builders.importers import import_latents
     from ..store.reader import LatentCache
     from . import Record, open_source
 

@@ -328,7 +328,7 @@ def build_latent_cache(
     the batches of edited images or damaged blocks. ``lock_timeout``: seconds to wait for another
     build of this split (then :class:`~latentfast.errors.CacheLockedError`). ``stats`` (a dict)
     receives timings and counts. ``group`` (a ``torch.distributed`` process group): a distributed
-    build, see :mod:`latentfast.cache.build.distributed`.
+    build, see :mod:`latentfast.cache.builders.distributed`.
     """
     if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
         return distributed.build_sharded(build_latent_cache, locals())

@@ -11,7 +11,7 @@ serves reads from the backing file's page cache otherwise), each way median of `
   resident    share of the rows' pages in the page cache 20 ms after WILLNEED, before any read: 0%
               means the advice started no reads here
 
-Run: python bench/bench_cold_fs.py FOLDER [--backing DIR] [--mib 256] [--row-kib 64] [--runs 7]
+Run: python -m latentfast.bench.bench_cold_fs FOLDER [--backing DIR] [--mib 256] [--row-kib 64] [--runs 7]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Trainer caches: the readers (records/s), ``import_latents`` (items/s) and reads of the imported cache, each vs the trainer's own bare per-file reads.
 
-Run: ``python bench/bench_trainers.py [--items N]``. Each trainer's fixture (latentfast.cache.trainers.
+Run: ``python -m latentfast.bench.bench_trainers [--items N]``. Each trainer's fixture (latentfast.cache.trainers.
 fixtures, the fixtures' small tensors: the figures measure per-item overhead, not bandwidth) is written
 once to a temp folder (musubi-tuner and SimpleTuner items in 8 latent sizes, as buckets give; the other
 fixtures have their own bucket sets); then, median of 5 runs (after 1 warm-up, files in the page cache), we time

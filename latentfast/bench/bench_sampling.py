@@ -8,7 +8,7 @@ Providers (float32 mean, std and output, batches of 64 latents):
   tensors: the oracle, not meant to be fast);
 - ``cpp``: the op ``ops.sample_latents(..., backend="cpp")``, the C++ kernel of
   ``csrc/cpu/sample_latents_kernel.cpp`` (CPU only; on torch's ``--threads``, as torch is);
-- ``triton``: the op's Triton kernel (``kernels/sample_latents.py``; CUDA only: on a CPU it runs only
+- ``triton``: the op's Triton kernel (``latentfast/kernels/sample_latents.py``; CUDA only: on a CPU it runs only
   under Triton's interpreter, which is not timed).
 
 Two settings, each compared only within itself:
@@ -22,7 +22,7 @@ GB/s counts the useful bytes alike for every provider: mean and std read, the ou
 per element). Samples are taken round-robin; each ratio is the median and range over ``--runs``
 repetitions of the whole measurement.
 
-    python bench/bench_sampling.py [--quick] [--runs 3] [--threads N]
+    python -m latentfast.bench.bench_sampling [--quick] [--runs 3] [--threads N]
 """
 from __future__ import annotations
 

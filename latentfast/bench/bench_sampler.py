@@ -43,7 +43,7 @@ index order); each also given for the full shuffle:
 Also the time to compute one epoch's batches of 1M items (median of 3; the host's load average is
 printed beside it: a shared, noisy host).
 
-    python bench/bench_sampler.py [--quick]
+    python -m latentfast.bench.bench_sampler [--quick]
 
 ``run_report(quick)`` is the ``latentfast bench`` suite interface.
 """

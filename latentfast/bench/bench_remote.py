@@ -38,7 +38,7 @@ batches of an epoch's permutation: no item twice). Per configuration, ``--runs``
 items/s over all batches, time to first batch (client creation and HEAD included), MiB fetched over
 the network and its ratio to the bytes the batches use; then ours over the best peer per run.
 
-    python bench/bench_remote.py [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
+    python -m latentfast.bench.bench_remote [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
 
 ``run_report(quick)`` is the ``latentfast bench`` suite interface (suite ``remote``; it finds s3rver at
 ``$LATENTFAST_S3RVER``, on PATH or in ./node_modules/.bin).

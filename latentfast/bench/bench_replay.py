@@ -25,8 +25,8 @@ under DDP.
    reductions per step (a DDP comm hook counts them) and step time, every replay synced vs
    ``gradient_sync`` (only the last replay reduces).
 
-    pytest bench/bench_replay.py --benchmark-only   # pytest-benchmark tables (step, scatter)
-    python bench/bench_replay.py [--quick]          # side-by-side tables (all three)
+    pytest latentfast/bench/bench_replay.py --benchmark-only   # pytest-benchmark tables (step, scatter)
+    python -m latentfast.bench.bench_replay [--quick]          # side-by-side tables (all three)
 """
 from __future__ import annotations
 

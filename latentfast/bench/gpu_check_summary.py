@@ -1,7 +1,7 @@
 """The verdicts of ``bench/gpu_check.sh``, in Python so a CPU test can check them.
 
-    python bench/gpu_check_summary.py tests REPORT.xml PYTEST_EXIT   # one line: "passed: ..." or "FAILED ..."
-    python bench/gpu_check_summary.py bench OUT_DIR                   # the suites' summaries from OUT_DIR/bench_*.json
+    python -m latentfast.bench.gpu_check_summary tests REPORT.xml PYTEST_EXIT   # one line: "passed: ..." or "FAILED ..."
+    python -m latentfast.bench.gpu_check_summary bench OUT_DIR                   # the suites' summaries from OUT_DIR/bench_*.json
 
 Run by path (it imports nothing of latentfast), so it works even when the build failed.
 """

@@ -17,8 +17,8 @@ from the page cache, both allocating their output. Target: sharded >= 0.9 x one 
 
 Every figure: median and range over ``ROUNDS`` runs.
 
-    python bench/bench_scale.py [--quick]       # side-by-side report
-    pytest bench/bench_scale.py --benchmark-only
+    python -m latentfast.bench.bench_scale [--quick]       # side-by-side report
+    pytest latentfast/bench/bench_scale.py --benchmark-only
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def make_images(folder: str, n: int, skewed: bool) -> None:
 def _rank_builds(rank: int, world: int, source: str, root: str, rounds: int) -> list[dict]:
     import torch.distributed as dist
 
-    from latentfast.cache.build.images import build_image_cache
+    from latentfast.cache.builders.images import build_image_cache
 
     runs = []
     for r in range(-1, rounds):  # round -1 warms up (first imports, the encoder's first call), not counted

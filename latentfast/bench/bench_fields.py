@@ -20,7 +20,7 @@ from the page cache (``posix_fadvise(DONTNEED)``) before each pass. Ratios are p
 range of ``--runs`` runs). Bytes on disk: the cache with equal values stored once, the cache written
 with sharing disabled (the hash made unique per value), and the per-item pairs; file counts.
 
-    python bench/bench_fields.py [--quick] [--runs 3] [--example]
+    python -m latentfast.bench.bench_fields [--quick] [--runs 3] [--example]
 """
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     (``"float16"``, ``"bfloat16"`` or ``"float32"``): the stored dtype of the latent and the fields
     beside it that share its meaning (``latent_std``, ``latent_flipped``); a rebuild with another one
     re-encodes. ``group`` (a
-    ``torch.distributed`` process group): a distributed build, see :mod:`latentfast.cache.build.distributed`.
+    ``torch.distributed`` process group): a distributed build, see :mod:`latentfast.cache.builders.distributed`.
 
     Records beside the latent (each its own field, see ``cache.fields``):
 

@@ -20,8 +20,8 @@ locally vs balanced, with the toy VAE's CPU compute (one thread per rank: sensit
 else runs on the host), with a 20 ms idle wait per encode call standing in for a GPU encode, and
 with that wait plus a transfer-aware plan over the measured link.
 
-    pytest bench/bench_balance.py --benchmark-only      # pytest-benchmark tables
-    python bench/bench_balance.py [--quick]             # side-by-side report
+    pytest latentfast/bench/bench_balance.py --benchmark-only      # pytest-benchmark tables
+    python -m latentfast.bench.bench_balance [--quick]             # side-by-side report
 """
 from __future__ import annotations
 

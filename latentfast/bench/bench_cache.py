@@ -17,8 +17,8 @@ shaped caches against the per-item files image/video trainers keep.
   ``build_image_cache`` (batches of one bucket, threaded decode, one writer) vs encoding the same
   images one by one and saving one ``.safetensors`` per image (what per-item trainers do).
 
-    pytest bench/bench_cache.py --benchmark-only     # pytest-benchmark tables
-    python bench/bench_cache.py [--quick]            # side-by-side ratios
+    pytest latentfast/bench/bench_cache.py --benchmark-only     # pytest-benchmark tables
+    python -m latentfast.bench.bench_cache [--quick]            # side-by-side ratios
 """
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def _naive_build(encoder, images: list[str], buckets, out: str) -> None:
     from PIL import Image
     from safetensors.torch import save_file
 
-    from latentfast.cache.build import media
+    from latentfast.cache.builders import media
 
     os.makedirs(out, exist_ok=True)
     for path in images:
@@ -254,7 +254,7 @@ def shaped_build_report(quick: bool = False) -> dict:
         return {"skipped": str(exc)}
     from PIL import Image
 
-    from latentfast.cache.build.images import build_image_cache
+    from latentfast.cache.builders.images import build_image_cache
     from latentfast.encoders import DiffusersVAE
 
     torch.manual_seed(0)

@@ -11,8 +11,8 @@ per element. The copy column is ``dst.copy_(src)`` of a reused float32 buffer of
 (8 bytes per element counted): what the memory system moves in the same run, the ceiling a streaming
 pass is compared with. Samples are taken round-robin, so a noisy neighbour slows every provider alike.
 
-    pytest bench/bench_normalize.py --benchmark-only      # pytest-benchmark tables
-    python bench/bench_normalize.py [--quick]             # the side-by-side table
+    pytest latentfast/bench/bench_normalize.py --benchmark-only      # pytest-benchmark tables
+    python -m latentfast.bench.bench_normalize [--quick]             # the side-by-side table
 """
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     ``encoder``: the VAE (or its identity dict) that made the latents, stamped in the meta so a
     trainer can refuse a cache from another VAE. ``stats`` receives ``imported``, ``resumed``, ``unchanged``.
     ``group`` (a ``torch.distributed`` process group): a distributed import, any format, see
-    :mod:`latentfast.cache.build.distributed`: every rank reads the same folder (the same scan, the
+    :mod:`latentfast.cache.builders.distributed`: every rank reads the same folder (the same scan, the
     same keys; ``"auto"`` must detect the same trainer everywhere, or every rank raises), imports its
     share (files, or a trainer's items, spread by the bytes they read) into a shard, and rank 0
     writes the manifest: the same keys in the same order with the same records as a one-process

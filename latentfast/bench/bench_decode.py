@@ -36,8 +36,8 @@ Per-call section -- microseconds per call on tiny inputs (the fixed cost of disp
 the compiled kernel): the gather_rows_into op per backend and read_batch of 4 small rows, uncontended
 and with a busy process per core.
 
-Run:  python bench/bench_decode.py [--quick] [--hot-only | --cold-only | --contended-only | --per-call-only]
-      pytest bench/bench_decode.py --benchmark-enable (pytest-benchmark, hot, one test per provider)
+Run:  python -m latentfast.bench.bench_decode [--quick] [--hot-only | --cold-only | --contended-only | --per-call-only]
+      pytest latentfast/bench/bench_decode.py --benchmark-enable (pytest-benchmark, hot, one test per provider)
 ``latentfast bench`` calls ``run_report(quick)``.
 """
 from __future__ import annotations
