@@ -39,12 +39,12 @@ def test_balanced_encode_example_runs_under_torchrun_with_two_gloo_processes(tmp
 
 
 def assert_readme_quotes(script: pathlib.Path, region: str) -> None:
-    """One README block is marked as an excerpt of ``script`` and is, line for line, its marked
-    ``region`` (so it cannot drift from the code the tests run)."""
-    readme = (ROOT / "README.md").read_text()
+    """One block of the README or the docs is marked as an excerpt of ``script`` and is, line for line,
+    its marked ``region`` (so it cannot drift from the code the tests run)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     name = f"examples/{script.name}"
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if name in b]
-    assert len(blocks) == 1, f"one README block quotes {name}"
+    blocks = [b for page in pages for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S) if name in b]
+    assert len(blocks) == 1, f"one block of the README or the docs quotes {name}"
     first, _, body = blocks[0].partition("\n")
     assert first.startswith(f"# excerpt of {name}")
     assert body == marked_region(script.read_text(), region)

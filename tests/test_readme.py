@@ -1,5 +1,6 @@
-"""The README's code examples run as written (every ```python block not meant for torchrun, and not an
-excerpt of a script under examples/, which tests/test_examples.py runs and compares with the README)."""
+"""The code examples of the README and of the docs site (docs/*.md) run as written: every ```python block
+not meant for torchrun, and not an excerpt of a script under examples/ (tests/test_examples.py runs those
+scripts and compares the excerpts with them)."""
 from __future__ import annotations
 
 import pathlib
@@ -7,12 +8,20 @@ import re
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "torchrun" not in b and not b.startswith("# excerpt of examples/")]
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [(f"{page.relative_to(ROOT)} block {i}", block) for page in PAGES
+          for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+          if "torchrun" not in block and not block.startswith("# excerpt of examples/")]
 
 
-def test_readme_has_examples():
-    assert len(BLOCKS) >= 3
+def test_readme_and_docs_have_examples():
+    names = [name for name, _ in BLOCKS]
+    assert any(name.startswith("README.md") for name in names) and len(names) >= 10, names
+
+
+def test_the_readme_stays_a_front_door():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 
 
 @pytest.fixture
@@ -32,8 +41,8 @@ def s3_env(monkeypatch):
         yield endpoint
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index, capsys, request):
-    if "s3://" in BLOCKS[index]:
+@pytest.mark.parametrize("name, block", BLOCKS, ids=[name for name, _ in BLOCKS])
+def test_readme_example_runs(name, block, capsys, request):
+    if "s3://" in block:
         request.getfixturevalue("s3_env")
-    exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {"__name__": "readme_example"})
+    exec(compile(block, name, "exec"), {"__name__": "readme_example"})
