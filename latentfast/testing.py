@@ -7,7 +7,8 @@
   numpy in the original (seed) layouts and opened by the real :class:`~latentfast.cache.LatentCache`;
   :func:`write_random_cache` -- the same for caches of any size (larger than RAM), written in chunks.
 - :func:`spawn_gloo` -- run a function on every rank of a real spawned gloo process group.
-- :func:`kill_and_resume` -- a writer script SIGKILLed mid-build, then run again to completion.
+- :func:`kill_and_resume` -- a writer script SIGKILLed mid-build, then run again to completion;
+  :func:`hold_when` / :func:`run_until_held` -- a child process killed at a known point of its work.
 """
 from __future__ import annotations
 
@@ -382,30 +383,78 @@ def s3_with_objects(folder: str, url: str, files: dict):
         yield endpoint
 
 
-def kill_and_resume(script: str, folder: str, reference: str, *, after_lines: int = 12, between=None) -> tuple[int, int]:
-    """Run the writer ``script`` (``python -c script FOLDER``, printing the items it wrote last) into
-    ``folder``, SIGKILL it once its progress log holds more than ``after_lines`` lines, call
-    ``between()``, run it again to completion, and once more into ``reference`` (a build never
-    interrupted). Returns ``(items logged before the kill, items the rerun wrote)``."""
+HOLD_ENV = "LATENTFAST_TEST_HOLD"
+
+
+def hold_when(reached: bool) -> None:
+    """In a test's child process: once ``reached``, create the file named by ``$LATENTFAST_TEST_HOLD`` (if
+    set) and block until killed. A kill then lands at a known point of the work, however loaded the
+    machine is (no sleep to slow the child down, no race between its progress and the test's poll)."""
+    marker = os.environ.get(HOLD_ENV)
+    if reached and marker:
+        with open(marker, "w"):
+            pass
+        import threading
+
+        threading.Event().wait()
+
+
+def run_until_held(cmd: list[str], marker: str, *, progress: str | None = None, min_lines: int = 0,
+                   timeout_s: float = 600.0) -> None:
+    """Run ``cmd`` with ``$LATENTFAST_TEST_HOLD=marker`` until it holds (see :func:`hold_when`) and, if
+    ``progress`` is given, its progress log has ``min_lines`` complete lines; then SIGKILL it. Fails if the
+    child ends first (``timeout_s`` only guards against a hang)."""
     import signal
     import subprocess
     import sys
     import time
 
-    progress = os.path.join(folder, "train.latents.progress")
-    proc = subprocess.Popen([sys.executable, "-c", script, folder], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress, "rb").read().count(b"\n") > after_lines):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    if os.path.exists(marker):
+        os.unlink(marker)
+    env = dict(os.environ, **{HOLD_ENV: marker})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not (os.path.exists(marker) and (progress is None or progress_lines(progress) >= min_lines)):
+            if proc.poll() is not None:
+                raise AssertionError(f"{cmd[2] if len(cmd) > 2 and cmd[1] == '-c' else cmd} ended (rc {proc.returncode}) "
+                                     f"before it held: {proc.stderr.read().decode()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the child did not hold within {timeout_s} s")
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
     if proc.returncode != -signal.SIGKILL:
-        raise AssertionError(f"the writer ended before it was killed (rc {proc.returncode}): {proc.stderr.read().decode()}")
-    logged = open(progress, "rb").read().count(b"\n") - 1
+        raise AssertionError(f"the child was not killed (rc {proc.returncode})")
+
+
+def progress_lines(path: str) -> int:
+    """Complete lines of a progress log (0 while it does not exist)."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return 0
+    return text[: text.rfind(b"\n") + 1].count(b"\n")
+
+
+def kill_and_resume(script: str, folder: str, reference: str, *, hold_after: int = 12, between=None) -> tuple[int, int]:
+    """Run the writer ``script`` (``python -c script FOLDER HOLD_AFTER``, which calls :func:`hold_when` once it
+    has written ``HOLD_AFTER`` items and prints how many it wrote at the end) into ``folder``, SIGKILL it
+    while it holds, call ``between()``, run it again to completion, and once more into ``reference`` (a
+    build never interrupted). Returns ``(items logged before the kill, items the rerun wrote)``."""
+    import subprocess
+    import sys
+
+    progress = os.path.join(folder, "train.latents.progress")
+    run_until_held([sys.executable, "-c", script, folder, str(hold_after)], os.path.join(os.path.dirname(folder), "held"))
+    logged = progress_lines(progress) - 1
     if between is not None:
         between()
     for out in (folder, reference):
-        done = subprocess.run([sys.executable, "-c", script, out], capture_output=True, text=True, timeout=90)
+        done = subprocess.run([sys.executable, "-c", script, out, str(hold_after)], capture_output=True, text=True,
+                              timeout=600)
         if done.returncode != 0:
             raise AssertionError(f"the writer failed on {out}: {done.stderr}")
         written = int(done.stdout.split()[-1]) if out == folder else written

@@ -16,14 +16,14 @@ import pytest
 import torch
 from PIL import Image
 
-from latentfast.cache import CacheCorruptError, IncompleteCacheError, LatentCache
+from latentfast.cache import CacheCorruptError, IncompleteCacheError, LatentCache, cache_path
 from latentfast.cache.builders.distributed import remove_other_worlds, shard_dir
 from latentfast.cache.builders.images import build_image_cache, build_video_cache
 from latentfast.cache.builders.importers import import_latents
 from latentfast.cache.builders.lines import build_latent_cache
 from latentfast.cache.store import shards as shardstore
 from latentfast.cache.store.durable import BuildLock
-from latentfast.testing import spawn_gloo
+from latentfast.testing import HOLD_ENV, progress_lines, spawn_gloo
 from latentfast.toy import ToyVAE
 
 BUCKETS = [(32, 32), (32, 48), (48, 32)]
@@ -207,18 +207,19 @@ def test_another_world_size_replaces_the_shards_and_a_damaged_manifest_is_rewrit
 
 
 RANK_SCRIPT = r"""
-import datetime, sys, time
+import datetime, sys
 import torch.distributed as dist
 from latentfast.cache.builders.images import build_image_cache
+from latentfast.testing import hold_when
 from latentfast.toy import ToyVAE
 
-rank, world, store, src, out, slow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])
+rank, world, store, src, out, hold = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6])
 
 class Slow(ToyVAE):
     encoded = 0
     def encode(self, images):
+        hold_when(rank == 1 and Slow.encoded == hold)
         Slow.encoded += images.shape[0]
-        time.sleep(slow if rank == 1 else 0.0)
         return super().encode(images)
 
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
@@ -230,39 +231,43 @@ finally:
 """
 
 
-def _start_ranks(script, tmp_path, src, out, run, slow):
+def _start_ranks(script, tmp_path, src, out, run, hold, env=None):
     store = str(tmp_path / f"store{run}")
-    return [subprocess.Popen([sys.executable, "-c", script, str(r), "2", store, src, out, str(slow)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    return [subprocess.Popen([sys.executable, "-c", script, str(r), "2", store, src, out, str(hold)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
 
 
 def kill_rank_and_rerun(script: str, tmp_path, src: str, out: str) -> tuple[int, int, list[int]]:
-    """Run ``script`` as 2 ranks (argv: rank, world, store, src, out, seconds rank 1 sleeps per item; it
-    prints the items it wrote last), SIGKILL rank 1 once its shard logged 3 items, check rank 0 fails and
-    the folder does not open, rerun both to completion. Returns (items in rank 0's shard, items rank 1
-    had logged, items each rank wrote in the rerun)."""
-    ranks = _start_ranks(script, tmp_path, src, out, 0, slow=0.3)
+    """Run ``script`` as 2 ranks (argv: rank, world, store, src, out, the item before which rank 1 holds;
+    it prints the items it wrote last), SIGKILL rank 1 while it holds before its 4th item, once rank 0's
+    shard is complete and rank 1's logged at least 2 items; check rank 0 fails and the folder does not
+    open, rerun both to completion. Returns (items in rank 0's shard, items rank 1 had logged, items each
+    rank wrote in the rerun)."""
+    marker = str(tmp_path / "held")
+    ranks = _start_ranks(script, tmp_path, src, out, 0, hold=3, env=dict(os.environ, **{HOLD_ENV: marker}))
     progress = os.path.join(shard_dir(out, "train", 1, 2), "train.latents.progress")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress, "rb").read().count(b"\n") >= 3):
+    first_meta = cache_path(shard_dir(out, "train", 0, 2), "train", "meta")
+    deadline = time.monotonic() + 600  # a hang guard only
+    while not (os.path.exists(marker) and os.path.exists(first_meta) and progress_lines(progress) >= 3):
+        assert ranks[1].poll() is None and time.monotonic() < deadline, ranks[1].communicate()
         time.sleep(0.02)
     ranks[1].send_signal(signal.SIGKILL)
     ranks[1].wait()
-    ranks[0].communicate(timeout=120)
+    ranks[0].communicate(timeout=600)
     assert ranks[1].returncode == -signal.SIGKILL and ranks[0].returncode != 0  # rank 0 learns its peer died
     first = LatentCache(shard_dir(out, "train", 0, 2))  # rank 0's shard: complete
-    logged = open(progress, "rb").read().count(b"\n") - 1
-    assert len(first) > 0 and logged >= 2
+    logged = progress_lines(progress) - 1
+    assert len(first) > 0 and 2 <= logged <= 3
     with pytest.raises(IncompleteCacheError, match="manifest"):
         LatentCache(out)
-    ranks = _start_ranks(script, tmp_path, src, out, 1, slow=0.0)
-    outputs = [p.communicate(timeout=120) for p in ranks]
+    ranks = _start_ranks(script, tmp_path, src, out, 1, hold=-1)
+    outputs = [p.communicate(timeout=600) for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], outputs
     return len(first), logged, [int(o.split()[-1]) for o, _ in outputs]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)  # a hang guard only
 def test_a_sigkilled_rank_loses_nothing_the_others_wrote_and_the_rerun_resumes(tmp_path):
     src = make_sources(str(tmp_path / "src"))["images"]
     out = str(tmp_path / "out")

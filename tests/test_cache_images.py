@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from PIL import Image
 from latentfast.cache import IncompleteCacheError, LatentCache, ShapeBucketBatchSampler, cache_path, read_batch, verify_cache
 from latentfast.cache.builders.images import build_image_cache, build_video_cache
 from latentfast.errors import ImageError, InvalidArgumentError
+from latentfast.testing import progress_lines, run_until_held
 from latentfast.toy import ToyVAE
 
 BUCKETS = [(32, 32), (32, 48), (48, 32)]  # (height, width)
@@ -204,39 +203,36 @@ def test_tiny_diffusers_vae_image_cache(images, tmp_path):
 
 
 BUILD_SCRIPT = """
-import sys, time
+import sys
 from latentfast.cache.builders.images import build_image_cache
+from latentfast.testing import hold_when
 from latentfast.toy import ToyVAE
 
-class Slow(ToyVAE):
+class Counting(ToyVAE):
     encoded = 0
     def encode(self, images):
-        Slow.encoded += images.shape[0]
-        time.sleep(0.05)
+        hold_when(Counting.encoded == 6)  # the first run is killed here: 6 images encoded (batches of 1)
+        Counting.encoded += images.shape[0]
         return super().encode(images)
 
-build_image_cache(Slow(), sys.argv[1], sys.argv[2], buckets=[(32, 32), (32, 48), (48, 32)], batch_size=1, quiet=True)
-print("encoded", Slow.encoded)
+build_image_cache(Counting(), sys.argv[1], sys.argv[2], buckets=[(32, 32), (32, 48), (48, 32)], batch_size=1, quiet=True)
+print("encoded", Counting.encoded)
 """
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)  # a hang guard only
 def test_sigkill_and_resume(images, tmp_path):
     out = str(tmp_path / "out")
     progress = cache_path(out, "train", "progress")
     cmd = [sys.executable, "-c", BUILD_SCRIPT, images, out]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not (os.path.exists(progress) and open(progress, "rb").read().count(b"\n") >= 5):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    logged = open(progress, "rb").read().count(b"\n") - 1
-    assert proc.returncode == -signal.SIGKILL and logged >= 4
+    # killed while the 7th image waits to be encoded, once the writer has logged at least 5 items
+    run_until_held(cmd, str(tmp_path / "held"), progress=progress, min_lines=6)
+    logged = progress_lines(progress) - 1
+    assert 5 <= logged <= 6
     with pytest.raises(IncompleteCacheError):
         LatentCache(out)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == str(12 - logged)  # only the items not yet logged
     reference = str(tmp_path / "ref")

@@ -125,10 +125,12 @@ def test_a_repair_in_place_under_an_open_reader_raises(manifest, tmp_path):
     reader = LatentCache(out)
     reader[0]
     path = cache_path(out, "train", "data")
-    time.sleep(0.05)  # past the clock tick of the build's last write: the file's mtime moves
     with open(path, "r+b") as fh:  # what the line builder's repair does: rows rewritten in the same file
         fh.seek(2 * int(reader.row_starts[-1]) - 2)
         fh.write(b"\x00\x3c")
+    # a later write has a later mtime; within one clock tick of the build it may not: say it is later
+    stat = os.stat(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     with pytest.raises(CacheCorruptError, match="modified under this reader"):
         read_batch(reader, [0])
 
@@ -322,12 +324,18 @@ def test_a_failed_finish_inside_with_releases_the_lock_and_the_retry_works(tmp_p
     assert not os.path.exists(lock_path(folder, "train"))
 
 
+def _open_fds() -> list[str]:
+    return os.listdir("/proc/self/fd")
+
+
 def test_the_lock_file_goes_with_its_holder_and_a_waiter_never_shares_the_lock(tmp_path):
     first = BuildLock(tmp_path, "train")
     got = []
     waiter = threading.Thread(target=lambda: got.append(BuildLock(tmp_path, "train", timeout=10)))
     waiter.start()
-    time.sleep(0.3)  # the waiter has opened the lock file and waits on it
+    path = os.path.realpath(lock_path(tmp_path, "train"))
+    while sum(os.path.realpath(f"/proc/self/fd/{fd}") == path for fd in _open_fds()) < 2:
+        time.sleep(0.01)  # until the waiter has opened the lock file (and waits on it): no race with its start
     first.release()
     waiter.join()
     second = got[0]

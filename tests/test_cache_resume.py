@@ -5,61 +5,47 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from latentfast.cache import IncompleteCacheError, LatentCache, cache_path
+from latentfast.testing import progress_lines, run_until_held
 from latentfast.toy import ToyVAE
 from test_cache import build, cache_files, make_lines
 
-# The same command each time; its encoder is the toy VAE slowed down so the kill lands mid-build.
+# The same command each time (the fourth argument: hold before encode call N, see hold_when; the
+# white-column probe is call 1), so the kill lands after a known number of batches however loaded the
+# machine is.
 BUILD_SCRIPT = """
-import sys, time
+import sys
 from latentfast.cache import build_latent_cache
+from latentfast.testing import hold_when
 from latentfast.toy import ToyVAE
 
-class SlowToyVAE(ToyVAE):
+class CountingToyVAE(ToyVAE):
     calls = 0
     def encode(self, images):
-        SlowToyVAE.calls += 1
-        time.sleep(0.04)
+        CountingToyVAE.calls += 1
+        hold_when(CountingToyVAE.calls == int(sys.argv[4]))
         return super().encode(images)
 
 manifest, out, layout = sys.argv[1:4]
-build_latent_cache(SlowToyVAE(), manifest, out, line_height=16, max_line_width=96, batch_size=2, layout=layout, quiet=True)
-print("encode calls", SlowToyVAE.calls)
+build_latent_cache(CountingToyVAE(), manifest, out, line_height=16, max_line_width=96, batch_size=2, layout=layout, quiet=True)
+print("encode calls", CountingToyVAE.calls)
 """
 
 
-def _logged_batches(progress_path: str) -> int:
-    with open(progress_path, "rb") as fh:
-        text = fh.read()
-    return text[: text.rfind(b"\n") + 1].count(b"\n") - 1  # complete lines after the header
-
-
-def _run_and_kill(cmd, progress_path: str, after_batches: int) -> int:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if os.path.exists(progress_path) and _logged_batches(progress_path) >= after_batches:
-                break
-            if proc.poll() is not None:
-                pytest.fail(f"build finished before it could be killed: {proc.communicate()}")
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    return _logged_batches(progress_path)
+def _run_and_kill(cmd, progress_path: str, marker: str, batches: int) -> int:
+    """Runs the build until it has logged ``batches`` more batches and holds before the next; kills it."""
+    logged = max(progress_lines(progress_path) - 1, 0)
+    run_until_held(cmd + [str(1 + batches + 1)], marker, progress=progress_path, min_lines=1 + logged + batches)
+    return progress_lines(progress_path) - 1
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)  # a hang guard only
 @pytest.mark.parametrize("layout", ["padded", "ragged"])
 def test_sigkill_and_resume_is_byte_identical(tmp_path, layout):
     manifest = make_lines(str(tmp_path), n=30, seed=7)
@@ -67,16 +53,18 @@ def test_sigkill_and_resume_is_byte_identical(tmp_path, layout):
     out = str(tmp_path / "out")
     progress = cache_path(out, "train", "progress")
     cmd = [sys.executable, "-c", BUILD_SCRIPT, manifest, out, layout]
+    marker = str(tmp_path / "held")
 
-    done = _run_and_kill(cmd, progress, after_batches=2)
+    done = _run_and_kill(cmd, progress, marker, batches=2)
+    assert done == 2
     with pytest.raises(IncompleteCacheError, match="resume"):
         LatentCache(out)
-    done_again = _run_and_kill(cmd, progress, after_batches=done + 4)  # killed again, later
-    assert done_again >= done + 4
+    done_again = _run_and_kill(cmd, progress, marker, batches=4)  # killed again, later
+    assert done_again == done + 4
     with pytest.raises(IncompleteCacheError):
         LatentCache(out)
 
-    finished = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finished = subprocess.run(cmd + ["0"], capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr
     # Only the batches not yet logged are encoded again (plus the white-column probe).
     assert f"encode calls {1 + batches - done_again}" in finished.stdout
@@ -173,12 +161,12 @@ def test_resume_repairs_its_log_and_restarts_on_lost_data(tmp_path):
         fh.write(b"4")  # a torn append: dropped, not trusted
     with pytest.raises(_Crash):
         build(manifest, out, batch_size=2, encoder=_FailAfter(1))
-    assert _logged_batches(progress) == 4
+    assert progress_lines(progress) - 1 == 4
 
     os.truncate(cache_path(out, "train", "data") + ".partial", 100)  # the data file lost: start over
     with pytest.raises(_Crash):
         build(manifest, out, batch_size=2, encoder=_FailAfter(1))
-    assert _logged_batches(progress) == 1  # the old batches are forgotten, not claimed for new data
+    assert progress_lines(progress) - 1 == 1  # the old batches are forgotten, not claimed for new data
 
     encoder, stats = _FailAfter(100), {}
     build(manifest, out, batch_size=2, encoder=encoder, stats=stats)

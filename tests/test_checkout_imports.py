@@ -87,3 +87,24 @@ def test_diffusers_and_transformers_import_from_the_checkouts_root(tmp_path):
         print(json.dumps({"ok": [AutoencoderKL.__name__, CLIPTextModel.__name__, latentfast.kernels.__name__]}))
     """, tmp_path)
     assert found["ok"] == ["AutoencoderKL", "CLIPTextModel", "latentfast.kernels"]
+
+
+def test_importing_the_cache_package_loads_no_builder_importer_storage_or_vision_module(tmp_path):
+    # `import latentfast.cache` costs ~20 ms over torch (python -X importtime); the builders, the trainer
+    # importers, object storage and the vision modules come on first use of a name that needs them
+    found = run_in_checkout("""
+        import json, sys
+        import latentfast.cache as cache
+        before = sorted(m for m in sys.modules if m.startswith(("latentfast.cache.", "latentfast.vision", "diffusers",
+                                                                "transformers", "obstore")))
+        cache.LatentCache, cache.read_batch
+        reader = sorted(m for m in sys.modules if m.startswith(("latentfast.cache.builders", "latentfast.cache.trainers",
+                                                                "latentfast.vision", "diffusers", "transformers")))
+        cache.build_image_cache
+        builder = "latentfast.cache.builders.images" in sys.modules
+        missing = [name for name in cache.__all__ if not hasattr(cache, name)]  # every name still resolves
+        print(json.dumps({"before": before, "reader": reader, "builder": builder, "missing": missing}))
+    """, tmp_path)
+    assert found["before"] == [], found["before"]
+    assert found["reader"] == [], found["reader"]
+    assert found["builder"] and found["missing"] == [], found

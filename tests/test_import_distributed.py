@@ -128,18 +128,21 @@ def stats_of(results, kind):
 
 
 RANK_SCRIPT = r"""
-import datetime, sys, time
+import datetime, sys
 import torch.distributed as dist
 from latentfast.cache.builders import importers
+from latentfast.testing import hold_when
 
-rank, world, store, src, out, slow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], float(sys.argv[6])
+rank, world, store, src, out, hold = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6])
 appended, append = 0, importers.LatentCacheWriter.append
 
 def slow_append(self, *args, **kwargs):
     global appended
+    hold_when(rank == 1 and appended == hold)
     appended += 1
-    time.sleep(slow if rank == 1 else 0.0)
-    return append(self, *args, **kwargs)
+    append(self, *args, **kwargs)
+    if rank == 1:
+        self.flush()  # each item durable (imports flush every 64): the log holds what was appended when killed
 
 importers.LatentCacheWriter.append = slow_append
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
@@ -152,7 +155,7 @@ finally:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(1200)  # a hang guard only
 def test_a_sigkilled_rank_loses_nothing_the_other_imported_and_the_rerun_resumes(tmp_path):
     src, out = str(tmp_path / "kohya"), str(tmp_path / "out")
     fixtures.write_kohya(src, arch="flux", n=6)  # 12 items

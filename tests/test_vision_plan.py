@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 import tracemalloc
 
 import numpy as np
@@ -177,14 +176,11 @@ SKEWED_STEPS = {  # issue 26's slow steps: 41 s and 19 s before (100,000 units o
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SKEWED_STEPS))
-def test_skewed_large_steps_plan_in_near_linear_time(name):
-    """A generous bound for a shared host (measured: about 0.4 s and 2.5 s; bench/RESULTS.md)."""
+def test_skewed_large_steps_plan_consistently_and_never_behind_lpt(name):
+    """Measured: about 0.4 s and 2.5 s (bench/RESULTS.md); a quadratic search did not finish."""
     costs = SKEWED_STEPS[name](np.random.default_rng(26))
-    start = time.perf_counter()
-    plan = plan_assignment(costs)
-    seconds = time.perf_counter() - start
+    plan = plan_assignment(costs)  # the time is measured in latentfast/bench/bench_balance.py
     check_consistent(plan, costs)
-    assert seconds < 15, seconds
     assert plan.makespan <= lpt_makespan(costs)  # and never behind the anchor: it is the first start
 
 
@@ -312,15 +308,12 @@ def test_large_instance_in_linear_memory():
     per_rank = 488
     costs = [[0.01] * (3 * per_rank)] + [[0.01] * per_rank for _ in range(2047)]
     tracemalloc.start()
-    start = time.perf_counter()
     plan = plan_assignment(costs)
-    seconds = time.perf_counter() - start
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     units = sum(map(len, costs))
     assert units > 10**6 and plan.makespan == pytest.approx(0.01 * math.ceil(units / 2048))  # the optimum
     assert peak < 400 * units, f"{peak / units:.0f} bytes per unit"  # a units x units int64 table: 8e6 per unit
-    assert seconds < 60, seconds  # seconds here; a units x units search did not finish
 
 
 def test_invalid_arguments_are_named():
