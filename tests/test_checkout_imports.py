@@ -23,7 +23,8 @@ OURS = {"latentfast", "tests"}
 def top_level_names() -> list[str]:
     """Every folder at the checkout's top level that an ``import`` could find (setup.py is the build's
     entry point, not a folder: ``import setup`` is nobody's package)."""
-    return sorted(p.name for p in ROOT.iterdir() if p.is_dir() and p.name.isidentifier() and p.name not in OURS)
+    return sorted(p.name for p in ROOT.iterdir() if p.is_dir() and p.name.isidentifier() and p.name not in OURS
+                  and p.name not in sys.stdlib_module_names)  # the standard library's names win over any folder
 
 
 def run_in_checkout(code: str, tmp_path: pathlib.Path) -> dict:
