@@ -37,7 +37,7 @@ from ..store import format as fmt
 from ..store.durable import BuildLock, content_hash
 from ..store.writer import LatentCacheWriter, encoder_identity, open_for_sources
 from .. import trainers
-from ..trainers.common import array_to_tensor, load_pt
+from ..trainers.common import array_to_tensor, load_pt, pt_nbytes
 from . import distributed
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
@@ -62,14 +62,16 @@ def list_latent_files(source_dir, format: str) -> list[tuple[str, str]]:
     return sorted(found)
 
 
-def read_latent_file(path: str, format: str, key: str | None = None) -> tuple[Any, dict]:
-    """``(latent tensor or array, info)`` from one file; ``key`` names the entry (default: see module)."""
+def read_latent_file(path: str, format: str, key: str | None = None,
+                     max_item_bytes: int = trainers.DEFAULT_MAX_ITEM_BYTES) -> tuple[Any, dict]:
+    """``(latent tensor or array, info)`` from one file; ``key`` names the entry (default: see module);
+    a gzip'd ``.pt`` that inflates to more than ``max_item_bytes`` is refused once it has."""
     try:
         if format == "npz":
             return _read_npz(path, key)
         if format == "safetensors":
             return _read_safetensors(path, key)
-        return _read_pt(path, key)
+        return _read_pt(path, key, max_item_bytes)
     except InvalidArgumentError:
         raise
     except Exception as exc:  # noqa: BLE001 - a file that cannot be parsed is reported by name
@@ -106,8 +108,8 @@ def _read_safetensors(path: str, key: str | None):
         return fh.get_tensor(name), {}
 
 
-def _read_pt(path: str, key: str | None):
-    obj = load_pt(path)  # gzip'd or not; a truncated file is named as such
+def _read_pt(path: str, key: str | None, max_item_bytes: int):
+    obj = load_pt(path, max_item_bytes)  # gzip'd or not; a truncated file is named as such
     if isinstance(obj, torch.Tensor):
         if key is not None:
             raise InvalidArgumentError(f"{path} holds a bare tensor, not a dict with {key!r}")
@@ -198,7 +200,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         for (name, path), digest in tqdm(list(zip(files, digests)), unit="files", desc="import", disable=True if quiet else None):
             if name in writer:
                 continue
-            latent, info = read_latent_file(path, format, key)
+            latent, info = read_latent_file(path, format, key, max_item_bytes)
             writer.append(name, latent, source_hash=digest, info=info)
             done += 1
     if stats is not None:
@@ -208,7 +210,8 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
 
 def _check_item_bytes(path: str, format: str, limit: int) -> None:
     """Refuse a file whose item would take more than ``limit`` bytes of memory to read: its size on
-    disk, for ``.npz`` the sum of its arrays' uncompressed sizes (what ``np.load`` inflates)."""
+    disk, for ``.npz`` the sum of its arrays' uncompressed sizes (what ``np.load`` inflates), for a gzip'd
+    ``.pt`` what its last member says (its real size is judged while it inflates: :func:`read_latent_file`)."""
     if format == "npz":
         import zipfile
 
@@ -218,7 +221,7 @@ def _check_item_bytes(path: str, format: str, limit: int) -> None:
         except (OSError, zipfile.BadZipFile) as exc:
             raise CacheError(f"cannot read npz latents from {path}: {exc}") from None
     else:
-        size = os.path.getsize(path)
+        size = pt_nbytes(path) if format == "pt" else os.path.getsize(path)
     if size > limit:
         raise InvalidArgumentError(f"{path}: its item takes {size} bytes to read, more than max_item_bytes={limit} "
                                    f"(items are read whole); pass a larger max_item_bytes= if the memory is there")
