@@ -28,7 +28,7 @@ from latentfast.cache.store import shards as shardstore
 from latentfast.cache.trainers import fixtures
 from latentfast.cli import main
 from latentfast.errors import CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
-from latentfast.testing import spawn_gloo
+from latentfast.testing import random_rows, spawn_gloo, write_cache
 
 MiB = 1 << 20
 
@@ -97,8 +97,12 @@ def test_a_gzipped_pt_of_the_extension_format_is_judged_by_its_inflated_size(tmp
 # -- 2. and 4. cache merge: one convention, each key once ----------------------------------------
 
 def st_import(tmp_path, name: str, scaled, n: int = 2, **kw) -> str:
+    """A SimpleTuner folder imported as ``name``, its keys ``{name}_000``, ... (the fixture's ``img_`` renamed)."""
     root, images = str(tmp_path / f"src-{name}"), str(tmp_path / f"images-{name}")
     fixtures.write_simpletuner(root, images, n=n, compress=False, hash_filenames=False, **kw)
+    for folder, _, files in [*os.walk(os.path.join(root, "vae")), *os.walk(images)]:
+        for file in files:
+            os.rename(os.path.join(folder, file), os.path.join(folder, file.replace("img_", f"{name}_")))
     out = str(tmp_path / name)
     import_latents(root, out, format="simpletuner", images=images, quiet=True, scaled=scaled, scaling_factor=0.5)
     return out
@@ -117,8 +121,8 @@ def test_merge_refuses_caches_of_other_latent_conventions(tmp_path, capsys):
     with pytest.raises(InvalidArgumentError, match=r"latent_convention.*0\.25"):
         shardstore.merge_caches([scaled, other_factor], str(tmp_path / "m2"), copy=True)
     assert not os.path.exists(tmp_path / "m2" / "shards"), "refused before anything is copied"
-    converted = st_import(tmp_path, "converted", True, seed=2)  # stored scaled (the trainer's own), by the same factor
-    shardstore.merge_caches([scaled, converted], str(tmp_path / "m3"))
+    again = st_import(tmp_path, "again", True, seed=2)  # scaled (the trainer's own), by the same factor
+    shardstore.merge_caches([scaled, again], str(tmp_path / "m3"))
     assert len(LatentCache(str(tmp_path / "m3"))) == 4
 
 
@@ -140,9 +144,14 @@ def test_merge_refuses_a_key_in_two_parts(tmp_path, capsys):
         shardstore.merge_caches([a, b], str(tmp_path / "m2"), copy=True)
     assert not os.path.exists(tmp_path / "m2" / "shards"), "refused before anything is copied"
     ab = shardstore.merge_caches([a, keyed_cache(tmp_path / "c", ["y0", "y1"])], str(tmp_path / "m3"))
-    with pytest.raises(InvalidArgumentError, match=r"'y1'"):  # through a sharded source too
-        shardstore.merge_caches([os.path.dirname(ab), str(tmp_path / "c")], str(tmp_path / "m4"))
+    with pytest.raises(InvalidArgumentError, match=r"'y0' appears twice.*/c \(row 0\) and in .*/c \(row 0\)"):
+        shardstore.merge_caches([os.path.dirname(ab), str(tmp_path / "c")], str(tmp_path / "m4"))  # through a sharded source
     assert LatentCache(str(tmp_path / "m3")).keys == ["x0", "x1", "x2", "y0", "y1"]
+    rows, widths = random_rows(np.random.default_rng(0), 4, 3, 2, 6)
+    lines = write_cache(str(tmp_path / "lines"), rows, widths, w_max=6).cache_dir  # no keys: its rows are told apart by folder
+    shardstore.merge_caches([lines, write_cache(str(tmp_path / "lines2"), rows, widths, w_max=6).cache_dir], str(tmp_path / "m5"))
+    with pytest.raises(InvalidArgumentError, match=r"/lines is given twice"):
+        shardstore.merge_caches([lines, str(tmp_path / "m5" / ".." / "lines")], str(tmp_path / "m6"))
 
 
 # -- 3. a distributed import whose ranks disagree --------------------------------------------------
