@@ -35,7 +35,7 @@ import torch
 from ...errors import CacheError, InvalidArgumentError
 from ..store import format as fmt
 from ..store.durable import BuildLock, content_hash
-from ..store.writer import LatentCacheWriter, encoder_identity, open_for_sources
+from ..store.writer import LatentCacheWriter, check_file_name, encoder_identity, open_for_sources
 from .. import trainers
 from ..trainers.common import array_to_tensor, load_pt, pt_nbytes
 from . import distributed
@@ -57,6 +57,7 @@ def list_latent_files(source_dir, format: str) -> list[tuple[str, str]]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in files:
             if name.endswith(FORMATS[format]) and not name.startswith("."):
+                check_file_name(root, os.path.join(folder, name))
                 rel = os.path.relpath(os.path.join(folder, name), root)
                 found.append((os.path.splitext(rel)[0].replace(os.sep, "/"), os.path.join(folder, name)))
     return sorted(found)

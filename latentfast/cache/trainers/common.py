@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ...errors import CacheError
+from ..store.writer import check_file_name
 
 # An item whose tensors take more than this many bytes is refused before anything is read: reading
 # one holds its tensors in memory -- twice, briefly, for a gzip'd .pt and a diffusion-pipe shard record
@@ -139,11 +140,13 @@ def rel_key(root: str, folder: str, stem: str) -> str:
 
 
 def walk_files(root: str) -> Iterator[tuple[str, str]]:
-    """``(folder, name)`` of every file under ``root`` in sorted order, hidden entries left out."""
+    """``(folder, name)`` of every file under ``root`` in sorted order, hidden entries left out; a name
+    that is not valid UTF-8 raises, naming it (keys are made of names)."""
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             if not name.startswith("."):
+                check_file_name(root, os.path.join(folder, name))
                 yield folder, name
 
 
