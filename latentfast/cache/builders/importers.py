@@ -148,12 +148,14 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     writes the manifest: the same keys in the same order with the same records as a one-process
     import. Returns the manifest's path. A rank's ``stats`` count its own shard (``imported``,
     ``resumed``, ``unchanged``; an idle rank: 0, 0, True); ``summary`` and ``skipped`` (and a
-    trainer's ``format`` and ``evidence``) describe the whole folder, alike on every rank.
+    trainer's ``format`` and ``evidence``) describe the whole folder, alike on every rank. Before
+    anything is written the ranks compare their arguments and the digest of their source folder
+    (:func:`source_digest`): ranks given other ones all raise the same error, naming what differs.
     """
     if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
         args = dict(locals())
         args.update(args.pop("options"))
-        return distributed.build_sharded(import_latents, args)
+        return distributed.build_sharded(import_latents, args, agree=lambda: _agreement(args))
     from tqdm import tqdm
 
     if format in TRAINER_FORMATS:
@@ -207,6 +209,46 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     if stats is not None:
         stats.update(whole, imported=done, resumed=resumed, unchanged=False)
     return fmt.cache_path(out_dir, split, "data")
+
+
+DIGEST_EDGE_BYTES = 64 << 10
+# what a distributed import's ranks need not share: where they write from (a folder on another mount is
+# compared by its digest), how they report and wait
+_UNCOMPARED = ("source_dir", "out_dir", "group", "quiet", "stats", "lock_timeout")
+
+
+def _agreement(args: dict) -> dict:
+    """What every rank of a distributed import must hold alike: each argument that shapes the cache (the
+    encoder by its identity, a folder argument such as ``images=`` by its digest) and the source's digest."""
+    out = {"source listing (names, sizes, first and last 64 KiB of each file)": source_digest(args["source_dir"])}
+    for name, value in sorted(args.items()):
+        if name in _UNCOMPARED:
+            continue
+        if name == "encoder":
+            value = encoder_identity(value)
+        elif isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
+            value = {"folder digest": source_digest(value)}
+        out[name] = value
+    return out
+
+
+def source_digest(folder) -> str:
+    """BLAKE2b-128 (hex) of a folder's listing as an import reads it (hidden entries left out): each file's
+    relative path, size, and its first and last 64 KiB. Not modification times: a copy of the folder on
+    another node has other ones. Not every byte: each rank would read the whole folder, not its share;
+    two files of one name and size whose bytes differ only past their first and last 64 KiB are not told apart."""
+    root = trainers.check_root(folder)
+    digest = hashlib.blake2b(digest_size=16)
+    for dirpath, name in trainers.walk_files(root):
+        path = os.path.join(dirpath, name)
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(DIGEST_EDGE_BYTES)
+            fh.seek(max(size - DIGEST_EDGE_BYTES, len(head)))
+            tail = fh.read(DIGEST_EDGE_BYTES)
+        digest.update(f"{os.path.relpath(path, root)}\0{size}\0".encode("utf-8"))
+        digest.update(hashlib.blake2b(head + tail, digest_size=16).digest())
+    return digest.hexdigest()
 
 
 def _check_item_bytes(path: str, format: str, limit: int) -> None:
