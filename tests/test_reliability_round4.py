@@ -267,15 +267,19 @@ def test_a_flipped_latent_of_another_shape_is_refused_at_read_not_broadcast(tmp_
     gen = torch.Generator().manual_seed(0)
     with LatentCacheWriter(tmp_path) as writer:
         for i in range(6):
-            writer.append(f"k{i}", {"latent": torch.randn(4, 3, 5, generator=gen).half(),
-                                    "latent_flipped": torch.randn(4, 3, 5, generator=gen).half()})
+            writer.append(f"k{i}", {name: torch.rand(4, 3, 5, generator=gen).half()
+                                    for name in ("latent", "latent_flipped", "latent_std", "latent_flipped_std")})
     reshape_field(str(tmp_path), "latent_flipped", 2, shape)
+    reshape_field(str(tmp_path), "latent_flipped_std", 4, shape)
     cache = LatentCache(tmp_path)
     assert cache.read_batch([0, 1, 3], flip=1.0, seed=0)["flipped"].all()  # the other items still read
     with pytest.raises(InvalidArgumentError, match=rf"latent_flipped.*indices\[0\] = 2.*{re.escape(str(list(shape)))}.*\[4, 3, 5\]"):
         cache.read_batch([2, 2], flip=1.0, seed=0)  # (its two mirrors agree: nothing else tells their shape is wrong)
     with pytest.raises(InvalidArgumentError, match=r"latent_flipped.*indices\[1\] = 2"):
         cache.read_batch([0, 2], flip=1.0, seed=0, sample=False)
+    assert cache.read_batch([4, 4], flip=1.0, seed=0)["flipped"].all()  # its std is not read
+    with pytest.raises(InvalidArgumentError, match=rf"'latent_flipped_std' of indices\[0\] = 4.*but its latent_flipped has \[4, 3, 5\]"):
+        cache.read_batch([4, 4], flip=1.0, sample=True, seed=0)
 
 
 # -- 8. every float field is finite, as the latent is -------------------------------------------------
@@ -325,7 +329,7 @@ def test_verify_reports_a_non_finite_field_value(tmp_path):
     open(path, "wb").write(raw)
     crc[2] = zlib.crc32(bytes(raw[start: start + int(spans[2, 1])]))
     rewrite_index(folder, "text.crc32", crc_path, npy(crc))
-    with pytest.raises(CacheCorruptError, match=r"field 'text'.*item 2 .*not finite"):
+    with pytest.raises(CacheCorruptError, match=r"field 'text'.*item 2's value holds values that are not finite"):
         verify_cache(str(tmp_path))
 
 
@@ -404,11 +408,13 @@ def test_pad_to_of_a_wrong_type_is_refused_naming_it(padded_cache, pad_to):
         padded_cache.read_batch([0, 1], fields=("latent", "text"), pad={"text": 0}, pad_to=pad_to)
 
 
-def test_a_batch_whose_padded_field_is_too_large_is_refused_before_allocating(padded_cache):
+def test_pad_to_at_its_limit_is_read(padded_cache):
     from latentfast.cache.store.layout import MAX_PAD_TO
 
-    with pytest.raises(InvalidArgumentError, match=r"field 'text' padded to \[\d+, 8\].*bytes"):
-        padded_cache.read_batch([0, 1, 2] * 400, fields=("latent", "text"), pad={"text": 0}, pad_to=MAX_PAD_TO)
+    batch = padded_cache.read_batch([2, 0], fields=("latent", "text"), pad={"text": -1}, pad_to={"text": MAX_PAD_TO})
+    assert batch["text"].shape == (2, MAX_PAD_TO, 8) and batch["text"][1, 2:].eq(-1).all() and batch["text"][0, :4].eq(1).all()
+    with pytest.raises(InvalidArgumentError, match=rf"= {MAX_PAD_TO + 1} is past the limit"):
+        padded_cache.read_batch([2, 0], fields=("latent", "text"), pad={"text": -1}, pad_to=MAX_PAD_TO + 1)
 
 
 # -- evidence: a rerun sees a field's new shape or dtype, same bytes ----------------------------------
