@@ -214,16 +214,14 @@ def test_the_source_listing_digest_sees_contents_not_mtimes(tmp_path):
 
 # -- 7. a flipped latent has its latent's shape ------------------------------------------------------
 
-def test_append_refuses_a_flipped_latent_or_a_std_of_another_shape():
+def test_append_refuses_a_flipped_latent_or_a_std_of_another_shape(tmp_path):
     def record(**shapes):
         base = {"latent": (4, 3, 5), "latent_flipped": (4, 3, 5), "latent_std": (4, 3, 5), "latent_flipped_std": (4, 3, 5)}
         return {name: torch.ones(shapes.get(name, shape)).half() for name, shape in base.items()}
 
-    import tempfile
-
-    for name, shape in (("latent_flipped", (4, 1, 5)), ("latent_flipped", (1, 3, 5)), ("latent_std", (4, 3, 1)),
-                        ("latent_flipped_std", (4, 1, 1))):
-        with tempfile.TemporaryDirectory() as folder, LatentCacheWriter(folder) as writer:
+    for k, (name, shape) in enumerate((("latent_flipped", (4, 1, 5)), ("latent_flipped", (1, 3, 5)), ("latent_std", (4, 3, 1)),
+                                       ("latent_flipped_std", (4, 1, 1)))):
+        with LatentCacheWriter(tmp_path / str(k)) as writer:
             writer.append("ok", record())
             with pytest.raises(InvalidArgumentError, match=rf"field '{name}' of key 'bad' has shape \[{', '.join(map(str, shape))}\]"):
                 writer.append("bad", record(**{name: shape}))
