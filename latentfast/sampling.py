@@ -5,8 +5,9 @@ resume mid-epoch: ``eps`` is computed from a counter-based generator keyed by th
 stateful stream. Every implementation (this torch reference, the Triton kernel
 ``latentfast.kernels.sample_latents``, a C++ kernel) computes the same definition:
 
-1. **Key hash** (host, once per key): ``h = BLAKE2b(key.encode("utf-8"), digest_size=8,
-   person=b"latentfast.key")`` read as a little-endian uint64.
+1. **Key hash** (host, once per key): ``h = BLAKE2b(key.encode("utf-8", "surrogatepass"), digest_size=8,
+   person=b"latentfast.key")`` read as a little-endian uint64 (``surrogatepass`` changes nothing for
+   valid text; it lets a key of an older cache that holds a lone surrogate draw too).
 2. **Item seed** (host, per batch), all arithmetic modulo 2**64, ``seed`` and ``epoch`` taken
    modulo 2**64: ``s = mix64(h ^ mix64(epoch + mix64(seed + 0x9E3779B97F4A7C15)))`` where ``mix64``
    is SplitMix64's finalizer ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27;
@@ -59,10 +60,14 @@ def mix64(z: int) -> int:
 
 
 def key_hash(key: str) -> int:
-    """The stable 64-bit hash of an item key (never Python's salted ``hash``): BLAKE2b-64 of its UTF-8."""
+    """The stable 64-bit hash of an item key (never Python's salted ``hash``): BLAKE2b-64 of its UTF-8.
+
+    A key holding a lone surrogate (a file name of another encoding, imported before keys had to be
+    text) hashes its surrogates as UTF-8 would encode them (``surrogatepass``): every key a cache's keys
+    file can hold draws, and valid text hashes as plain UTF-8."""
     if not isinstance(key, str):
         raise ArgumentTypeError(f"an item key must be a str, got {type(key).__name__} ({key!r})")
-    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8, person=b"latentfast.key").digest()
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8, person=b"latentfast.key").digest()
     return int.from_bytes(digest, "little")
 
 

@@ -20,12 +20,14 @@ from latentfast.testing import kill_and_resume, write_random_cache
 
 
 def random_bits(gen: torch.Generator, shape, dtype) -> torch.Tensor:
-    """Every bit pattern, NaN payloads included (what a value cast anywhere would not survive)."""
+    """Every bit pattern but a float's NaN and inf (which the writer refuses), -0.0 and subnormals included
+    (what a value cast anywhere would not survive)."""
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
     size = torch.empty(0, dtype=dtype).element_size()
     raw = torch.randint(0, 256, (int(np.prod(shape)) * size,), generator=gen, dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)
+    values = raw.view(dtype).reshape(shape)
+    return torch.where(torch.isfinite(values), values, torch.zeros_like(values)) if dtype.is_floating_point else values
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

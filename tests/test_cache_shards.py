@@ -299,9 +299,10 @@ def test_merge_joins_caches_without_copying_and_with_copy(tmp_path, capsys):
     assert merged.keys == whole.keys
     assert not any(name.endswith(".dat") for _, _, files in os.walk(tmp_path / "m") for name in files), "references, no copies"
     assert_same_batches(whole, merged, [[0, 13, 6, 5, 4]], fields=["latent", "text", "ids"], pad={"text": 0})
-    assert main(["cache", "merge", str(tmp_path / "m"), a, "--out", str(tmp_path / "c"), "--copy"]) == 0
+    more = write_records(str(tmp_path / "more"), [(f"more-{k}", r) for k, r in records[:5]])  # a's records under other keys
+    assert main(["cache", "merge", str(tmp_path / "m"), more, "--out", str(tmp_path / "c"), "--copy"]) == 0
     copied = LatentCache(str(tmp_path / "c"))
-    assert copied.keys == whole.keys + whole.keys[:5]
+    assert copied.keys == whole.keys + [f"more-{k}" for k in whole.keys[:5]]
     assert all(os.path.commonpath([d, str(tmp_path / "c")]) == str(tmp_path / "c") for d in copied.shard_dirs)
     assert torch.equal(copied[16], whole[2])
     assert "sharded cache written" in capsys.readouterr().out

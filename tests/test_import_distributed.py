@@ -1,7 +1,7 @@
 """Distributed imports of trainers' cache folders on spawned gloo ranks: kohya, musubi-tuner (detected by
 ``auto``) and diffusion-pipe folders, written as the trainers write them, imported by 3 ranks read
-exactly as a one-process import (same keys, order, fields, info); a rerun writes nothing; ``auto``
-that detects differently on two ranks, or a manifest rank 0 cannot write, fails every rank alike; a
+exactly as a one-process import (same keys, order, fields, info); a rerun writes nothing; ranks of
+other folders or encoders, or a manifest rank 0 cannot write, fail every rank alike; a
 rank SIGKILLed mid-import loses nothing the other wrote and the rerun resumes; ``latentfast cache
 import --distributed`` under torchrun."""
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_a_part_of_a_source_keeps_the_whole_folders_keys_and_description(tmp_pat
 def _rank_imports(rank: int, world: int, folders: dict, out: str):
     import torch.distributed as dist
 
-    from latentfast.errors import CacheError
+    from latentfast.errors import InvalidArgumentError
 
     result = {}
     for kind, format in RUNS:
@@ -68,16 +68,25 @@ def _rank_imports(rank: int, world: int, folders: dict, out: str):
         before = file_mtimes([mine]) if os.path.isdir(mine) else None
         import_latents(folders[kind], target, format=format, quiet=True, stats=again, group=dist.group.WORLD)
         result[kind] = (stats, again, before, file_mtimes([mine]) if os.path.isdir(mine) else None)
-    try:  # the same keys, but rank 0 (and 2) detect kohya, rank 1 musubi-tuner
+    try:  # the same keys, but rank 0 (and 2) read a kohya folder, rank 1 a musubi-tuner one: refused before reading
         import_latents(folders["kohya_sd" if rank % 2 == 0 else "musubi"], os.path.join(out, "mixed"), format="auto",
                        quiet=True, group=dist.group.WORLD)
-    except CacheError as exc:
+    except InvalidArgumentError as exc:
         result["mixed"] = str(exc)
-    try:  # the same plan, but shards of other encoders: rank 0's manifest write fails, and every rank hears of it
+    try:  # other encoders: refused alike before anything is written
         import_latents(folders["npz"], os.path.join(out, "stamps"), format="npz", encoder={"vae": rank}, quiet=True,
                        group=dist.group.WORLD)
-    except Exception as exc:  # noqa: BLE001 - the type differs by rank: compared in the test
+    except Exception as exc:  # noqa: BLE001 - compared in the test
         result["stamps"] = f"{type(exc).__name__}: {exc}"
+    real = shardstore.write_manifest
+    if rank == 0:  # rank 0's manifest write fails (a full disk): every rank hears of it
+        shardstore.write_manifest = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    try:
+        import_latents(folders["npz"], os.path.join(out, "manifest"), format="npz", quiet=True, group=dist.group.WORLD)
+    except Exception as exc:  # noqa: BLE001 - the type differs by rank: compared in the test
+        result["manifest"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        shardstore.write_manifest = real
     return result
 
 
@@ -115,12 +124,14 @@ def test_three_ranks_import_what_one_process_imports_and_a_rerun_writes_nothing(
     assert stats_of(results, "musubi")[0]["evidence"].startswith("detected musubi-tuner")
     assert any("notes.txt" in path for path, _ in stats_of(results, "kohya")[0]["skipped"])
     for rank, r in enumerate(results):
-        assert "planned different sources" in r["mixed"] and "kohya" in r["mixed"] and "musubi-tuner" in r["mixed"], (rank, r["mixed"])
-    with pytest.raises(IncompleteCacheError):
-        LatentCache(str(tmp_path / "dist" / "mixed"))
-    assert results[0]["stamps"].startswith("InvalidArgumentError: caches of different encoders"), results[0]["stamps"]
+        assert r["mixed"] == results[0]["mixed"] and "source listing" in r["mixed"], (rank, r["mixed"])
+        assert r["stamps"] == results[0]["stamps"] and "encoder: rank 0 {'vae': 0}; rank 1 {'vae': 1}" in r["stamps"], r["stamps"]
+    assert not os.path.exists(tmp_path / "dist" / "mixed") and not os.path.exists(tmp_path / "dist" / "stamps")
+    assert results[0]["manifest"] == "OSError: [Errno 28] No space left on device", results[0]["manifest"]
     for r in results[1:]:
-        assert r["stamps"].startswith("CacheError: distributed build of") and "rank 0 could not write the manifest" in r["stamps"], r["stamps"]
+        assert r["manifest"].startswith("CacheError: distributed build of") and "rank 0 could not write the manifest" in r["manifest"], r["manifest"]
+    with pytest.raises(IncompleteCacheError):
+        LatentCache(str(tmp_path / "dist" / "manifest"))
 
 
 def stats_of(results, kind):

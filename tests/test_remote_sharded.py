@@ -192,12 +192,15 @@ def test_push_publishes_the_manifest_last_and_refuses_shards_outside(server, tmp
     metas = [n for n in names if n.endswith("meta.json")]
     assert len(metas) == SHARDS and all(names.index(m) < len(names) - 1 for m in metas)
     assert names.index("train.shards.order.npy") < names.index(metas[0])
-    merged = str(tmp_path / "merged")
-    shardstore.merge_caches([single, single], merged)  # refers to `single`: nothing under `merged` but the manifest
+    merged, other = str(tmp_path / "merged"), str(tmp_path / "other")
+    with LatentCacheWriter(other) as writer:  # (a merge holds each key once)
+        for i in range(9):
+            writer.append(f"t{i}", torch.randn(4, 6, 5).half())
+    shardstore.merge_caches([single, other], merged)  # refers to them: nothing under `merged` but the manifest
     with pytest.raises(InvalidArgumentError, match=r"outside .*--copy"):
         push(merged, "s3://lfshards/merged", s3_options(endpoint))
     assert not ObjectFolder("s3://lfshards/merged", s3_options(endpoint)).list()  # nothing uploaded
-    shardstore.merge_caches([single, single], str(tmp_path / "copied"), copy=True)
+    shardstore.merge_caches([single, other], str(tmp_path / "copied"), copy=True)
     push(str(tmp_path / "copied"), "s3://lfshards/copied", s3_options(endpoint))
     cache = remote(endpoint, "copied", tmp_path / "lc")
     assert_same(cache.read_batch(list(range(18))), LatentCache(str(tmp_path / "copied")).read_batch(list(range(18))))

@@ -108,10 +108,12 @@ class Share:
         return [x for x in ordered if key(x) in mine]
 
 
-def build_sharded(fn, args: dict) -> str:
+def build_sharded(fn, args: dict, agree=None) -> str:
     """Run the builder ``fn`` (called with ``args``, its own arguments, ``group`` among them) as one
     rank of ``args["group"]``: this rank's share into its shard, then (rank 0) the manifest. Every
-    rank returns the manifest's path, or raises if any rank failed (naming the ranks)."""
+    rank returns the manifest's path, or raises if any rank failed (naming the ranks). ``agree``: a
+    function returning ``{name: JSON-able value}`` (the arguments and the source's digest) that every
+    rank must hold alike; compared before anything is written, every rank raises the same error if not."""
     import torch.distributed as dist
 
     args = dict(args)
@@ -121,6 +123,8 @@ def build_sharded(fn, args: dict) -> str:
                                    "(torch.distributed.init_process_group, or run under torchrun with --distributed)")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     out_dir, split = os.fspath(args["out_dir"]), args.get("split", "train")
+    if agree is not None:
+        check_agreement(agree, out_dir, group, world)
     if rank == 0:  # a rebuild: the old manifest must not describe shards being rewritten
         with contextlib.suppress(FileNotFoundError):
             os.remove(shardstore.manifest_path(out_dir, split))
@@ -163,6 +167,38 @@ def build_sharded(fn, args: dict) -> str:
     if outcomes[0] is not None:
         raise CacheError(f"distributed build of {out_dir}: rank 0 could not write the manifest ({outcomes[0]})")
     return shardstore.manifest_path(out_dir, split)
+
+
+def check_agreement(agree, out_dir: str, group, world: int) -> None:
+    """Gather every rank's ``agree()`` and raise, alike on every rank, naming each value that differs and
+    which ranks hold what (or the rank that could not compute it)."""
+    import json
+
+    import torch.distributed as dist
+
+    try:
+        mine = {name: json.dumps(value, sort_keys=True, default=repr) for name, value in agree().items()}
+        failure = None
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the collective, and hear of it
+        mine, failure = {}, f"{type(exc).__name__}: {exc}"
+    every = [None] * world
+    dist.all_gather_object(every, (mine, failure), group=group)
+    failed = [(r, f) for r, (_, f) in enumerate(every) if f is not None]
+    if failed:
+        raise CacheError(f"distributed import of {out_dir}: rank {failed[0][0]} could not read its arguments or source "
+                         f"({failed[0][1]}); nothing was written")
+    lines = []
+    for name in dict.fromkeys(n for values, _ in every for n in values):
+        held: dict = {}
+        for r, (values, _) in enumerate(every):
+            held.setdefault(values.get(name), []).append(r)
+        if len(held) > 1:
+            lines.append(f"  {name}: " + "; ".join(
+                f"{f'rank {ranks[0]}' if len(ranks) == 1 else f'rank(s) {ranks}'} "
+                f"{'(not given)' if value is None else f'{json.loads(value)!r:.200}'}" for value, ranks in held.items()))
+    if lines:
+        raise InvalidArgumentError(f"distributed import of {out_dir}: the ranks were given different arguments or source files "
+                                   f"(nothing was written; every rank must be called alike over the same files):\n" + "\n".join(lines))
 
 
 def remove_other_worlds(out_dir, split: str, world: int) -> list[str]:

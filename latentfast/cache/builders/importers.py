@@ -35,9 +35,9 @@ import torch
 from ...errors import CacheError, InvalidArgumentError
 from ..store import format as fmt
 from ..store.durable import BuildLock, content_hash
-from ..store.writer import LatentCacheWriter, encoder_identity, open_for_sources
+from ..store.writer import LatentCacheWriter, check_file_name, encoder_identity, open_for_sources
 from .. import trainers
-from ..trainers.common import array_to_tensor, load_pt
+from ..trainers.common import array_to_tensor, load_pt, pt_nbytes
 from . import distributed
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
@@ -57,19 +57,22 @@ def list_latent_files(source_dir, format: str) -> list[tuple[str, str]]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in files:
             if name.endswith(FORMATS[format]) and not name.startswith("."):
+                check_file_name(root, os.path.join(folder, name))
                 rel = os.path.relpath(os.path.join(folder, name), root)
                 found.append((os.path.splitext(rel)[0].replace(os.sep, "/"), os.path.join(folder, name)))
     return sorted(found)
 
 
-def read_latent_file(path: str, format: str, key: str | None = None) -> tuple[Any, dict]:
-    """``(latent tensor or array, info)`` from one file; ``key`` names the entry (default: see module)."""
+def read_latent_file(path: str, format: str, key: str | None = None,
+                     max_item_bytes: int = trainers.DEFAULT_MAX_ITEM_BYTES) -> tuple[Any, dict]:
+    """``(latent tensor or array, info)`` from one file; ``key`` names the entry (default: see module);
+    a gzip'd ``.pt`` that inflates to more than ``max_item_bytes`` is refused once it has."""
     try:
         if format == "npz":
             return _read_npz(path, key)
         if format == "safetensors":
             return _read_safetensors(path, key)
-        return _read_pt(path, key)
+        return _read_pt(path, key, max_item_bytes)
     except InvalidArgumentError:
         raise
     except Exception as exc:  # noqa: BLE001 - a file that cannot be parsed is reported by name
@@ -106,8 +109,8 @@ def _read_safetensors(path: str, key: str | None):
         return fh.get_tensor(name), {}
 
 
-def _read_pt(path: str, key: str | None):
-    obj = load_pt(path)  # gzip'd or not; a truncated file is named as such
+def _read_pt(path: str, key: str | None, max_item_bytes: int):
+    obj = load_pt(path, max_item_bytes)  # gzip'd or not; a truncated file is named as such
     if isinstance(obj, torch.Tensor):
         if key is not None:
             raise InvalidArgumentError(f"{path} holds a bare tensor, not a dict with {key!r}")
@@ -145,12 +148,14 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     writes the manifest: the same keys in the same order with the same records as a one-process
     import. Returns the manifest's path. A rank's ``stats`` count its own shard (``imported``,
     ``resumed``, ``unchanged``; an idle rank: 0, 0, True); ``summary`` and ``skipped`` (and a
-    trainer's ``format`` and ``evidence``) describe the whole folder, alike on every rank.
+    trainer's ``format`` and ``evidence``) describe the whole folder, alike on every rank. Before
+    anything is written the ranks compare their arguments and the digest of their source folder
+    (:func:`source_digest`): ranks given other ones all raise the same error, naming what differs.
     """
     if group is not None:  # each rank builds its share into a shard; rank 0 writes the manifest
         args = dict(locals())
         args.update(args.pop("options"))
-        return distributed.build_sharded(import_latents, args)
+        return distributed.build_sharded(import_latents, args, agree=lambda: _agreement(args))
     from tqdm import tqdm
 
     if format in TRAINER_FORMATS:
@@ -198,7 +203,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         for (name, path), digest in tqdm(list(zip(files, digests)), unit="files", desc="import", disable=True if quiet else None):
             if name in writer:
                 continue
-            latent, info = read_latent_file(path, format, key)
+            latent, info = read_latent_file(path, format, key, max_item_bytes)
             writer.append(name, latent, source_hash=digest, info=info)
             done += 1
     if stats is not None:
@@ -206,9 +211,50 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     return fmt.cache_path(out_dir, split, "data")
 
 
+DIGEST_EDGE_BYTES = 64 << 10
+# what a distributed import's ranks need not share: where they write from (a folder on another mount is
+# compared by its digest), how they report and wait
+_UNCOMPARED = ("source_dir", "out_dir", "group", "quiet", "stats", "lock_timeout")
+
+
+def _agreement(args: dict) -> dict:
+    """What every rank of a distributed import must hold alike: each argument that shapes the cache (the
+    encoder by its identity, a folder argument such as ``images=`` by its digest) and the source's digest."""
+    out = {"source listing (names, sizes, first and last 64 KiB of each file)": source_digest(args["source_dir"])}
+    for name, value in sorted(args.items()):
+        if name in _UNCOMPARED:
+            continue
+        if name == "encoder":
+            value = encoder_identity(value)
+        elif isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
+            value = {"folder digest": source_digest(value)}
+        out[name] = value
+    return out
+
+
+def source_digest(folder) -> str:
+    """BLAKE2b-128 (hex) of a folder's listing as an import reads it (hidden entries left out): each file's
+    relative path, size, and its first and last 64 KiB. Not modification times: a copy of the folder on
+    another node has other ones. Not every byte: each rank would read the whole folder, not its share;
+    two files of one name and size whose bytes differ only past their first and last 64 KiB are not told apart."""
+    root = trainers.check_root(folder)
+    digest = hashlib.blake2b(digest_size=16)
+    for dirpath, name in trainers.walk_files(root):
+        path = os.path.join(dirpath, name)
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(DIGEST_EDGE_BYTES)
+            fh.seek(max(size - DIGEST_EDGE_BYTES, len(head)))
+            tail = fh.read(DIGEST_EDGE_BYTES)
+        digest.update(f"{os.path.relpath(path, root)}\0{size}\0".encode("utf-8"))
+        digest.update(hashlib.blake2b(head + tail, digest_size=16).digest())
+    return digest.hexdigest()
+
+
 def _check_item_bytes(path: str, format: str, limit: int) -> None:
     """Refuse a file whose item would take more than ``limit`` bytes of memory to read: its size on
-    disk, for ``.npz`` the sum of its arrays' uncompressed sizes (what ``np.load`` inflates)."""
+    disk, for ``.npz`` the sum of its arrays' uncompressed sizes (what ``np.load`` inflates), for a gzip'd
+    ``.pt`` what its last member says (its real size is judged while it inflates: :func:`read_latent_file`)."""
     if format == "npz":
         import zipfile
 
@@ -218,7 +264,7 @@ def _check_item_bytes(path: str, format: str, limit: int) -> None:
         except (OSError, zipfile.BadZipFile) as exc:
             raise CacheError(f"cannot read npz latents from {path}: {exc}") from None
     else:
-        size = os.path.getsize(path)
+        size = pt_nbytes(path) if format == "pt" else os.path.getsize(path)
     if size > limit:
         raise InvalidArgumentError(f"{path}: its item takes {size} bytes to read, more than max_item_bytes={limit} "
                                    f"(items are read whole); pass a larger max_item_bytes= if the memory is there")

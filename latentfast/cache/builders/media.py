@@ -20,6 +20,7 @@ import torch
 
 from ...errors import ImageError, InvalidArgumentError
 from ..store.durable import content_hash
+from ..store.writer import check_file_name
 from . import manifest
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -69,12 +70,14 @@ def _walk(root: str, video: bool) -> list[tuple[str, str]]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         images = [f for f in files if f.lower().endswith(IMAGE_EXTENSIONS)]
         if video and images and folder != root:  # a folder of frames is one clip
+            check_file_name(root, folder)
             entries.append((_key_of(os.path.relpath(folder, root), True), folder))
             dirs[:] = []
             continue
         wanted = VIDEO_EXTENSIONS if video else IMAGE_EXTENSIONS
         for name in sorted(f for f in files if f.lower().endswith(wanted) and not f.startswith(".")):
             path = os.path.join(folder, name)
+            check_file_name(root, path)
             entries.append((_key_of(os.path.relpath(path, root), False), path))
     return sorted(entries)
 

@@ -64,7 +64,8 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         pad: ``{field: value}``: these fields' items may differ in their first dimension; each is
             padded with ``value`` to the batch's largest (or ``pad_to``). A field not named here
             must have one shape across the batch. The latent is padded by its layout (``width``).
-        pad_to: the first dimension padded fields are padded to: an int, or ``{field: int}``.
+        pad_to: the first dimension padded fields are padded to: an int, or ``{field: int}``, each at most
+            :data:`~latentfast.cache.store.layout.MAX_PAD_TO` (2**20).
         packed: fields whose items may differ in their first dimension, returned back to back
             (``[sum L_i, *rest]``, no padding written: what varlen attention takes, with
             ``cu_seqlens`` the cumulative sum of ``<field>_shape[:, 0]``).
@@ -177,6 +178,7 @@ def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtyp
         rows = flipped.nonzero().reshape(-1)
         mirror = _read_records(cache, items, index[rows], need[1:] if sample else need, None, None, on_cpu, device,
                                dtype, None, backend, cold)
+        _check_mirror_shapes(mirror, batch["latent_shape"][rows], rows, index_np, sample)
         at = rows.to(latent.device)
         latent[at] = mirror["latent_flipped"].to(latent.dtype)
         if sample:
@@ -194,6 +196,20 @@ def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtyp
     if flip is not None:
         batch["flipped"] = flipped
     return batch
+
+
+def _check_mirror_shapes(mirror: dict, latent_shapes: torch.Tensor, rows: torch.Tensor, index_np: np.ndarray, sample: bool) -> None:
+    """A flipped latent (and its std) put in its latent's place must have the latent's shape, not broadcast
+    into it (a cache written before the writer checked this)."""
+    pairs = [("latent_flipped", "its latent", latent_shapes)]
+    pairs += [("latent_flipped_std", "its latent_flipped", mirror["latent_flipped_shape"])] if sample else []
+    for name, partner, want in pairs:
+        bad = (mirror[name + "_shape"] != want).any(dim=1).nonzero().reshape(-1)
+        if len(bad):
+            b = int(rows[bad[0]])
+            raise InvalidArgumentError(f"flip=: field {name!r} of indices[{b}] = {int(index_np[b])} has shape "
+                                       f"{mirror[name + '_shape'][bad[0]].tolist()}, but {partner} has {want[bad[0]].tolist()} "
+                                       f"(a cache written before the writer checked this: rebuild it)")
 
 
 def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:

@@ -29,7 +29,7 @@ import zlib
 import numpy as np
 import torch
 
-from ...errors import CacheCorruptError, InvalidArgumentError
+from ...errors import CacheCorruptError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
 from .durable import pwrite_all
 
@@ -58,7 +58,9 @@ def value_hash(payload) -> bytes:
 
 
 def as_stored(key: str, name: str, value) -> tuple[str, tuple[int, ...], np.ndarray]:
-    """``(dtype name, shape, flat uint8 bytes)`` of one field value, exactly as given (no cast)."""
+    """``(dtype name, shape, flat uint8 bytes)`` of one field value, exactly as given (no cast); a float
+    value holding NaN or inf raises :class:`~latentfast.errors.NonFiniteError` (as a latent does: no
+    opt-in, so a cache's every float value is finite and :func:`~latentfast.cache.verify_cache` says so)."""
     if isinstance(value, torch.Tensor):
         tensor = value.detach().to("cpu").contiguous()
     elif isinstance(value, np.ndarray):
@@ -70,6 +72,8 @@ def as_stored(key: str, name: str, value) -> tuple[str, tuple[int, ...], np.ndar
     dtype = str(tensor.dtype).removeprefix("torch.")
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"field {name!r} of key {key!r} has dtype {dtype}; stored dtypes are {sorted(DTYPES)}")
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # the latent's rule, for every float field
+        raise NonFiniteError(f"field {name!r} of key {key!r} holds values that are not finite ({dtype}: NaN or inf)")
     raw = tensor.reshape(-1).view(torch.uint8)
     return dtype, tuple(int(x) for x in tensor.shape), raw.numpy()
 
@@ -238,18 +242,24 @@ class FieldItems:
             self._source = (data, torch.from_numpy(np.ascontiguousarray(self.row_starts)), torch.from_numpy(units.astype(np.int32)), 0)
         return self._source
 
-    def check(self, index_np: np.ndarray) -> None:
-        """CRC-check each item of ``index_np`` not checked yet in this process (``verify_rows``)."""
+    def check(self, index_np: np.ndarray, finite: bool = False) -> None:
+        """CRC-check each item of ``index_np`` not checked yet in this process (``verify_rows``); with
+        ``finite`` (verify), also that a float field's values are finite (every item of ``index_np``)."""
         from .layout import holding_items
 
         data = self.source()[0].numpy().view(np.uint8)
-        todo = np.asarray([i for i in np.unique(index_np).tolist() if i not in self._verified], dtype=np.int64)
+        finite = finite and self.dtype.is_floating_point
+        todo = np.asarray([i for i in np.unique(index_np).tolist() if finite or i not in self._verified], dtype=np.int64)
         for group in np.array_split(todo, -(-len(todo) // 1024)) if len(todo) else ():  # a remote cache's held at once
             with holding_items(self, group):
                 for i in group.tolist():
                     start = int(self.row_starts[i]) * 2
-                    if zlib.crc32(data[start: start + int(self.nbytes[i])]) != int(self.crc[i]):
+                    value = data[start: start + int(self.nbytes[i])]
+                    if zlib.crc32(value) != int(self.crc[i]):
                         raise CacheCorruptError(f"latent cache field {self.name!r} ({self.path}): item {i}'s value fails its CRC-32 checksum")
+                    if finite and value.size and not bool(torch.isfinite(torch.from_numpy(value.copy()).view(self.dtype)).all()):
+                        raise CacheCorruptError(f"latent cache field {self.name!r} ({self.path}): item {i}'s value holds "
+                                                f"values that are not finite (NaN or inf)")
                     self._verified.add(i)
 
     def value(self, fd: int, i: int) -> torch.Tensor:

@@ -403,6 +403,11 @@ class FieldBatch:
     __slots__ = ("table", "dtype", "shape", "shapes", "pad", "packed")
 
 
+# read_batch(pad_to=) pads a field's first dimension to at most this: a sequence longer than a million
+# tokens is a mistake (a 60 TB batch), not a caption
+MAX_PAD_TO = 1 << 20
+
+
 def resolve_fields(cache: Items, field_items: dict, indices, fields, pad, pad_to, *, width=None, dtype=torch.float16,
                    device=_CPU, packed=()) -> dict:
     """``{name: SpanTable (the latent) or FieldBatch}`` of a batch of records: the indices converted and
@@ -444,9 +449,12 @@ def _pad_arguments(pad, pad_to, names: list[str], field_items: dict) -> tuple[di
         return pad, {}
     targets = dict.fromkeys(pad, pad_to) if not isinstance(pad_to, dict) else pad_to
     for name, size in targets.items():
-        if name not in pad or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        if name not in pad or isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)) or size < 0:
             raise InvalidArgumentError(f"pad_to must be a size >= 0 (or a dict of them) for fields named in pad {sorted(pad)}, got {pad_to!r}")
-    return pad, targets
+        if size > MAX_PAD_TO:
+            raise InvalidArgumentError(f"pad_to[{name!r}] = {size} is past the limit of {MAX_PAD_TO} (the longest a padded "
+                                       f"field's first dimension may be made)")
+    return pad, {name: int(size) for name, size in targets.items()}
 
 
 def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: bool, value, pad_to, packed=False) -> FieldBatch:

@@ -493,7 +493,8 @@ def check_local_options(cache_dir: str, storage_options, local_cache, local_cach
 
 
 def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -> dict:
-    """Recompute every block checksum, check every value is finite and every index valid.
+    """Recompute every block checksum, check every value is finite (the latents' and every float field's)
+    and every index valid.
 
     Raises :class:`CacheCorruptError` naming the first bad block or row (also for malformed meta or
     index files); returns ``{"rows", "bytes", "blocks", "checksummed", "seconds", "gb_per_s"}``.
@@ -517,9 +518,9 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
         raise CacheCorruptError(f"latent cache {cache._data_path}: block {b} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
     if cache.white_column is not None and not torch.isfinite(cache.white_column.float()).all():
         raise CacheCorruptError(f"latent cache {cache_dir}: the white column holds a non-finite value")
-    for items in cache.field_items.values():  # every field value against its CRC (a shared value once)
+    for items in cache.field_items.values():  # every field value against its CRC, and finite (a shared value once)
         _, first = np.unique(items.row_starts, return_index=True)
-        items.check(first)
+        items.check(first, finite=True)
     cache.keys  # noqa: B018 - a malformed keys file fails verify
     seconds = time.perf_counter() - start
     nbytes = int(cache.row_starts[-1]) * 2

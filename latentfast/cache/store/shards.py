@@ -94,9 +94,13 @@ def remote_shard_url(url: str, path: str, manifest: str) -> str:
 
 
 def stamp_of(meta: dict) -> dict:
-    """The part of a cache's meta every shard must share: encoder, geometry, layout, field dtypes."""
+    """The part of a cache's meta every shard must share: encoder, geometry, layout, field dtypes, and an
+    import's latent convention (raw or scaled, by which factors; not what it was converted from)."""
     stamp = {k: meta.get(k) for k in STAMP_KEYS if not (meta.get("layout") == "shaped" and k in _SHAPED_SIZES)}
     stamp["fields"] = {name: (e.get("dtype"), e.get("ndim")) for name, e in sorted((meta.get("fields") or {}).items())}
+    convention = meta.get("latent_convention")
+    stamp["latent_convention"] = {k: v for k, v in convention.items() if k != "converted_from"} \
+        if isinstance(convention, dict) else convention
     return stamp
 
 
@@ -116,12 +120,7 @@ def write_manifest(cache_dir, split: str, shard_dirs: list[str], order: np.ndarr
     the manifest last, both durably. Checks every shard opens and shares the stamp; returns the path."""
     cache_dir = os.fspath(cache_dir)
     shards = [LatentCache(d, split) for d in shard_dirs]
-    if not shards:
-        raise InvalidArgumentError("a sharded cache needs at least one shard")
-    for other in shards[1:]:
-        lines = stamp_mismatch(shards[0], other)
-        if lines:
-            raise InvalidArgumentError("caches of different encoders, geometry or fields cannot be one cache:\n" + "\n".join(lines))
+    check_joinable(shards, split)
     if order is None:
         order = np.concatenate([np.stack([np.full(len(s), k), np.arange(len(s))], axis=1) for k, s in enumerate(shards)]
                                ).astype(np.int64).reshape(-1, 2)
@@ -136,6 +135,33 @@ def write_manifest(cache_dir, split: str, shard_dirs: list[str], order: np.ndarr
     path = manifest_path(cache_dir, split)
     fmt.write_bytes_durably(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
     return path
+
+
+def check_joinable(parts: list[LatentCache], split: str) -> None:
+    """Refuse caches that cannot be one: of different stamps (naming each field that differs and both
+    caches), one folder twice, or a key held by two of them (naming it and both caches)."""
+    if not parts:
+        raise InvalidArgumentError("a sharded cache needs at least one shard")
+    for other in parts[1:]:
+        lines = stamp_mismatch(parts[0], other)
+        if lines:
+            raise InvalidArgumentError("caches of different encoders, geometry, fields or latent conventions cannot be one "
+                                       "cache:\n" + "\n".join(lines))
+    where: dict[str, tuple[str, int]] = {}
+    for part in parts:  # (a cache without keys has row numbers for keys: nothing to tell its items apart by)
+        if os.path.exists(fmt.cache_path(part.cache_dir, split, "keys")):
+            for row, key in enumerate(part.keys):
+                if key in where:
+                    first, at = where[key]
+                    raise InvalidArgumentError(f"key {key!r} appears twice, in {first} (row {at}) and in {part.cache_dir} "
+                                               f"(row {row}): a cache holds each key once; leave one of them out")
+                where[key] = (part.cache_dir, row)
+    seen: dict[str, str] = {}
+    for part in parts:
+        folder = os.path.realpath(part.cache_dir)  # (a cache in object storage: its local mirror, one per URL)
+        if folder in seen:
+            raise InvalidArgumentError(f"cache {part.cache_dir} is given twice (as {seen[folder]} too): a cache holds each item once")
+        seen[folder] = part.cache_dir
 
 
 def _file_crc(path: str) -> int:
@@ -491,23 +517,26 @@ def merge_caches(sources: list, out_dir, split: str = "train", *, copy: bool = F
     order); the data stays where it is (the manifest refers to the sources), or with ``copy`` each
     source's files are copied into ``out_dir/shards/`` first. Returns the manifest's path. Sources of
     different encoders, geometry or fields are refused, naming what differs. A sharded source
-    contributes its shards (in its order)."""
+    contributes its shards (in its order). Sources of other latent conventions (a raw and a scaled
+    import), one source twice, or a key in two sources are refused too (:func:`check_joinable`)."""
     out_dir = os.fspath(out_dir)
     if len(sources) < 1:
         raise InvalidArgumentError("cache merge needs at least one source cache")
     if os.path.exists(fmt.cache_path(out_dir, split, "meta")):
         raise InvalidArgumentError(f"--out {out_dir} already holds a single cache of split {split!r}; choose another folder")
     os.makedirs(out_dir, exist_ok=True)
-    dirs, orders, base = [], [], 0
+    dirs, orders, base, opened_parts = [], [], 0, []
     for source in sources:
         opened = LatentCache(source, split)
         parts = opened.shard_dirs if isinstance(opened, ShardedCache) else [opened.cache_dir]
+        opened_parts += opened.shards if isinstance(opened, ShardedCache) else [opened]
         order = opened.order.copy() if isinstance(opened, ShardedCache) else np.stack(
             [np.zeros(len(opened), np.int64), np.arange(len(opened), dtype=np.int64)], axis=1)
         order[:, 0] += base
         dirs += parts
         orders.append(order)
         base += len(parts)
+    check_joinable(opened_parts, split)  # before anything is copied
     if copy:
         copied = []
         for k, folder in enumerate(dirs):

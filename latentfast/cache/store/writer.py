@@ -91,6 +91,32 @@ def latent_as_stored(key: str, latent: Any) -> tuple[str, np.ndarray]:
     return dtype, (tensor.view(torch.uint16) if dtype == "bfloat16" else tensor).numpy()
 
 
+# fields that must have another's shape: read_batch(flip=) puts a flipped latent in its latent's place,
+# sample=True draws around a latent with its std
+SAME_SHAPE = {"latent_flipped": LATENT, "latent_std": LATENT, "latent_flipped_std": "latent_flipped"}
+
+
+def check_text_key(key: str) -> None:
+    """Refuse a key that is not valid text: one holding a lone surrogate (what ``os.fsdecode`` makes of a
+    file name in another encoding than UTF-8) cannot be written as UTF-8, so nothing could hash or print it."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"key {key.encode('utf-8', 'backslashreplace').decode()!r} is not valid UTF-8 text "
+                                   f"(a lone surrogate: a file name in another encoding?); keys are text") from None
+
+
+def check_file_name(root: str, path: str) -> None:
+    """Refuse a file under ``root`` whose name there (what an item's key is made of) is not valid UTF-8,
+    naming it by its bytes: keys are text, so such a name is refused, not escaped (rename the file)."""
+    rel = os.path.relpath(path, root)
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"{root}: the file name {os.fsencode(rel)!r} is not valid UTF-8 (another encoding?); item keys "
+                                   f"are text: rename it (e.g. convmv -f latin1 -t utf8)") from None
+
+
 class LatentCacheWriter:
     """Append ``(key, latent)`` items to a shaped cache in ``out_dir``; see the module docstring.
 
@@ -107,7 +133,9 @@ class LatentCacheWriter:
         restart: discard an interrupted run's progress instead of resuming it.
 
     Every latent must share the first one's ``ndim``, channel count (``shape[0]``) and dtype; keys are
-    unique non-empty strings. ``key in writer`` tells whether a key is already written (durably or
+    unique non-empty strings of valid text (no lone surrogates). A record's ``latent_flipped`` and
+    ``latent_std`` have its latent's shape, ``latent_flipped_std`` its ``latent_flipped``'s; every float
+    field's values are finite, as the latent's (NaN or inf raise :class:`~latentfast.errors.NonFiniteError`). ``key in writer`` tells whether a key is already written (durably or
     pending); :attr:`resumed` whether an interrupted run was picked up.
     """
 
@@ -222,6 +250,7 @@ class LatentCacheWriter:
         self._check_open()
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"key must be a non-empty str, got {key!r}")
+        check_text_key(key)
         if key in self._index:
             raise InvalidArgumentError(f"key {key!r} was already written (check `key in writer` to resume)")
         latent, extra = self._split_record(key, latent)
@@ -265,6 +294,11 @@ class LatentCacheWriter:
                 self._fields[name].start_over()
             self._fields[name].check(key, stored[0], stored[1], self._records[0]["k"] if self._records else None)
             extra[name] = stored
+        shapes = {LATENT: tuple(latent[1].shape), **{name: stored[1] for name, stored in extra.items()}}
+        for name, partner in SAME_SHAPE.items():  # what a draw puts in the latent's place, or draws over it
+            if name in shapes and partner in shapes and shapes[name] != shapes[partner]:
+                raise InvalidArgumentError(f"field {name!r} of key {key!r} has shape {list(shapes[name])}, but its "
+                                           f"{partner!r} has {list(shapes[partner])}: they must be of one shape")
         return latent, extra
 
     def append_bytes(self, key: str, shape, payload: bytes, crc: int, *, source_hash=None, info=None) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import struct
 import zipfile
+import zlib
 from collections import Counter
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from ...errors import CacheError
+from ..store.writer import check_file_name
 
 # An item whose tensors take more than this many bytes is refused before anything is read: reading
 # one holds its tensors in memory -- twice, briefly, for a gzip'd .pt and a diffusion-pipe shard record
@@ -138,11 +140,13 @@ def rel_key(root: str, folder: str, stem: str) -> str:
 
 
 def walk_files(root: str) -> Iterator[tuple[str, str]]:
-    """``(folder, name)`` of every file under ``root`` in sorted order, hidden entries left out."""
+    """``(folder, name)`` of every file under ``root`` in sorted order, hidden entries left out; a name
+    that is not valid UTF-8 raises, naming it (keys are made of names)."""
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             if not name.startswith("."):
+                check_file_name(root, os.path.join(folder, name))
                 yield folder, name
 
 
@@ -235,7 +239,9 @@ GZIP_MAGIC = b"\x1f\x8b"
 
 
 def pt_nbytes(path: str) -> int:
-    """The bytes a ``.pt`` takes once read: its size, or its uncompressed size if gzip'd (mod 4 GiB: at least that)."""
+    """The bytes a ``.pt`` takes once read: its size, or if gzip'd the size its last gzip member says it
+    inflates to (mod 4 GiB; a file of several members inflates to more). A planning figure only: what a
+    gzip'd file really inflates to is judged while it inflates (:func:`load_pt`'s ``max_bytes``)."""
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
         if fh.read(2) != GZIP_MAGIC or size < 18:
@@ -247,9 +253,13 @@ def pt_nbytes(path: str) -> int:
 
 def load_pt_bytes(data: bytes | memoryview, where: str) -> Any:
     """``torch.load`` of a whole ``torch.save`` payload with ``weights_only=True`` (no code runs)."""
+    _check_zip_whole(data, where)
+    return _torch_load(io.BytesIO(data), where)
+
+
+def _check_zip_whole(data: bytes | memoryview, where: str) -> None:
     if bytes(data[:4]) == b"PK\x03\x04" and b"PK\x05\x06" not in bytes(data[-65557:]):
         raise fail(where, "a torch.save file", f"a truncated one ({len(data)} bytes: the zip directory at its end is missing)")
-    return _torch_load(io.BytesIO(data), where)
 
 
 def _torch_load(file, where: str, mmap: bool = False) -> Any:
@@ -262,11 +272,16 @@ def _torch_load(file, where: str, mmap: bool = False) -> Any:
         raise fail(where, "a torch.save file of tensors", first) from None
 
 
-def load_pt(path: str) -> Any:
+INFLATE_CHUNK = 1 << 20
+
+
+def load_pt(path: str, max_bytes: int | None = None, item_limit: int | None = None) -> Any:
     """A ``.pt`` written by ``torch.save``, gzip'd or not (SimpleTuner's ``compress_disk_cache`` keeps ``.pt``).
 
     A plain (zip) file is memory-mapped, so reading it holds its tensors once; a gzip'd one is
-    decompressed in memory first (its bytes, then its tensors)."""
+    inflated in memory first (its bytes, then its tensors), every gzip member of it, a chunk at a time:
+    one that inflates to more than ``max_bytes`` is refused once it has, whatever its size fields say
+    (``item_limit``: the item's ``max_item_bytes``, named in the error; default ``max_bytes``)."""
     with open(path, "rb") as fh:
         head = fh.read(4)
     if not head:
@@ -276,15 +291,24 @@ def load_pt(path: str) -> Any:
         if truncated:
             raise fail(path, "a torch.save file", truncated.replace("a truncated file", "a truncated one"))
         return _torch_load(path, path, mmap=head == b"PK\x03\x04")
-    with open(path, "rb") as fh:
-        data = fh.read()
+    inflated = io.BytesIO()
     try:
-        data = gzip.decompress(data)
+        with gzip.open(path, "rb") as fh:
+            while chunk := fh.read(INFLATE_CHUNK):
+                inflated.write(chunk)
+                if max_bytes is not None and inflated.tell() > max_bytes:
+                    raise TrainerCacheError(
+                        f"{path}: a gzip'd .pt that inflates to more than {max_bytes} bytes (stopped there), more than its "
+                        f"item may take (max_item_bytes={max_bytes if item_limit is None else item_limit}); raise the "
+                        f"limit if the memory is there")
     except EOFError:
-        raise fail(path, "a gzip'd torch.save file", f"a truncated one ({len(data)} bytes: the gzip stream ends early)") from None
-    except (OSError, gzip.BadGzipFile) as exc:
+        raise fail(path, "a gzip'd torch.save file", f"a truncated one ({os.path.getsize(path)} bytes: the gzip stream ends early)") from None
+    except (OSError, gzip.BadGzipFile, zlib.error) as exc:
         raise fail(path, "a gzip'd torch.save file", f"a corrupt gzip stream ({exc})") from None
-    return load_pt_bytes(data, path)
+    with inflated.getbuffer() as view:
+        _check_zip_whole(view, path)
+    inflated.seek(0)
+    return _torch_load(inflated, path)
 
 
 def split_tensors(obj: dict, where: str) -> tuple[dict[str, torch.Tensor], dict]:

@@ -61,7 +61,7 @@ def scan(folder, images=None, captions: dict | None = None, model_type: str | No
         text = texts.get(f"{hashlib.md5(str(captions[stem]).encode()).hexdigest()}-{model}.pt") if stem in captions else None
         used.add(text)
         nbytes = pt_nbytes(path) + (pt_nbytes(text) if text else 0)
-        plans.append(ItemPlan(rel_key(latent_root, dirpath, stem), "", nbytes, _loader(path, text)))
+        plans.append(ItemPlan(rel_key(latent_root, dirpath, stem), "", nbytes, _loader(path, text, max_item_bytes)))
     skipped.extend(Skipped(p, "text embeddings not matched to an item by caption") for p in texts.values() if p not in used)
     notes = [f"{hashed} keys are SimpleTuner's sha256 file-name hashes (pass images= to recover the stems)"] if hashed else []
     convention = {"latent_convention": "scaled", "scaling_factor": scaling_factor, "shift_factor": shift_factor}
@@ -106,9 +106,9 @@ def _model_type(texts: dict, model_type: str | None, root: str) -> str | None:
     raise TrainerCacheError(f"{root} holds text embeddings of several model types {found}; pass model_type=")
 
 
-def _loader(path: str, text: str | None):
-    def load():
-        obj = load_pt(path)
+def _loader(path: str, text: str | None, limit: int):
+    def load():  # a gzip'd file is judged by what it inflates to: the latent's, then the text's, within the item's limit
+        obj = load_pt(path, limit)
         if isinstance(obj, torch.Tensor):
             fields, info = {"latent": obj}, {}
         elif isinstance(obj, dict) and isinstance(obj.get("latents"), torch.Tensor):
@@ -117,7 +117,7 @@ def _loader(path: str, text: str | None):
         else:
             raise fail(path, "a latent tensor or a dict with 'latents'", _describe(obj))
         if text is not None:
-            embeds = load_pt(text)
+            embeds = load_pt(text, limit - sum(v.nbytes for v in fields.values()), limit)
             if not isinstance(embeds, dict):
                 raise fail(text, "a dict of text-encoder outputs", _describe(embeds))
             tensors, plain = split_tensors(embeds, text)
