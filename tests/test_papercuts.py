@@ -134,3 +134,42 @@ def test_push_and_pull_print_progress_lines(tmp_path, monkeypatch, capsys):
         assert f"pull: {n_files}/{n_files} files (100%)" in capsys.readouterr().err
 
 
+# -- diffusers' accelerate warning -----------------------------------------------------------------------
+def test_loading_a_vae_prints_no_install_accelerate_warning(tmp_path):
+    """Before: every `cache build --encoder diffusers:...` printed diffusers' "install accelerate" warning."""
+    diffusers = pytest.importorskip("diffusers")
+    import importlib.util
+
+    from latentfast.encoders import load_diffusers_vae
+
+    if importlib.util.find_spec("accelerate") is not None:
+        pytest.skip("accelerate is installed: diffusers has nothing to warn about")
+    torch.manual_seed(0)
+    diffusers.AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                            up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+                            layers_per_block=1).save_pretrained(str(tmp_path / "vae"))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("diffusers")  # (it does not propagate to the root logger: its own handler prints)
+    library.addHandler(handler)
+    try:
+        load_diffusers_vae(str(tmp_path / "vae"))
+        library.getChild("models.modeling_utils").warning("another warning")  # the others still reach the log
+    finally:
+        library.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["another warning"]
+
+
+def test_the_accelerate_filter_drops_that_warning_only():
+    from latentfast.encoders import NoAccelerateWarning
+
+    def record(msg, level=logging.WARNING):
+        return logging.LogRecord("diffusers.models.modeling_utils", level, __file__, 1, msg, None, None)
+
+    keep = NoAccelerateWarning()
+    assert not keep.filter(record("Cannot initialize model with low cpu memory usage because `accelerate` was not found "
+                                  "in the environment. Defaulting to `low_cpu_mem_usage=False`."))
+    assert keep.filter(record("Passed `torch_dtype` x is not a `torch.dtype`. Defaulting to `torch.float32`."))
+
+
