@@ -173,3 +173,17 @@ def test_the_accelerate_filter_drops_that_warning_only():
     assert keep.filter(record("Passed `torch_dtype` x is not a `torch.dtype`. Defaulting to `torch.float32`."))
 
 
+# -- describe() --------------------------------------------------------------------------------------------
+def test_describe_leads_with_what_a_user_needs():
+    """Before: ~30 lines of internal *_into op names, nothing on object storage or cold reads."""
+    report = latentfast.describe()
+    lines = report.splitlines()
+    assert lines[0].startswith(f"latentfast {latentfast.__version__} (torch {torch.__version__}")
+    assert lines[1].startswith("  native library: ")
+    for label in ("threads: ", "GPU: ", "triton: ", "object storage (s3://, gs://, az:// caches): ", "cold cache reads: "):
+        assert any(line.startswith("  " + label) for line in lines), (label, report)
+    assert f"threads: {torch.get_num_threads()} " in report
+    assert "_into" not in report and len(lines) <= 12
+    assert "obstore" in report or "obstore is not installed" in report
+    verbose = latentfast.describe(verbose=True)
+    assert verbose.startswith(report.rsplit("\n", 1)[0]) and all(op in verbose for op in latentfast._ops.SCHEMAS)
