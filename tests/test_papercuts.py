@@ -50,6 +50,20 @@ def _npz_folder(folder) -> str:
     return str(folder)
 
 
+# -- the help ------------------------------------------------------------------------------------------
+def test_top_level_help_lists_every_command():
+    """Before: `latentfast --help` listed cache build | import | inspect | verify, not push, pull, merge."""
+    from latentfast.cli import build_parser, command_names
+
+    leaves = command_names(build_parser())
+    assert {"demo", "bench", "cache build", "cache import", "cache merge", "cache inspect", "cache verify", "cache push",
+            "cache pull"} <= set(leaves)
+    text = " ".join(latentfast_cli("--help").stdout.split())
+    assert [leaf for leaf in leaves if leaf not in text] == [], text
+    cache = " ".join(latentfast_cli("cache", "--help").stdout.split())
+    assert "{" + ",".join(leaf.split()[1] for leaf in leaves if leaf.startswith("cache ")) + "}" in cache
+
+
 # -- progress in a log ---------------------------------------------------------------------------------
 def test_progress_bar_is_tqdm_on_a_terminal_and_lines_in_a_log(monkeypatch):
     from tqdm import tqdm
@@ -115,6 +129,14 @@ def test_bench_says_a_suite_is_still_running_in_a_log(monkeypatch, tmp_path):
     assert "bench normalize: still running (" in log.getvalue()
 
 
+def test_the_cli_flushes_every_line_into_a_log():
+    """stdout to a file or pipe is block-buffered: a bench suite's tables reached the log at the end."""
+    code = ("import atexit, sys; from latentfast import cli; "
+            "atexit.register(lambda: print('LB', sys.stdout.line_buffering, file=sys.stderr)); cli.main(['cache', 'inspect', '/none'])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "LB True" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_push_and_pull_print_progress_lines(tmp_path, monkeypatch, capsys):
     pytest.importorskip("obstore")
@@ -132,6 +154,58 @@ def test_push_and_pull_print_progress_lines(tmp_path, monkeypatch, capsys):
         assert f"push: {n_files}/{n_files} files (100%)" in capsys.readouterr().err
         assert cache_main(["cache", "pull", "s3://pcuts/c", str(tmp_path / "back"), "--endpoint-url", endpoint]) == 0
         assert f"pull: {n_files}/{n_files} files (100%)" in capsys.readouterr().err
+
+
+# -- a rerun that writes nothing -----------------------------------------------------------------------
+def test_a_rerun_that_changes_nothing_says_up_to_date(photos, tmp_path, capsys):
+    """Before: every rerun printed `latent cache written: ...`, as if it had written something."""
+    out = str(tmp_path / "out")
+    assert cache_main(["cache", "build", "--images", photos, "--out", out, *BUILD]) == 0
+    assert "latent cache written" in capsys.readouterr().out
+    assert cache_main(["cache", "build", "--images", photos, "--out", out, *BUILD]) == 0
+    rerun = capsys.readouterr().out
+    assert "up to date: 4 unchanged" in rerun and "written" not in rerun
+    src = _npz_folder(tmp_path / "npz")
+    args = ["cache", "import", src, "--out", str(tmp_path / "imp"), "--format", "npz"]
+    assert cache_main(args) == 0 and "latent cache written" in capsys.readouterr().out
+    assert cache_main(args) == 0
+    rerun = capsys.readouterr().out
+    assert "up to date: 3 unchanged" in rerun and "written" not in rerun
+
+
+# -- --device --------------------------------------------------------------------------------------------
+def test_device_defaults_to_auto_and_says_what_it_picked(photos, tmp_path, capsys):
+    """Before: --device defaulted to cpu, so a GPU user encoded on the CPU without a word."""
+    from latentfast.cache.cli import pick_device
+    from latentfast.cli import build_parser
+
+    assert build_parser().parse_args(["cache", "build", "--images", "x", "--out", "y"]).device == "auto"
+    assert cache_main(["cache", "build", "--images", photos, "--out", str(tmp_path / "o"), *BUILD]) == 0
+    expect = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"--device auto: {expect} (" in capsys.readouterr().out
+    assert pick_device("cpu") == ("cpu", None)
+
+
+def test_auto_picks_a_visible_gpu(monkeypatch):
+    from latentfast.cache.cli import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Test GPU")
+    device, line = pick_device("auto")
+    assert device == "cuda" and line == "--device auto: cuda (Test GPU; --device cpu encodes on the CPU)"
+
+
+def test_device_cuda_on_a_cpu_only_torch_is_refused_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """Before: the model was loaded, then moving it failed inside torch ('Torch not compiled with CUDA')."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    model = tmp_path / "no-model-here"  # loading it would fail with a different error (no config.json)
+    code = cache_main(["cache", "build", "--images", str(tmp_path), "--out", str(tmp_path / "o"),
+                       "--encoder", f"diffusers:{model}", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--device cuda: torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)" in err
+    assert "config.json" not in err
 
 
 # -- diffusers' accelerate warning -----------------------------------------------------------------------
@@ -171,6 +245,78 @@ def test_the_accelerate_filter_drops_that_warning_only():
     assert not keep.filter(record("Cannot initialize model with low cpu memory usage because `accelerate` was not found "
                                   "in the environment. Defaulting to `low_cpu_mem_usage=False`."))
     assert keep.filter(record("Passed `torch_dtype` x is not a `torch.dtype`. Defaulting to `torch.float32`."))
+
+
+# -- object storage: verify's rate, a push without settings ------------------------------------------------
+@pytest.fixture
+def aws_env(monkeypatch):
+    """No AWS_* variable of the machine; the instance metadata service a client asks for credentials is a
+    loopback server that refuses (as outside a cloud), so nothing leaves the machine."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def _refuse(self):
+            self.send_response(403)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"deny")
+
+        do_GET = do_PUT = do_POST = do_HEAD = _refuse
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    yield monkeypatch
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.slow
+def test_remote_verify_reports_its_rate_from_object_storage(tmp_path, aws_env, capsys):
+    """Before: `cache verify s3://...` said "GB/s, from the page cache if the file was read recently"."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto.server")
+    from latentfast.testing import create_bucket, s3_server, write_random_cache
+
+    folder = write_random_cache(str(tmp_path), 9, 2, 4, 6, layouts=("padded",))["padded"]
+    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_REGION", "us-east-1")):
+        aws_env.setenv(key, value)
+    with s3_server() as endpoint:
+        create_bucket(endpoint, "pcuts")
+        assert cache_main(["cache", "push", folder, "s3://pcuts/v", "--endpoint-url", endpoint]) == 0
+        capsys.readouterr()
+        assert cache_main(["cache", "verify", "s3://pcuts/v", "--endpoint-url", endpoint]) == 0
+        out = capsys.readouterr().out
+        assert "verify OK: 9 rows" in out and "page cache" not in out and "GB/s" not in out
+        assert "/s verified, fetched from object storage" in out
+        local = tmp_path / "chunks"
+        assert cache_main(["cache", "verify", "s3://pcuts/v", "--endpoint-url", endpoint, "--local-cache", str(local)]) == 0
+        assert f"fetched from object storage or read from the local chunk cache {local}" in capsys.readouterr().out
+    assert cache_main(["cache", "verify", folder]) == 0
+    assert "page cache" in capsys.readouterr().out  # a local cache: the rate is the disk's or the page cache's
+
+
+@pytest.mark.slow
+def test_push_without_endpoint_or_credentials_names_them_in_one_line(tmp_path, aws_env, capsys):
+    """Before: one long line of the client's debug output (RetryError { ... }) and no word of what to set."""
+    pytest.importorskip("obstore")
+    from latentfast.testing import write_random_cache
+
+    folder = write_random_cache(str(tmp_path), 3, 2, 4, 6, layouts=("padded",))["padded"]
+    assert cache_main(["cache", "push", folder, "s3://pcuts/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Debug source" not in err and "RetryError" not in err, err
+    assert "AWS_ENDPOINT_URL or --endpoint-url" in err and "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in err
+    assert "403 Forbidden" in err  # what the client met, in brief
+    aws_env.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # an endpoint, still no credentials: only those named
+    assert cache_main(["cache", "pull", "s3://pcuts/x", str(tmp_path / "back")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in err and "--endpoint-url" not in err
 
 
 # -- describe() --------------------------------------------------------------------------------------------
