@@ -25,6 +25,7 @@ def load_suite(name: str):
 
 def run_benchmarks(out_dir: str = "latentfast-bench", quick: bool = False, suites: list[str] | None = None) -> dict:
     from .backends import describe
+    from .progress import heartbeat
 
     unknown = sorted(set(suites or ()) - set(SUITES))
     if unknown:
@@ -37,7 +38,8 @@ def run_benchmarks(out_dir: str = "latentfast-bench", quick: bool = False, suite
         start = time.perf_counter()
         try:
             module = load_suite(name)
-            results["suites"][name] = module.run_report(quick=quick)
+            with heartbeat(f"bench {name}"):  # a suite measures for minutes before it prints its table
+                results["suites"][name] = module.run_report(quick=quick)
             if hasattr(module, "plot"):
                 results.setdefault("plots", []).extend(module.plot(results["suites"][name], out_dir))
         except Exception as exc:  # one broken suite must not hide the others' figures

@@ -1,4 +1,4 @@
-"""`latentfast demo | bench | cache build | cache import | cache inspect | cache verify`."""
+"""The ``latentfast`` command: ``demo``, ``bench`` and the ``cache`` commands (``latentfast --help`` lists them all)."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench_runner import SUITES
     from .cache.cli import HelpFormatter, add_cache_subparsers
 
-    parser = argparse.ArgumentParser(prog="latentfast", description=__doc__)
+    parser = argparse.ArgumentParser(prog="latentfast")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
@@ -60,10 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     add_cache_subparsers(sub)
+    parser.description = f"latentfast {' | '.join(command_names(parser))} (COMMAND --help for its options)"
     return parser
 
 
+def command_names(parser: argparse.ArgumentParser) -> list[str]:
+    """Every command ``parser`` runs, from its subparsers: ``["demo", "bench", "cache build", ...]``."""
+    names = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                names += [f"{name} {leaf}" for leaf in command_names(sub)] or [name]
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # a log (nohup, SLURM) gets each line as printed
+        sys.stdout.reconfigure(line_buffering=True)
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any, NamedTuple
 
 import torch
@@ -251,7 +252,22 @@ def load_diffusers_vae(spec: str, *, sample: str = "mode", seed: int = 0, dtype:
     if cls is None or str(name) not in IMAGE_VAES + VIDEO_VAES:
         raise InvalidArgumentError(f"diffusers VAE class must be one of {IMAGE_VAES + VIDEO_VAES}, got {name!r}")
     torch_dtype = getattr(torch, dtype) if dtype else None
-    return DiffusersVAE(cls.from_pretrained(path, torch_dtype=torch_dtype), sample=sample, seed=seed)
+    logger, quiet = logging.getLogger("diffusers.models.modeling_utils"), NoAccelerateWarning()
+    logger.addFilter(quiet)
+    try:
+        vae = cls.from_pretrained(path, torch_dtype=torch_dtype)
+    finally:
+        logger.removeFilter(quiet)
+    return DiffusersVAE(vae, sample=sample, seed=seed)
+
+
+class NoAccelerateWarning(logging.Filter):
+    """Drops diffusers' "install accelerate" warning, printed on every model load without accelerate: for a
+    VAE (tens of millions of weights) accelerate saves little, the random initialization it would skip
+    and a second copy of the weights while loading. Other warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "because `accelerate` was not found" not in record.getMessage()
 
 
 # -- text encoders ------------------------------------------------------------------------------------

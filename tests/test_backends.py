@@ -47,7 +47,7 @@ def test_import_and_ops_work_without_compiled_library():
 
 
 def test_describe_lists_every_op_and_device():
-    report = latentfast.describe()
+    report = latentfast.describe(verbose=True)
     for op in latentfast._ops.SCHEMAS:
         assert f"{op}" in report
     assert " cpu " in report and " cuda " in report

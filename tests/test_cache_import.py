@@ -158,7 +158,7 @@ def test_cli_import(tmp_path, capsys):
     assert cache_cli(["cache", "import", str(tmp_path / "src"), "--out", out, "--format", "npz"]) == 0
     assert f"latent cache written: {cache_path(out, 'train', 'data')} (7 files imported" in capsys.readouterr().out
     assert cache_cli(["cache", "import", str(tmp_path / "src"), "--out", out, "--format", "npz"]) == 0
-    assert "(unchanged)" in capsys.readouterr().out
+    assert f"up to date: 7 unchanged ({cache_path(out, 'train', 'data')})" in capsys.readouterr().out
     assert cache_cli(["cache", "import", str(tmp_path / "nowhere"), "--out", out, "--format", "pt"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a folder" in err
@@ -198,7 +198,7 @@ def test_skipped_files_are_one_summary_line_and_the_cli_prints_the_evidence(tmp_
                         "1 text-encoder outputs without a latent file")
     assert lines[2] == f"latent cache written: {cache_path(out, 'train', 'data')} (3 items imported, 0 resumed)"
     assert cache_cli(["cache", "import", str(tmp_path / "src"), "--out", out, "--format", "kohya"]) == 0
-    assert "(unchanged)" in capsys.readouterr().out
+    assert "up to date: 3 unchanged" in capsys.readouterr().out
     assert LatentCache(out).meta["import_format"] == "kohya"
 
 

@@ -216,16 +216,33 @@ def _gpu_path(op: str) -> str:
     return f"pure-torch reference ({reasons['triton']})"
 
 
-def describe() -> str:
-    """A human-readable report: the native library's build and what it serves here, Triton, and the
-    backend each op gets per device, with each op's GPU path."""
+def describe(verbose: bool = False) -> str:
+    """A human-readable report of what this install can do: the versions, the native library, the
+    threads, GPU and Triton, the object storage client and how cold cache reads are done; with
+    ``verbose``, the backend each op gets per device (and why the others cannot run it)."""
+    import sys
+
+    from .. import __version__
+
+    n_ops = len(_ops.SCHEMAS)
+    native_ops = sum(not availability(op, "cpu")["cpp"] for op in _ops.SCHEMAS)
+    triton_ops = sum(not availability(op, "cuda")["triton"] for op in _ops.SCHEMAS)
     lines = [
-        f"latentfast backends (torch {torch.__version__}, cuda {torch.version.cuda})",
+        f"latentfast {__version__} (torch {torch.__version__}, {_torch_build()}; Python {sys.version.split()[0]})",
         f"  native library: {compiled.status()}",
+        f"  threads: {torch.get_num_threads()} (torch.get_num_threads(); the native CPU kernels use as many)",
+        f"  GPU: {_gpu()}",
         f"  triton: {'importable' if triton_status()[0] else triton_status()[1]}"
         + (" (interpreter mode)" if triton_interpreting() else ""),
-        f"  LATENTFAST_BACKEND: {os.environ.get('LATENTFAST_BACKEND') or '(unset)'}",
+        f"  ops (backend auto): CPU tensors get native kernels for {native_ops} of {n_ops}, CUDA tensors Triton kernels "
+        f"for {triton_ops} of {n_ops}; the pure-torch reference serves the rest",
+        f"  LATENTFAST_BACKEND: {os.environ.get('LATENTFAST_BACKEND') or '(unset: backend auto)'}",
+        f"  object storage (s3://, gs://, az:// caches): {_object_storage()}",
+        f"  cold cache reads: {_cold_reads()}",
     ]
+    if not verbose:
+        lines.append("  (the backend of each op per device: latentfast.describe(verbose=True))")
+        return "\n".join(lines)
     for op in _ops.SCHEMAS:
         for device_type in DEVICE_TYPES:
             reasons = availability(op, device_type)
@@ -236,6 +253,39 @@ def describe() -> str:
     lines.append("  GPU path of each op (CUDA tensors, backend auto):")
     lines += [f"    {op:<26} {_gpu_path(op)}" for op in _ops.SCHEMAS]
     return "\n".join(lines)
+
+
+def _torch_build() -> str:
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda} build"
+    if getattr(torch.version, "hip", None):
+        return f"ROCm {torch.version.hip} build"
+    return "CPU-only build"
+
+
+def _gpu() -> str:
+    if not torch.cuda.is_available():
+        return "none visible" + (" (this torch is a CPU-only build)" if not torch.version.cuda and not getattr(torch.version, "hip", None) else "")
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return ", ".join(f"{names.count(name)} x {name}" for name in dict.fromkeys(names))
+
+
+def _object_storage() -> str:
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("obstore") is None:
+        return "no client: obstore is not installed (pip install 'latentfast[s3]')"
+    return f"obstore {importlib.metadata.version('obstore')}"
+
+
+def _cold_reads() -> str:
+    from ..cache.feed import coldread
+
+    if not coldread.SUPPORTED:
+        return "no parallel I/O on this platform (posix_fadvise is Linux's): rows are read in by page faults"
+    return (f"page-cache advice (posix_fadvise WILLNEED) over each batch's missing pages; a pool of "
+            f"{coldread.POOL_THREADS} pread threads for files where advice reads synchronously (e.g. FUSE)")
 
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""``latentfast cache build | import | inspect | verify | merge``.
+"""``latentfast cache build | import | merge | inspect | verify | push | pull``.
 
 ``add_cache_subparsers(subparsers)`` adds the ``cache`` command to a parent parser's subparsers;
 each leaf sets ``func`` to a handler taking the parsed namespace and returning the exit status.
@@ -58,17 +58,48 @@ def _one_line_errors(handler):
         except Exception as exc:  # noqa: BLE001 - the CLI's promise: one clear line, no traceback
             if os.environ.get("LATENTFAST_DEBUG"):
                 raise
-            text = " ".join(str(exc).split()) or type(exc).__name__
             kind = "" if type(exc).__module__.startswith("latentfast") or isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: "
-            print(f"latentfast cache {args.cache_command}: error: {kind}{text}", file=sys.stderr)
+            print(f"latentfast cache {args.cache_command}: error: {kind}{error_text(args, exc)}", file=sys.stderr)
             return 2 if isinstance(exc, CliError) else 1
 
     return run
 
 
+def error_text(args, exc: Exception) -> str:
+    """``exc`` as one line, without the object-storage client's debug dump; a failed request to an
+    ``s3://`` URL names the settings that are not set (the likely reason)."""
+    text = " ".join(str(exc).split()).split(" Debug source:", 1)[0] or type(exc).__name__
+    from .remote.errors import RemoteReadError
+
+    missing = _missing_s3_settings(args)
+    if isinstance(exc, RemoteReadError) and missing:
+        return f"{' and '.join(missing)}; the client's error: {text}"
+    return text
+
+
+def _missing_s3_settings(args) -> list[str]:
+    """What a request to this command's ``s3://`` URL lacks: an endpoint, credentials (none for other URLs)."""
+    url = getattr(args, "url", None) or getattr(args, "cache_dir", "")
+    if not str(url).startswith("s3://"):
+        return []
+    missing = []
+    if not (getattr(args, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")):
+        missing.append(f"{url}: no endpoint is set (AWS_ENDPOINT_URL or --endpoint-url; without one the client asks AWS S3)")
+    keys = os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not (keys or any(os.environ.get(k) for k in _OTHER_CREDENTIALS)):
+        missing.append(f"{'no' if missing else f'{url}: no'} credentials are set (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; "
+                       f"without them the client asks the cloud's instance metadata service)")
+    return missing
+
+
+# the other ways the client finds credentials without the metadata service (web identity, a container's, none needed)
+_OTHER_CREDENTIALS = ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                      "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_SKIP_SIGNATURE")
+
+
 def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
-    cache = subparsers.add_parser("cache", help="build, import, inspect or verify an offline VAE latent cache")
-    commands = cache.add_subparsers(dest="cache_command", metavar="{build,import,inspect,verify,push,pull,merge}")
+    cache = subparsers.add_parser("cache", help="the commands of an offline VAE latent cache (listed above)")
+    commands = cache.add_subparsers(dest="cache_command")
     commands.required = True
     _add_build(commands)
     _add_import(commands)
@@ -87,6 +118,7 @@ def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
                          help="URLs: the local cache's budget, in bytes or with a K/M/G/T suffix")
         sub.set_defaults(func=_one_line_errors(handler))
     _add_push_pull(commands)
+    commands.metavar = "{" + ",".join(commands.choices) + "}"
     return cache
 
 
@@ -203,7 +235,8 @@ def _add_build(commands) -> None:
     build.add_argument("--batch-size", type=int, default=16, help="images encoded per encoder call")
     build.add_argument("--toy-seed", type=int, default=0, help="seed of the toy encoder")
     build.add_argument("--toy-channels", type=int, default=4, help="latent channels of the toy encoder")
-    build.add_argument("--device", default="cpu", help="where the encoder runs (cpu, cuda, cuda:1)")
+    build.add_argument("--device", default="auto", help="where the encoder runs: auto (cuda where torch sees a GPU, else "
+                       "cpu), cpu, cuda, cuda:1")
     build.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none", help="encode under torch.autocast in this dtype")
     build.add_argument("--workers", type=int, default=4, help="image decode threads")
     build.add_argument("--skip-bad-images", action="store_true", help="skip and report missing, corrupt or truncated "
@@ -288,9 +321,13 @@ def run_build(args) -> int:
         raise CliError("--video needs --buckets FxHxW (frames x height x width)")
     if args.lines and args.buckets:
         raise CliError("--lines builds a text-line cache of one --line-height; --buckets is for image or video caches")
+    args.device, line = pick_device(args.device)
+    if line and not args.quiet and os.environ.get("RANK", "0") == "0":
+        print(line)
     encoder = make_encoder(args.encoder, toy_seed=args.toy_seed, toy_channels=args.toy_channels, sample=args.sample,
                            vae_dtype=args.vae_dtype)
     new_folder = not os.path.isdir(args.out)
+    before = _written(args.out)
     try:
         path = _distributed(args, lambda group: _build(args, encoder, group)) if args.distributed else _build(args, encoder)
     except BaseException:
@@ -299,8 +336,45 @@ def run_build(args) -> int:
                 os.rmdir(args.out)
         raise
     if not args.quiet:
-        print(f"latent cache written: {path}")
+        print(_up_to_date(args, path) if not new_folder and _written(args.out) == before else f"latent cache written: {path}")
     return 0
+
+
+def _written(folder: str) -> dict:
+    """``(size, mtime)`` of every file under ``folder`` but the hidden ones (locks): what a build wrote changes it."""
+    state = {}
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            if not name.startswith("."):
+                st = os.stat(os.path.join(root, name))
+                state[os.path.join(root, name)] = (st.st_size, st.st_mtime_ns)
+    return state
+
+
+def _up_to_date(args, path: str) -> str:
+    from .store.reader import LatentCache
+
+    return f"up to date: {len(LatentCache(args.out, args.split))} unchanged ({path})"
+
+
+def pick_device(device: str) -> tuple[str, str | None]:
+    """``--device`` as the builders take it, and a line saying what ``auto`` chose (None otherwise).
+    A CUDA device this torch cannot use is refused here, before any model is loaded."""
+    import torch
+
+    cpu_only = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda", f"--device auto: cuda ({torch.cuda.get_device_name(0)}; --device cpu encodes on the CPU)"
+        why = f"torch {torch.__version__} is a CPU-only build" if cpu_only else "torch sees no GPU"
+        return "cpu", f"--device auto: cpu ({why})"
+    if device.startswith("cuda") and cpu_only:
+        raise CliError(f"--device {device}: torch {torch.__version__} is a CPU-only build (torch.version.cuda is None); "
+                       f"install a CUDA build of torch, or use --device cpu (or auto)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--device {device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
+                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); use --device cpu (or auto)")
+    return device, None
 
 
 def _distributed(args, run):
@@ -359,13 +433,13 @@ def run_import(args) -> int:
     path = _distributed(args, lambda group: _import(args, stats, group)) if args.distributed else _import(args, stats)
     if not args.quiet:
         unit = "items" if "evidence" in stats else "files"
-        what = "unchanged" if stats.get("unchanged") else f"{stats['imported']} {unit} imported, {stats['resumed']} resumed"
+        what = f"{stats['imported']} {unit} imported, {stats['resumed']} resumed"
         if "ranks" in stats:
             what += f" by {stats['ranks']} ranks"
         if "evidence" in stats:
             print(stats["evidence"])
         print(stats["summary"])
-        print(f"latent cache written: {path} ({what})")
+        print(_up_to_date(args, path) if stats.get("unchanged") else f"latent cache written: {path} ({what})")
     return 0
 
 
@@ -487,16 +561,26 @@ def run_verify(args) -> int:
     except Exception as exc:  # noqa: BLE001 - corrupt, inconsistent or missing files: one line
         if os.environ.get("LATENTFAST_DEBUG"):
             raise
-        print(f"verify FAILED: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"verify FAILED: {error_text(args, exc)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
         kind = "checksums, finiteness and index" if result["checksummed"] else "finiteness and index (this cache stores no checksums)"
         print(f"verify OK: {result['rows']} rows, {result['bytes']:,} bytes, {result['blocks']} blocks: "
-              f"{kind} in {result['seconds']:.3f} s ({result['gb_per_s']:.2f} GB/s, from the page cache if the file was "
-              f"read recently)")
+              f"{kind} in {result['seconds']:.3f} s ({_verify_rate(args, result)})")
     return 0
+
+
+def _verify_rate(args, result: dict) -> str:
+    """What verify's rate measured: object storage (and the local chunk cache), or the disk / page cache."""
+    from .remote.storage import is_remote
+
+    if not is_remote(args.cache_dir):
+        return f"{result['gb_per_s']:.2f} GB/s, from the page cache if the file was read recently"
+    rate = f"{human_size(result['bytes'] / result['seconds'])}/s" if result["seconds"] > 0 else "too fast to time"
+    where = f" or read from the local chunk cache {args.local_cache}" if args.local_cache else ""
+    return f"{rate} verified, fetched from object storage{where}"
 
 
 def main(argv=None) -> int:

@@ -359,7 +359,7 @@ class _Runner:
         self.seeded = getattr(encoder, "sample", "mode") == "sample" and _accepts_seeds(job.encode)
 
     def run(self, batches, *, quiet: bool) -> None:
-        from tqdm import tqdm
+        from ...progress import progress_bar as tqdm  # a bar on a terminal, a line every ~10 s in a log
 
         total = sum(len(b) for b in batches)
         work = [[item for item in batch if item.key not in self.writer] for batch in batches]

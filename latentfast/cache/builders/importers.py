@@ -156,7 +156,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         args = dict(locals())
         args.update(args.pop("options"))
         return distributed.build_sharded(import_latents, args, agree=lambda: _agreement(args))
-    from tqdm import tqdm
+    from ...progress import progress_bar as tqdm  # a bar on a terminal, a line every ~10 s in a log
 
     if format in TRAINER_FORMATS:
         if key is not None:
@@ -306,7 +306,7 @@ def _unchanged(out_dir, split, identity, meta, files, digests) -> bool:
 # ---- trainer caches ---------------------------------------------------------------------------------
 def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
                     scaling_factor, shift_factor, options) -> str:
-    from tqdm import tqdm
+    from ...progress import progress_bar as tqdm  # a bar on a terminal, a line every ~10 s in a log
 
     if format == "simpletuner":  # its reader records the factors it was told (its files do not say)
         options = {"scaling_factor": scaling_factor, "shift_factor": shift_factor, **options}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from ...errors import InvalidArgumentError
+from ...progress import progress_bar
 from .errors import RemoteNotFoundError, RemoteReadError
 from .storage import ObjectFolder
 
@@ -68,7 +69,7 @@ def push(local_dir: str, url: str, storage_options: dict | None = None) -> list[
                 folder.delete(name)
             except RemoteNotFoundError:
                 pass
-    for name in names:
+    for name in progress_bar(names, desc="push", unit="files"):
         folder.put_file(name, os.path.join(local_dir, name))
     return names
 
@@ -79,7 +80,7 @@ def pull(url: str, local_dir: str, storage_options: dict | None = None) -> list[
     names = _publish_order(folder.list())
     if not any(is_meta(n) for n in names):
         raise RemoteNotFoundError(f"pull: {folder.url} holds no meta file (*meta.json): no cache there, or its push did not finish")
-    for name in names:
+    for name in progress_bar(names, desc="pull", unit="files"):
         _download(folder, name, os.path.join(local_dir, *name.split("/")))
     return names
 
