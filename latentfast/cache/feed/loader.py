@@ -23,6 +23,7 @@ from ...checks import as_int, as_row_indices
 from ...errors import InvalidArgumentError
 from .coldread import DEFAULT_LOOKAHEAD
 from .gather import read_batch
+from .readspec import ReadSpec
 from .sampler import LookaheadSampler
 
 
@@ -38,29 +39,27 @@ class CacheBatchDataset(Dataset):
     def __init__(self, cache, *, dtype: torch.dtype | None = None, width: int | None = None, cold="auto",
                  fields=None, pad=None, pad_to=None, sample: bool = False, flip=None, seed=None, epoch: int = 0,
                  packed=()):
-        self.cache, self.dtype, self.width, self.cold = cache, dtype, width, cold
-        self.fields, self.pad, self.pad_to, self.packed = fields, pad, pad_to, packed
-        self.draws = {"sample": sample, "flip": flip, "seed": seed, "epoch": epoch} if sample or flip is not None else {}
-        if self.draws and fields is None:
-            self.fields = ("latent",)
+        self.cache = cache
+        draws = sample is not False or flip is not None
+        self.spec = ReadSpec(fields=("latent",) if draws and fields is None else fields, pad=pad, pad_to=pad_to,
+                             packed=packed, sample=sample, flip=flip, seed=seed, epoch=epoch, dtype=dtype, width=width,
+                             cold=cold)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch of the draws (``sample`` / ``flip``) of the batches read from now on: call it before
         the epoch's DataLoader iterator is made, which copies the dataset into its workers (persistent
         workers keep the epoch they started with)."""
-        if self.draws:
-            self.draws["epoch"] = epoch
+        if self.spec.draws:
+            self.spec = self.spec.at_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.cache)
 
     def __getitem__(self, indices):
         index = as_row_indices(indices, len(self.cache))
-        if self.fields is not None:
-            batch = read_batch(self.cache, index, dtype=self.dtype, width=self.width, cold=self.cold,
-                               fields=self.fields, pad=self.pad, pad_to=self.pad_to, packed=self.packed, **self.draws)
-            return {**batch, "index": index}
-        latents, widths = read_batch(self.cache, index, dtype=self.dtype, width=self.width, cold=self.cold)
+        if self.spec.records:
+            return {**read_batch(self.cache, index, self.spec), "index": index}
+        latents, widths = read_batch(self.cache, index, self.spec)
         return latents, widths, index
 
 
