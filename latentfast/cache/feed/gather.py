@@ -234,11 +234,16 @@ def _field_values(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
     nbytes = int(np.prod(batch.shape, dtype=np.int64)) * torch.empty(0, dtype=batch.dtype).element_size()
     if B == 0 or nbytes == 0:
         return torch.empty((B, *batch.shape), dtype=batch.dtype, device=device)
-    target = None if out is None else take(out, name, (B, 1, 1, table.width), torch.float16, device)
+    final = None if out is None else take(out, name, (B, *batch.shape), batch.dtype, device)
+    whole_units = nbytes % ELEMENT_BYTES == 0
+    target = None  # the gather's [B, 1, 1, units] output: the final tensor's bytes, when they are whole units
+    if final is not None:
+        target = (_as_units(final, B, table.width) if whole_units
+                  else take(out, name + ".units", (B, 1, 1, table.width), torch.float16, device))
     units = _copy(table, on_cpu, device, torch.float16, target, spec.backend, spec.cold)
     raw = units.view(B, -1).view(torch.uint8)
     if raw.shape[1] != nbytes:  # a 1-byte dtype with an odd count: drop the unit's spare byte
-        raw = raw[:, :nbytes].contiguous() if out is None else take(out, name + ".odd", (B, nbytes), torch.uint8, device).copy_(raw[:, :nbytes])
+        raw = raw[:, :nbytes].contiguous() if final is None else final.view(B, -1).view(torch.uint8).copy_(raw[:, :nbytes])
     values = raw.view(batch.dtype).view(B, *batch.shape)
     if batch.pad is not None and batch.pad != 0 and batch.shape[0]:
         lengths = torch.from_numpy(batch.shapes[:, 0]).to(values.device)
@@ -252,7 +257,8 @@ def _field_packed(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
     packed gather (on the CPU; a CUDA batch is gathered into pinned memory and copied)."""
     table = batch.table
     units = int(table.widths.sum(dtype=np.int64))
-    host = take(out, name if on_cpu else name + ".host", (units,), torch.float16, _CPU, pin=not on_cpu)
+    host = take(out, name if on_cpu else name + ".host", batch.shape, batch.dtype, _CPU, pin=not on_cpu)
+    host = host.view(-1).view(torch.uint8).view(torch.float16)  # (packed values are whole 2-byte units)
     if units:
         with layout.holding_items(table.cache, table.index_np):  # (a cache in object storage: fetched, held)
             _before_copy(table, spec.cold)
@@ -290,8 +296,10 @@ def _shaped_batch(table, device, dtype, out, backend, cold, buffers=None, name="
         latents = _copy(table, on_cpu, device, dtype, flat_out, backend, cold)
         return latents.view(B, *shape), torch.from_numpy(table.shapes)
     # bfloat16 / float32 latents: the gather copies their 2-byte units as they are, viewed in the stored dtype
-    units_out = None if buffers is None else take(buffers, name if dtype == stored else name + ".units", (B, 1, 1, table.width),
-                                                  torch.float16, device)
+    units_out = None
+    if buffers is not None:
+        units_out = (_as_units(take(buffers, name, (B, *shape), stored, device), B, table.width) if dtype == stored
+                     else take(buffers, name + ".units", (B, 1, 1, table.width), torch.float16, device))
     units = _copy(table, on_cpu, device, torch.float16, units_out, backend, cold)
     latents = units.view(B, -1).view(stored).view(B, *shape)
     if out is None and buffers is not None and dtype != stored:
@@ -299,6 +307,12 @@ def _shaped_batch(table, device, dtype, out, backend, cold, buffers=None, name="
     if out is not None:
         return out.copy_(latents), torch.from_numpy(table.shapes)
     return latents.to(dtype), torch.from_numpy(table.shapes)
+
+
+def _as_units(tensor: torch.Tensor, B: int, width: int) -> torch.Tensor:
+    """A contiguous ``[B, ...]`` output whose items are whole 2-byte units, viewed as the gather's
+    ``[B, 1, 1, width]`` float16 output (the same bytes)."""
+    return tensor.view(B, -1).view(torch.uint8).view(torch.float16).view(B, 1, 1, width)
 
 
 def _copy(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:

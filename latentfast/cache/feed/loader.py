@@ -217,10 +217,14 @@ class LatentLoader:
         self.sampler.set_epoch(epoch)
         self._taken, self._loaded = 0, False
 
-    def state_dict(self) -> dict:
-        """Where the loop stands: the epoch and the global position after the batches yielded so far
-        (plus what :meth:`load_state_dict` checks the loader against). Plain ints and strings."""
-        return {"sampler": self.sampler.state_dict(consumed=self._taken)}
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """Where the loop stands: the epoch and the global position after the batches yielded so far in
+        this pass, or after the first ``consumed`` of them (a prefetcher that pulls ahead of the loop:
+        :meth:`DevicePrefetcher.state_dict <latentfast.cache.DevicePrefetcher.state_dict>` passes it),
+        plus what :meth:`load_state_dict` checks the loader against. Plain ints and strings."""
+        if consumed is not None and not 0 <= as_int("consumed", consumed, minimum=0) <= self._taken:
+            raise InvalidArgumentError(f"consumed must be <= the {self._taken} batches yielded in this pass, got {consumed}")
+        return {"sampler": self.sampler.state_dict(consumed=self._taken if consumed is None else consumed)}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or "sampler" not in state:
