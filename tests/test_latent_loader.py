@@ -225,6 +225,22 @@ def test_workers_fill_a_ring_of_shared_buffers(folders):
     assert len(ptrs) == 20 and len(set(ptrs)) <= 2 * slots < len(ptrs)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_persistent_workers_draw_each_epochs_samples(folders):
+    cache = LatentCache(folders["records"])
+    options = dict(fields=("latent", "text"), pad={"text": 0.0}, sample=True, flip=0.5)
+    loader = LatentLoader(cache, 4, seed=6, num_workers=2, **options)
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            index = batch.pop("index")
+            assert_same(batch, read_batch(cache, index, seed=6, epoch=epoch, **options))
+        workers = loader._workers._iterator._workers
+        assert epoch == 0 or [w.pid for w in workers] == pids  # the same processes serve every epoch
+        pids = [w.pid for w in workers]
+
+
 def test_without_recycling_every_batch_is_fresh(folders):
     loader = LatentLoader(LatentCache(folders["records"]), 4, recycle=False)
     batches = list(loader)

@@ -13,8 +13,10 @@ of seconds per batch and of the ratios.
 - ``numpy gather``: ``latents[idx]``, ``texts[idx]`` fancy-indexed from one memmap each (the texts
   stored padded to the cache's longest), into fresh arrays;
 - packed: ``packed=("text",)`` (``[sum L_i, 4096]``) into reused buffers, against the same memcpy;
-- loader: one epoch (batches of 16) of :class:`~latentfast.cache.LatentLoader` with 2 workers and in
-  process, from its third batch on, against a loop of ``read_batch`` over the same batches.
+- loader: the second epoch (batches of 16; steady state: workers started, buffers made) of
+  :class:`~latentfast.cache.LatentLoader` with 2 workers and in process, against a loop of
+  ``read_batch`` over the same batches (fresh outputs, as a DataLoader worker's), and
+  ``DataLoader(cache.dataset(...), collate_fn=collate_records)`` (items one by one, then padded).
 
     python -m latentfast.bench.bench_loader [--quick] [--runs 3]
 """
@@ -29,7 +31,9 @@ import time
 import numpy as np
 import torch
 
-from latentfast.cache import BatchBuffers, LatentCache, LatentCacheWriter, LatentLoader, read_batch
+from torch.utils.data import DataLoader
+
+from latentfast.cache import BatchBuffers, LatentCache, LatentCacheWriter, LatentLoader, collate_records, read_batch
 from latentfast.cache.store import fields as fieldstore
 from latentfast.cache.store.format import cache_path
 
@@ -77,9 +81,21 @@ LOADER_BATCH = 16  # the loader runs: more batches per epoch of the same cache
 
 
 def loader_run(cache, spec: dict, workers: int) -> float:
-    """Seconds per batch of one epoch of a LatentLoader, in steady state: from the third batch on
-    (worker start-up and each worker's first batch, which makes its buffers, left out)."""
+    """Seconds per batch of a LatentLoader's second epoch: in steady state (the first started the
+    workers, which persist, and made every buffer of the rings); the pass's start is timed."""
     loader = LatentLoader(cache, LOADER_BATCH, seed=0, drop_last=True, num_workers=workers, **spec)
+    sum(1 for _ in loader)
+    loader.set_epoch(1)
+    start = time.perf_counter()
+    count = sum(1 for _ in loader)
+    return (time.perf_counter() - start) / count
+
+
+def dataset_run(cache, spec: dict) -> float:
+    """Seconds per batch of ``DataLoader(cache.dataset(...), collate_fn=collate_records)`` in process
+    (items read one by one, then padded), from its third batch on."""
+    loader = DataLoader(cache.dataset(**spec), batch_size=LOADER_BATCH, shuffle=True, drop_last=True,
+                        collate_fn=collate_records, generator=torch.Generator().manual_seed(0))
     batches = iter(loader)
     next(batches), next(batches)
     start = time.perf_counter()
@@ -124,9 +140,10 @@ def run_report(quick: bool = False, runs: int = 3) -> dict:
         per_run = [one_run(readers, batches) for _ in range(runs)]
         loops = []
         for _ in range(runs):
-            every = [b["index"].clone() for b in LatentLoader(cache, LOADER_BATCH, seed=0, drop_last=True, **spec)][2:]
+            every = [b["index"].clone() for b in LatentLoader(cache, LOADER_BATCH, seed=0, drop_last=True, **spec)]
             loops.append({"loader 2 workers": loader_run(cache, spec, 2), "loader in process": loader_run(cache, spec, 0),
-                          "read_batch loop": timed(lambda b: read_batch(cache, b, **spec), every)})
+                          "read_batch loop": timed(lambda b: read_batch(cache, b, **spec), every),
+                          "cache.dataset + DataLoader": dataset_run(cache, spec)})
         del lat_src, txt_src, lat_mm, txt_mm
     return {"n": n, "dim": dim, "longest": longest, "runs": per_run, "loops": loops}
 
@@ -155,7 +172,7 @@ def print_report(report: dict) -> None:
         print(f"| {name} | {ms} | {ratio} |")
     print(f"| loader (batches of {LOADER_BATCH}) | ms / batch | vs read_batch loop |")
     print("|---|---|---|")
-    for name in ("loader 2 workers", "loader in process", "read_batch loop"):
+    for name in ("loader 2 workers", "loader in process", "read_batch loop", "cache.dataset + DataLoader"):
         print(f"| {name} | {summary([r[name] * 1e3 for r in loops])} | "
               f"{summary([r['read_batch loop'] / r[name] for r in loops])}x |")
 

@@ -59,8 +59,8 @@ class BatchBuffers:
             return torch.empty(size, dtype=torch.uint8, device=device)
         if self.pin:
             return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        if self.shared:
-            return torch.empty(size, dtype=torch.uint8).share_memory_()
+        if self.shared:  # a new shared-memory file, its pages untouched until written (share_memory_ copies)
+            return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
         if size < HUGE_PAGE:
             return torch.empty(size, dtype=torch.uint8)
         size = -(-size // HUGE_PAGE) * HUGE_PAGE

@@ -153,8 +153,10 @@ class LatentLoader:
     an epoch resumes to an empty rest of that epoch.
 
     Workers: ``num_workers`` processes read whole batches (each into a ring of its own shared-memory
-    buffers, so a batch reaches this process as a handle, not a copy); ``prefetch_factor`` batches each
-    ahead; ``multiprocessing_context`` as the DataLoader's. ``lookahead``: the rows of the next
+    buffers, so a batch reaches this process as a handle, not a copy), started on the first pass and
+    kept for the next ones (persistent: the rings are made once); ``prefetch_factor`` batches each
+    ahead; ``multiprocessing_context`` as the DataLoader's. A batch of a pass left before its end is
+    valid until the next pass begins. ``lookahead``: the rows of the next
     batches are read into the page cache (or fetched from object storage) ahead of the reads.
 
     Buffers (``recycle=True``): batches are views of a small ring of reused buffers: a batch stays valid
@@ -190,6 +192,8 @@ class LatentLoader:
         self._reserve = _worst_case_bytes(cache, self.spec, self.sampler.batch_size)
         self._ring: list[BatchBuffers] = []  # this process's slots (made on first use)
         self._next_slot = 0
+        self._workers: DataLoader | None = None  # with num_workers: the persistent workers' DataLoader
+        self._tasks: _Tasks | None = None
         self._taken = 0  # batches yielded since the pass began (at the sampler's start position)
         self._loaded = False  # a state was loaded and no pass has begun since
 
@@ -267,15 +271,18 @@ class LatentLoader:
         # a worker's batch k is in flight until this process has taken about prefetch_factor * workers
         # more; its ring holds that many plus the caller's hold before a slot comes round again
         slots = self.prefetch_factor + -(-self.hold // self.num_workers) + 1 if self.recycle else 0
-        reader = _BatchReader(self.cache, spec.replace(device="cpu"), slots, self._reserve)
-        loader = DataLoader(reader, batch_size=None, sampler=_Tasks(todo, self.cache, self.lookahead), collate_fn=_as_is,
-                            num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                            multiprocessing_context=self.multiprocessing_context)
+        if self._workers is None:  # persistent: each epoch's pass reuses the workers and their rings
+            self._tasks = _Tasks(self.cache, self.lookahead)
+            reader = _BatchReader(self.cache, spec.replace(device="cpu"), slots, self._reserve)
+            self._workers = DataLoader(reader, batch_size=None, sampler=self._tasks, collate_fn=_as_is,
+                                       num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+                                       persistent_workers=True, multiprocessing_context=self.multiprocessing_context)
+        self._tasks.todo, self._tasks.epoch = todo, spec.epoch
         # the received batches of every slot stay referenced: a slot's storage then stays mapped here, and
         # its next batch arrives as the same storage (torch's shared-memory cache) instead of a fresh map
         mapped: collections.deque = collections.deque(maxlen=max(1, slots * self.num_workers))
         on_device = self.device.type != "cpu"
-        for batch in loader:
+        for batch in self._workers:
             for key in ("index", "flipped", *(name + "_shape" for name in spec.names)):
                 if key in batch:
                     batch[key] = torch.from_numpy(batch[key])
@@ -293,22 +300,26 @@ def _as_is(batch):
 
 
 class _Tasks:
-    """The batches a DataLoader hands its workers, with the rows of the next ``lookahead`` read ahead."""
+    """What the workers' DataLoader hands its workers in a pass: ``(epoch, indices)`` of each batch of
+    ``todo`` (set before each pass), with the rows of the next ``lookahead`` batches read ahead."""
 
-    def __init__(self, todo: list, cache, lookahead: int):
-        self.todo, self.cache, self.lookahead = todo, cache, lookahead
+    def __init__(self, cache, lookahead: int):
+        self.cache, self.lookahead = cache, lookahead
+        self.todo: list = []
+        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.todo)
 
     def __iter__(self):
-        return iter(LookaheadSampler(self.todo, self.cache, self.lookahead))
+        return ((self.epoch, indices) for indices in LookaheadSampler(self.todo, self.cache, self.lookahead))
 
 
 class _BatchReader(Dataset):
-    """A worker's reader: ``reader[indices]`` is read_batch's dict (plus ``"index"``) in the next slot of
-    its ring of shared-memory buffers (made in the worker, on first use); its small entries travel as
-    numpy arrays (pickled by value) instead of a shared-memory segment each."""
+    """A worker's reader: ``reader[(epoch, indices)]`` is read_batch's dict (plus ``"index"``) with the
+    draws of ``epoch``, in the next slot of its ring of shared-memory buffers (made in the worker, on
+    first use); its small entries travel as numpy arrays (pickled by value) instead of a shared-memory
+    segment each."""
 
     def __init__(self, cache, spec: ReadSpec, slots: int, reserve: dict):
         self.cache, self.spec, self.slots, self.reserve = cache, spec, slots, reserve
@@ -318,13 +329,14 @@ class _BatchReader(Dataset):
     def __len__(self) -> int:
         return len(self.cache)
 
-    def __getitem__(self, indices) -> dict:
+    def __getitem__(self, task) -> dict:
+        epoch, indices = task
         if self.slots and not self._ring:
             self._ring = [BatchBuffers(shared=True, reserve=self.reserve) for _ in range(self.slots)]
         slot = self._ring[self._count % self.slots] if self.slots else None
         self._count += 1
         index = torch.tensor(indices, dtype=torch.int64)
-        batch = read_batch(self.cache, index, self.spec, out=slot)
+        batch = read_batch(self.cache, index, self.spec.at_epoch(epoch), out=slot)
         for key in [k for k in batch if k.endswith("_shape") or k == "flipped"]:
             batch[key] = batch[key].numpy()
         batch["index"] = index.numpy()
