@@ -1,14 +1,25 @@
-"""DataLoader integration: whole-batch reads in the workers (CacheBatchDataset, batch_loader) and per-item collate with white padding.
+"""Loading batches for training: :class:`LatentLoader` (the one object a training loop iterates), the
+pieces it is made of for those who assemble their own (CacheBatchDataset, batch_loader), and the
+per-item dataset for torch's own samplers (``cache.dataset(...)``, :func:`collate_records`).
 
-Typical use (every worker reads whole batches with the compiled gather; no per-item collate)::
+Typical use (rank and world size from torch.distributed; each batch read whole by the compiled gather
+into reused buffers; ``state_dict()`` resumes exactly)::
+
+    loader = LatentLoader(cache, 64, fields=("latent", "text"), pad={"text": 0.0}, num_workers=4, device="cuda")
+    for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            ...
+
+Or by hand (the loop then counts consumed batches for the sampler's state)::
 
     sampler = WidthBucketBatchSampler(cache.widths, batch_size=64, seed=0, rank=rank, world_size=world)
     loader = batch_loader(cache, sampler, num_workers=4, pin_memory=True)
     for latents, widths, indices in DevicePrefetcher(loader, "cuda"):
         ...
 
-Read-ahead, on by default at both ends: :func:`batch_loader` has the rows of the next
-``lookahead`` batches read into the page cache in the background (for caches bigger than RAM), and
+Read-ahead, on by default at both ends: the loaders have the rows of the next ``lookahead`` batches
+read into the page cache in the background (for caches bigger than RAM), and
 :class:`DevicePrefetcher` pulls and moves the next ``lookahead`` batches in a background thread, so
 neither the disk nor the copy waits on the training step.
 """
@@ -117,7 +128,7 @@ def collate(items: Sequence[torch.Tensor], white_column: torch.Tensor, *, dtype:
 
 
 # ---- one loader a training loop uses ------------------------------------------------------------
-DEFAULT_HOLD = 4  # batches a caller may keep (beyond the newest) before their buffers are reused
+DEFAULT_HOLD = 2  # batches a caller may take after one before its buffers are reused (the ring: hold + 1)
 REMOTE_CHUNK_WINDOW = 8  # an object-store cache's default chunk window (see ShardedBatchSampler)
 
 
