@@ -5,9 +5,6 @@ spawned gloo group; batches in reused buffers (no allocation per batch in steady
 dataset with torch's own DataLoader and DistributedSampler; ReadSpec and read_batch(out=BatchBuffers)."""
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler

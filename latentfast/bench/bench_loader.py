@@ -16,9 +16,10 @@ of seconds per batch and of the ratios.
 - loader: the second epoch (batches of 16; steady state: workers started, buffers made) of
   :class:`~latentfast.cache.LatentLoader` with 2 workers and in process, against a loop of
   ``read_batch`` over the same batches (fresh outputs, as a DataLoader worker's), and
-  ``DataLoader(cache.dataset(...), collate_fn=collate_records)`` (items one by one, then padded).
+  ``DataLoader(cache.dataset(...), collate_fn=collate_records)`` (items one by one, then padded);
+- ``--s3``: the loader rows again over the cache in object storage (moto on loopback), warm.
 
-    python -m latentfast.bench.bench_loader [--quick] [--runs 3]
+    python -m latentfast.bench.bench_loader [--quick] [--runs 3] [--s3]
 """
 from __future__ import annotations
 
@@ -148,6 +149,28 @@ def run_report(quick: bool = False, runs: int = 3) -> dict:
     return {"n": n, "dim": dim, "longest": longest, "runs": per_run, "loops": loops}
 
 
+def s3_loops(runs: int) -> list[dict]:
+    """The loader rows over a cache in object storage (a loopback moto server), warm: every chunk in
+    the node-local chunk cache (each run's first epoch fetched what the second reads). A smaller cache
+    (128 records, texts [L, 1024]): moto holds its objects in memory."""
+    from latentfast.cache.remote import push
+    from latentfast.testing import create_bucket, s3_options, s3_server
+
+    spec = dict(fields=("latent", "text"), pad={"text": 0.0})
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp, s3_server() as endpoint:
+        write(tmp, 128, 1024)
+        create_bucket(endpoint, "bench")
+        push(os.path.join(tmp, "cache"), "s3://bench/cache", s3_options(endpoint))
+        cache = LatentCache("s3://bench/cache", storage_options=s3_options(endpoint), local_cache=os.path.join(tmp, "lc"),
+                            local_cache_bytes=1 << 32)
+        loops = []
+        for _ in range(runs):
+            every = [b["index"].clone() for b in LatentLoader(cache, LOADER_BATCH, seed=0, drop_last=True, **spec)]
+            loops.append({"loader 2 workers": loader_run(cache, spec, 2), "loader in process": loader_run(cache, spec, 0),
+                          "read_batch loop": timed(lambda b: read_batch(cache, b, **spec), every)})
+    return loops
+
+
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
 
@@ -172,10 +195,12 @@ def print_report(report: dict) -> None:
         print(f"| {name} | {ms} | {ratio} |")
     print(f"| loader (batches of {LOADER_BATCH}) | ms / batch | speed vs read_batch loop | vs loader in process |")
     print("|---|---|---|---|")
-    for name in ("loader 2 workers", "loader in process", "read_batch loop", "cache.dataset + DataLoader"):
-        print(f"| {name} | {summary([r[name] * 1e3 for r in loops])} | "
-              f"{summary([r['read_batch loop'] / r[name] for r in loops])}x | "
-              f"{summary([r['loader in process'] / r[name] for r in loops])}x |")
+    for label, rows in (("", loops), ("s3:// warm, ", report.get("s3") or [])):
+        for name in [k for k in ("loader 2 workers", "loader in process", "read_batch loop", "cache.dataset + DataLoader")
+                     if rows and k in rows[0]]:
+            print(f"| {label}{name} | {summary([r[name] * 1e3 for r in rows])} | "
+                  f"{summary([r['read_batch loop'] / r[name] for r in rows])}x | "
+                  f"{summary([r['loader in process'] / r[name] for r in rows])}x |")
 
 
 def main(argv=None) -> int:
@@ -184,8 +209,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--s3", action="store_true", help="also the loader over s3:// (a loopback moto server), warm")
     args = parser.parse_args(argv)
-    print_report(run_report(quick=args.quick, runs=args.runs))
+    report = run_report(quick=args.quick, runs=args.runs)
+    if args.s3:
+        report["s3"] = s3_loops(args.runs)
+    print_report(report)
     return 0
 
 
