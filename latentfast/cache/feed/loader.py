@@ -205,6 +205,7 @@ class LatentLoader:
         self._next_slot = 0
         self._workers: DataLoader | None = None  # with num_workers: the persistent workers' DataLoader
         self._tasks: _Tasks | None = None
+        self._mapped: collections.deque | None = None  # the workers' latest batches, kept mapped here
         self._taken = 0  # batches yielded since the pass began (at the sampler's start position)
         self._loaded = False  # a state was loaded and no pass has begun since
 
@@ -288,16 +289,16 @@ class LatentLoader:
             self._workers = DataLoader(reader, batch_size=None, sampler=self._tasks, collate_fn=_as_is,
                                        num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
                                        persistent_workers=True, multiprocessing_context=self.multiprocessing_context)
+            # the received batches of every slot stay referenced: a slot's storage then stays mapped here, and
+            # its next batch arrives as the same storage (torch's shared-memory cache) instead of a fresh map
+            self._mapped = collections.deque(maxlen=max(1, slots * self.num_workers))
         self._tasks.todo, self._tasks.epoch = todo, spec.epoch
-        # the received batches of every slot stay referenced: a slot's storage then stays mapped here, and
-        # its next batch arrives as the same storage (torch's shared-memory cache) instead of a fresh map
-        mapped: collections.deque = collections.deque(maxlen=max(1, slots * self.num_workers))
         on_device = self.device.type != "cpu"
         for batch in self._workers:
             for key in ("index", "flipped", *(name + "_shape" for name in spec.names)):
                 if key in batch:
                     batch[key] = torch.from_numpy(batch[key])
-            mapped.append(batch.copy())
+            self._mapped.append(batch.copy())
             if on_device:
                 slot = self._slot()
                 for name in spec.names:
