@@ -178,7 +178,8 @@ def test_resume_at_another_world_size_loses_and_repeats_nothing(folders, workers
 def _ranks_batches(rank, world_size, folder):
     loader = LatentLoader(LatentCache(folder), 4, seed=5)
     loader.set_epoch(1)
-    return loader.rank, loader.world_size, len(loader), [b["index"].tolist() for b in loader]
+    alone = LatentLoader(LatentCache(folder), 4, rank=0, world_size=1)  # explicit arguments override the group's
+    return loader.rank, loader.world_size, len(loader), [b["index"].tolist() for b in loader], (alone.rank, alone.world_size)
 
 
 @pytest.mark.slow
@@ -187,8 +188,8 @@ def test_rank_and_world_come_from_the_process_group(folders):
     results = spawn_gloo(_ranks_batches, 2, folders["ragged"])
     for r, result in enumerate(results):
         assert not isinstance(result, BaseException), result
-        rank, world, count, batches = result
-        assert (rank, world, count) == (r, 2, len(batches))
+        rank, world, count, batches, alone = result
+        assert (rank, world, count) == (r, 2, len(batches)) and alone == (0, 1)
         explicit = LatentLoader(LatentCache(folders["ragged"]), 4, seed=5, rank=r, world_size=2)
         explicit.set_epoch(1)
         assert batches == [b["index"].tolist() for b in explicit]
