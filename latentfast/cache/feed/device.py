@@ -10,6 +10,7 @@ ring falls back to pageable memory with a one-time warning.
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -196,35 +197,58 @@ class DevicePrefetcher:
     The copies are asynchronous when the host tensors are pinned (``DataLoader(pin_memory=True)``). A
     batch already on a CUDA device is ordered after the work that produced it: the side stream waits
     on the producing thread's current stream of every device the batch is on. Pulling ahead advances
-    a sampler behind ``batches`` ahead of the loop: pass ``consumed=`` to its ``state_dict``.
+    a sampler behind ``batches`` ahead of the loop: pass ``consumed=`` to its ``state_dict``, or
+    save the prefetcher's own :meth:`state_dict` (a :class:`~latentfast.cache.LatentLoader`'s state
+    after the batches this prefetcher handed to the loop, not those it pulled ahead). From a
+    LatentLoader that reuses its buffers, a batch is pulled only once the copy of the one ``hold + 1``
+    before it has finished (the loader writes over that one next).
     """
 
     def __init__(self, batches: Iterable, device="cuda", *, lookahead: int = DEFAULT_LOOKAHEAD):
         self.batches = batches
         self.device = as_device(device)
         self.lookahead = as_int("lookahead", lookahead, minimum=0)
+        self._handed = 0
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DeviceUnavailableError(f"DevicePrefetcher(device={str(self.device)!r}): CUDA is not available here")
 
     def __len__(self) -> int:
         return len(self.batches)
 
+    def state_dict(self) -> dict:
+        """``batches.state_dict(consumed=...)`` after the batches handed to the loop in this pass (a
+        :class:`~latentfast.cache.LatentLoader`, or a sampler-backed source taking ``consumed``)."""
+        return self.batches.state_dict(consumed=self._handed)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches.load_state_dict(state)
+
     def __iter__(self):
+        self._handed = 0  # batches handed to the loop in this pass
         if self.lookahead:
             return self._threaded()
         if self.device.type != "cuda":
-            return iter(self.batches)
+            return self._counted()
         return self._inline()
+
+    def _counted(self):
+        for batch in self.batches:
+            self._handed += 1
+            yield batch
 
     def _inline(self):
         stream = torch.cuda.Stream(self.device)
         pending = None
-        for batch in self.batches:
+        copies: collections.deque = collections.deque()
+        for batch in self._pulled(iter(self.batches), copies):
             moved = self._move(batch, stream)
+            copies.append(moved[1])
             if pending is not None:
+                self._handed += 1
                 yield self._hand_over(*pending)
             pending = moved
         if pending is not None:
+            self._handed += 1
             yield self._hand_over(*pending)
 
     def _threaded(self):
@@ -245,6 +269,7 @@ class DevicePrefetcher:
                     return
                 if kind == "error":
                     raise item
+                self._handed += 1
                 yield self._hand_over(*item)
         finally:
             # a loop that stops early: the producer finishes the batch it is making and exits, and with
@@ -266,12 +291,32 @@ class DevicePrefetcher:
             if cuda_device is not None:
                 torch.cuda.set_device(cuda_device)
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            for batch in source:
-                if not put(("batch", self._move(batch, stream))):
+            copies: collections.deque = collections.deque()
+            for batch in self._pulled(source, copies):
+                moved = self._move(batch, stream)
+                copies.append(moved[1])
+                if not put(("batch", moved)):
                     return
             put(("end", None))
         except BaseException as exc:  # handed to the loop's thread, which raises it
             put(("error", exc))
+
+    def _pulled(self, source, copies: collections.deque):
+        """``source``'s batches; from a loader that reuses its buffers (a
+        :class:`~latentfast.cache.LatentLoader`: it may write over a batch once ``hold`` later ones
+        were taken), each is pulled only after the copy of the batch ``hold + 1`` before it has
+        finished (``copies``: the events of the copies made, oldest first)."""
+        hold = self.batches.hold if getattr(self.batches, "recycle", False) else None
+        while True:
+            while copies and (hold is None or len(copies) > hold):
+                done = copies.popleft()
+                if hold is not None and done is not None:
+                    done.synchronize()
+            try:
+                batch = next(source)
+            except StopIteration:
+                return
+            yield batch
 
     def _move(self, batch, stream):
         """``(batch on the device, event after its copy)``, copied on ``stream`` (None: the CPU)."""

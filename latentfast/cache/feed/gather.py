@@ -28,14 +28,15 @@ from ...devices import as_device
 from ...errors import DeviceUnavailableError, InvalidArgumentError
 from ..store import layout
 from ..store.layout import ELEMENT_BYTES
+from ... import ops, sampling
 from . import coldread, device as device_path
+from .buffers import take
+from .readspec import SPEC_OPTIONS, ReadSpec
 
 _CPU = torch.device("cpu")
 
 
-def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None, backend: str = "auto",
-               cold="auto", return_keys: bool = False, fields=None, pad=None, pad_to=None, sample: bool = False,
-               flip=None, seed=None, epoch: int = 0, packed=()):
+def read_batch(cache, indices, spec: ReadSpec | None = None, *, out=None, return_keys: bool = False, **options):
     """Rows ``indices`` of ``cache`` (a :class:`~latentfast.cache.LatentCache`, read through its
     :class:`~latentfast.cache.store.layout.Items`) as one batch.
 
@@ -50,8 +51,14 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
             a shaped cache's records stored).
         width: W of the batch (an int), at least the widest requested row (default: exactly that);
             line caches only.
-        out: optional preallocated contiguous output on ``device`` (``[B, C, h, W]``; a shaped
-            cache's batch: ``[B, *shape]``).
+        spec: a :class:`~latentfast.cache.ReadSpec` holding every option below but ``out`` and
+            ``return_keys`` (instead of them as keywords; the keywords build one).
+        out: where the batch is written instead of fresh tensors: a preallocated contiguous tensor on
+            ``device`` (the latent-only batch: ``[B, C, h, W]``; a shaped cache's: ``[B, *shape]``), a
+            dict ``{field: tensor}`` of a records batch's exact outputs (fields it lacks are allocated),
+            or a :class:`~latentfast.cache.BatchBuffers`, whose reused buffers every path fills (fields,
+            pad, packed, sample, flip): the batch's tensors are then views of them, valid until the
+            same buffers are given to the next read.
         cold: ``"auto"`` (default) reads a batch whose pages are not in the page cache with parallel
             I/O before copying it, and stops checking once batches keep being found in memory
             (see :mod:`latentfast.cache.feed.coldread`); ``True`` always asks for the pages first (a
@@ -60,7 +67,7 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
             element: what a trainer joins captions or conditions on.
 
         fields: names of the cache's record fields (see ``cache.fields``) to read: the batch is then a
-            dict (see below) and ``out`` is not taken.
+            dict (see below).
         pad: ``{field: value}``: these fields' items may differ in their first dimension; each is
             padded with ``value`` to the batch's largest (or ``pad_to``). A field not named here
             must have one shape across the batch. The latent is padded by its layout (``width``).
@@ -88,8 +95,11 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         ``(latents [B, *shape], shapes [B, ndim] int64 on the CPU)``; items of different shapes
         raise ``InvalidArgumentError`` naming them.
     """
-    if not (cold == "auto" if cold.__class__ is str else cold is True or cold is False):
-        raise InvalidArgumentError(f"cold must be 'auto', True or False, got {cold!r}")
+    if spec is None:
+        spec = _spec_of(options) if options else _DEFAULT_SPEC
+    elif options:
+        raise InvalidArgumentError(f"read_batch takes a ReadSpec or its options as keywords, not both: got a spec and {sorted(options)}")
+    device = spec.device
     on_cpu = device.__class__ is str and device == "cpu"  # the default passes as is, cheaply
     if not on_cpu:
         device = as_device(device)
@@ -97,24 +107,28 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     # the cache as plain attributes, so nothing below calls back into the reader; an object that only
     # presents a cache's attributes (a wrapper) is read through Items made from it for this call
     items = getattr(cache, "__dict__", {}).get("items") or layout.Items(cache, source=cache.gather_source)
-    dtype = items.dtype if dtype is None else dtype
-    if sample is not False or flip is not None:
-        if out is not None or width is not None:
-            raise InvalidArgumentError("sample= and flip= read a dict of records: they take no out= or width=")
-        return _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, backend, cold,
-                           sample, flip, seed, epoch, packed)
-    if fields is not None or pad is not None or pad_to is not None or packed:
-        if fields is None or out is not None:
-            raise InvalidArgumentError("pad=, pad_to= and packed= need fields=, and a batch of fields takes no out=")
-        return _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold, packed)
-    table = layout.resolve(items, indices, width=width, clip=on_cpu and not items.verify_rows and items.remote is None, out=out,
-                           dtype=dtype, device=_CPU if on_cpu else device)
+    dtype = items.dtype if spec.dtype is None else spec.dtype
+    if spec.records:
+        if isinstance(out, torch.Tensor):
+            raise InvalidArgumentError("a batch of records takes out= as a BatchBuffers or a dict {field: tensor}, not one tensor")
+        if spec.draws:
+            if spec.width is not None:
+                raise InvalidArgumentError("sample= and flip= read a dict of records: they take no width=")
+            return _read_drawn(cache, items, indices, spec, on_cpu, device, dtype, out)
+        if spec.fields is None:
+            raise InvalidArgumentError("pad=, pad_to= and packed= need fields=")
+        return _read_records(cache, items, indices, spec, spec.fields, on_cpu, device, dtype, out)
+    given = out if isinstance(out, torch.Tensor) else None  # (a tensor is checked in resolve)
+    table = layout.resolve(items, indices, width=spec.width, clip=on_cpu and not items.verify_rows and items.remote is None,
+                           out=given, dtype=dtype, device=_CPU if on_cpu else device)
     if table.shape is not None:
-        batch = _shaped_batch(table, device, dtype, out, backend, cold)
+        batch = _shaped_batch(table, device, dtype, given, spec.backend, spec.cold, out, "latent")
     else:
         if dtype not in FLOAT_DTYPES:
             raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-        batch = _copy(table, on_cpu, device, dtype, out, backend, cold), torch.from_numpy(table.widths)
+        if given is None and out is not None:
+            given = take(out, "latent", (table.index.numel(), table.channels, table.latent_h, table.width), dtype, device)
+        batch = _copy(table, on_cpu, device, dtype, given, spec.backend, spec.cold), torch.from_numpy(table.widths)
     if return_keys:
         layout.recheck(table)  # an unchecked index must not pick a key from the end of the list
         keys = cache.keys
@@ -122,37 +136,51 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
     return batch
 
 
-def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold, packed=()) -> dict:
-    """A batch of records: each field's span table resolved once for the batch, then one gather per field."""
+_DEFAULT_SPEC = ReadSpec()
+
+
+def _spec_of(options: dict) -> ReadSpec:
+    unknown = sorted(set(options) - SPEC_OPTIONS)
+    if unknown:
+        raise TypeError(f"read_batch() got an unexpected keyword argument {unknown[0]!r}")
+    return ReadSpec(**options)
+
+
+def _read_records(cache, items, indices, spec, names, on_cpu, device, dtype, out, suffix="") -> dict:
+    """A batch of records: each field's span table resolved once for the batch, then one gather per
+    field, into ``out``'s buffers (named ``<field><suffix>``) where it has them."""
     field_items = getattr(cache, "__dict__", {}).get("field_items") or {}
-    batches = layout.resolve_fields(items, field_items, indices, fields, pad, pad_to, width=width, dtype=dtype,
-                                    device=_CPU if on_cpu else device, packed=packed)
-    out = {}
+    pad, pad_to, packed = (spec.pad, spec.pad_to, spec.packed) if not suffix else (None, None, ())
+    batches = layout.resolve_fields(items, field_items, indices, names, pad, pad_to, width=None if suffix else spec.width,
+                                    dtype=dtype, device=_CPU if on_cpu else device, packed=packed)
+    result = {}
     for name, batch in batches.items():
+        buffer = name + suffix
         if isinstance(batch, layout.SpanTable):  # the latent
             if batch.shape is not None:
-                out[name], shapes = _shaped_batch(batch, device, dtype, None, backend, cold)
+                result[name], shapes = _shaped_batch(batch, device, dtype, None, spec.backend, spec.cold, out, buffer)
             else:
                 if dtype not in FLOAT_DTYPES:
                     raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-                out[name] = _copy(batch, on_cpu, device, dtype, None, backend, cold)
-                shapes = torch.tensor([[batch.channels, batch.latent_h, 0]], dtype=torch.int64).repeat(len(batch.widths), 1)
+                B = len(batch.widths)
+                target = None if out is None else take(out, buffer, (B, batch.channels, batch.latent_h, batch.width), dtype, device)
+                result[name] = _copy(batch, on_cpu, device, dtype, target, spec.backend, spec.cold)
+                shapes = torch.tensor([[batch.channels, batch.latent_h, 0]], dtype=torch.int64).repeat(B, 1)
                 shapes[:, 2] = torch.from_numpy(batch.widths)
         else:
-            out[name], shapes = _field_values(batch, on_cpu, device, backend, cold), torch.from_numpy(batch.shapes)
-        out[name + "_shape"] = shapes
-    return out
+            result[name] = _field_values(batch, on_cpu, device, spec, out, buffer)
+            shapes = torch.from_numpy(batch.shapes)
+        result[name + "_shape"] = shapes
+    return result
 
 
-def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, backend, cold,
-                sample, flip, seed, epoch, packed=()) -> dict:
+def _read_drawn(cache, items, indices, spec, on_cpu, device, dtype, out) -> dict:
     """A batch of records whose ``latent`` entry is drawn: a flipped variant picked per item, a sample
     of each item's latent distribution, or both (see :func:`read_batch`)."""
-    from ... import ops, sampling
-
+    sample, flip, seed = spec.sample, spec.flip, spec.seed
     if sample is not True and sample is not False:
         raise InvalidArgumentError(f"sample must be True or False, got {sample!r}")
-    names = ["latent"] if fields is None else ([fields] if isinstance(fields, str) else list(fields))
+    names = list(spec.names)
     if "latent" not in names:
         raise InvalidArgumentError(f"sample= and flip= draw the 'latent' entry: fields must include 'latent', got {names!r}")
     if seed is None:
@@ -169,15 +197,15 @@ def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtyp
     index = layout.as_row_indices(indices, len(cache))
     index_np = index.numpy()
     keys = cache.keys
-    seeds = sampling.item_seeds([keys[i] for i in index_np.tolist()], seed, epoch)
+    seeds = sampling.item_seeds([keys[i] for i in index_np.tolist()], seed, spec.epoch)
     flipped = sampling.flip_draws(seeds, flip) if flip is not None else torch.zeros(len(index_np), dtype=torch.bool)
     extra = [n for n in ("latent_std",) if sample and n not in names]
-    batch = _read_records(cache, items, index, names + extra, pad, pad_to, on_cpu, device, dtype, None, backend, cold, packed)
+    batch = _read_records(cache, items, index, spec, names + extra, on_cpu, device, dtype, out)
     latent = batch["latent"]
     if flipped.any():  # the flipped items' variants, read for them only, put in their rows
         rows = flipped.nonzero().reshape(-1)
-        mirror = _read_records(cache, items, index[rows], need[1:] if sample else need, None, None, on_cpu, device,
-                               dtype, None, backend, cold)
+        mirror = _read_records(cache, items, index[rows], spec, need[1:] if sample else need, on_cpu, device, dtype, out,
+                               suffix=".mirror")
         _check_mirror_shapes(mirror, batch["latent_shape"][rows], rows, index_np, sample)
         at = rows.to(latent.device)
         latent[at] = mirror["latent_flipped"].to(latent.dtype)
@@ -190,7 +218,8 @@ def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtyp
             raise InvalidArgumentError(f"sample=True draws over each item's own shape: the batch's latents must have one shape, "
                                        f"equal to latent_std's, got latent shapes {shapes.unique(dim=0).tolist()} in a batch of "
                                        f"{list(latent.shape)} (a line cache's rows of several widths cannot be sampled in one batch)")
-        batch["latent"] = ops.sample_latents(latent, std, seeds.to(latent.device), backend=backend)  # (out may not alias mean)
+        drawn = None if out is None else take(out, "latent.sample", latent.shape, latent.dtype, latent.device)
+        batch["latent"] = ops.sample_latents(latent, std, seeds.to(latent.device), out=drawn, backend=spec.backend)  # (out may not alias mean)
         if "latent_std" in extra:
             del batch["latent_std"], batch["latent_std_shape"]
     if flip is not None:
@@ -212,19 +241,25 @@ def _check_mirror_shapes(mirror: dict, latent_shapes: torch.Tensor, rows: torch.
                                        f"(a cache written before the writer checked this: rebuild it)")
 
 
-def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
+def _field_values(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
     """One field's batch: its values gathered as 2-byte units by the same compiled gather, viewed in their
     own dtype as ``[B, *shape]``, the padding past each item's first dimension filled with ``batch.pad``."""
     table, B = batch.table, batch.table.index.numel()
     if batch.packed:
-        return _field_packed(batch, on_cpu, device, backend, cold)
+        return _field_packed(batch, on_cpu, device, spec, out, name)
     nbytes = int(np.prod(batch.shape, dtype=np.int64)) * torch.empty(0, dtype=batch.dtype).element_size()
     if B == 0 or nbytes == 0:
         return torch.empty((B, *batch.shape), dtype=batch.dtype, device=device)
-    units = _copy(table, on_cpu, device, torch.float16, None, backend, cold)
+    final = None if out is None else take(out, name, (B, *batch.shape), batch.dtype, device)
+    whole_units = nbytes % ELEMENT_BYTES == 0
+    target = None  # the gather's [B, 1, 1, units] output: the final tensor's bytes, when they are whole units
+    if final is not None:
+        target = (_as_units(final, B, table.width) if whole_units
+                  else take(out, name + ".units", (B, 1, 1, table.width), torch.float16, device))
+    units = _copy(table, on_cpu, device, torch.float16, target, spec.backend, spec.cold)
     raw = units.view(B, -1).view(torch.uint8)
     if raw.shape[1] != nbytes:  # a 1-byte dtype with an odd count: drop the unit's spare byte
-        raw = raw[:, :nbytes].contiguous()
+        raw = raw[:, :nbytes].contiguous() if final is None else final.view(B, -1).view(torch.uint8).copy_(raw[:, :nbytes])
     values = raw.view(batch.dtype).view(B, *batch.shape)
     if batch.pad is not None and batch.pad != 0 and batch.shape[0]:
         lengths = torch.from_numpy(batch.shapes[:, 0]).to(values.device)
@@ -233,31 +268,36 @@ def _field_values(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
     return values
 
 
-def _field_packed(batch, on_cpu: bool, device, backend, cold) -> torch.Tensor:
+def _field_packed(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
     """A packed field's batch: the items' values back to back, ``[sum L_i, *rest]``, by one compiled
     packed gather (on the CPU; a CUDA batch is gathered into pinned memory and copied)."""
     table = batch.table
     units = int(table.widths.sum(dtype=np.int64))
-    out = torch.empty(units, dtype=torch.float16, pin_memory=not on_cpu)
+    host = take(out, name if on_cpu else name + ".host", batch.shape, batch.dtype, _CPU, pin=not on_cpu)
+    host = host.view(-1).view(torch.uint8).view(torch.float16)  # (packed values are whole 2-byte units)
     if units:
         with layout.holding_items(table.cache, table.index_np):  # (a cache in object storage: fetched, held)
-            _before_copy(table, cold)
+            _before_copy(table, spec.cold)
             data, row_offsets, widths, pitch = table.source
             if isinstance(data, torch.Tensor):
-                torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, out, backend)
+                torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, host,
+                                                                     spec.backend)
             else:  # a sharded cache: the one multi-source gather, padded to the longest, then the real units kept
                 lengths = torch.from_numpy(np.ascontiguousarray(table.widths))
-                padded = torch.empty((len(lengths), 1, 1, int(lengths.max())), dtype=torch.float16)
+                padded = take(out, name + ".staging", (len(lengths), 1, 1, int(lengths.max())), torch.float16, _CPU)
                 torch.ops.latentfast.gather_rows_multi_into.default(data.tensors, data.row_sources, row_offsets, widths, pitch,
                                                                      table.index, torch.zeros((1, 1, 1), dtype=torch.float16),
-                                                                     padded, backend)
-                out.copy_(padded.view(len(lengths), -1)[torch.arange(padded.shape[-1])[None, :] < lengths[:, None]])
-    values = out.view(torch.uint8).view(batch.dtype).view(batch.shape)
-    return values if on_cpu else values.to(device, non_blocking=True)
+                                                                     padded, spec.backend)
+                host.copy_(padded.view(len(lengths), -1)[torch.arange(padded.shape[-1])[None, :] < lengths[:, None]])
+    values = host.view(torch.uint8).view(batch.dtype).view(batch.shape)
+    if on_cpu:
+        return values
+    return take(out, name, batch.shape, batch.dtype, device).copy_(values, non_blocking=True)
 
 
-def _shaped_batch(table, device, dtype, out, backend, cold):
-    """A shaped cache's batch: the items' one line each, viewed as ``[B, *shape]``."""
+def _shaped_batch(table, device, dtype, out, backend, cold, buffers=None, name="latent"):
+    """A shaped cache's batch: the items' one line each, viewed as ``[B, *shape]`` (into ``out``, or
+    ``buffers``' entry ``name``, when given)."""
     B, shape = table.index.numel(), table.shape
     if B == 0:
         return torch.empty((0,) * (1 + table.shapes.shape[1]), dtype=dtype), torch.from_numpy(table.shapes)
@@ -265,16 +305,30 @@ def _shaped_batch(table, device, dtype, out, backend, cold):
         raise InvalidArgumentError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
     on_cpu = device.__class__ is str or device.type == "cpu"
     stored = table.cache.dtype
+    if out is None and buffers is not None and stored == torch.float16:
+        out = take(buffers, name, (B, *shape), dtype, device)
     if stored == torch.float16:  # the gather casts while it copies
         flat_out = None if out is None else out.view(B, 1, 1, table.width)  # (checked in resolve)
         latents = _copy(table, on_cpu, device, dtype, flat_out, backend, cold)
         return latents.view(B, *shape), torch.from_numpy(table.shapes)
     # bfloat16 / float32 latents: the gather copies their 2-byte units as they are, viewed in the stored dtype
-    units = _copy(table, on_cpu, device, torch.float16, None, backend, cold)
+    units_out = None
+    if buffers is not None:
+        units_out = (_as_units(take(buffers, name, (B, *shape), stored, device), B, table.width) if dtype == stored
+                     else take(buffers, name + ".units", (B, 1, 1, table.width), torch.float16, device))
+    units = _copy(table, on_cpu, device, torch.float16, units_out, backend, cold)
     latents = units.view(B, -1).view(stored).view(B, *shape)
+    if out is None and buffers is not None and dtype != stored:
+        out = take(buffers, name, (B, *shape), dtype, device)
     if out is not None:
         return out.copy_(latents), torch.from_numpy(table.shapes)
     return latents.to(dtype), torch.from_numpy(table.shapes)
+
+
+def _as_units(tensor: torch.Tensor, B: int, width: int) -> torch.Tensor:
+    """A contiguous ``[B, ...]`` output whose items are whole 2-byte units, viewed as the gather's
+    ``[B, 1, 1, width]`` float16 output (the same bytes)."""
+    return tensor.view(B, -1).view(torch.uint8).view(torch.float16).view(B, 1, 1, width)
 
 
 def _copy(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch.Tensor:

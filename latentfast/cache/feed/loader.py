@@ -1,29 +1,46 @@
-"""DataLoader integration: whole-batch reads in the workers (CacheBatchDataset, batch_loader) and per-item collate with white padding.
+"""Loading batches for training: :class:`LatentLoader` (the one object a training loop iterates), the
+pieces it is made of for those who assemble their own (CacheBatchDataset, batch_loader), and the
+per-item dataset for torch's own samplers (``cache.dataset(...)``, :func:`collate_records`).
 
-Typical use (every worker reads whole batches with the compiled gather; no per-item collate)::
+Typical use (rank and world size from torch.distributed; each batch read whole by the compiled gather
+into reused buffers; ``state_dict()`` resumes exactly)::
+
+    loader = LatentLoader(cache, 64, fields=("latent", "text"), pad={"text": 0.0}, num_workers=4, device="cuda")
+    for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            ...
+
+Or by hand (the loop then counts consumed batches for the sampler's state)::
 
     sampler = WidthBucketBatchSampler(cache.widths, batch_size=64, seed=0, rank=rank, world_size=world)
     loader = batch_loader(cache, sampler, num_workers=4, pin_memory=True)
     for latents, widths, indices in DevicePrefetcher(loader, "cuda"):
         ...
 
-Read-ahead, on by default at both ends: :func:`batch_loader` has the rows of the next
-``lookahead`` batches read into the page cache in the background (for caches bigger than RAM), and
+Read-ahead, on by default at both ends: the loaders have the rows of the next ``lookahead`` batches
+read into the page cache in the background (for caches bigger than RAM), and
 :class:`DevicePrefetcher` pulls and moves the next ``lookahead`` batches in a background thread, so
 neither the disk nor the copy waits on the training step.
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ...checks import as_int, as_row_indices
+from ...devices import as_device
 from ...errors import InvalidArgumentError
+from .buffers import BatchBuffers, take
 from .coldread import DEFAULT_LOOKAHEAD
 from .gather import read_batch
-from .sampler import LookaheadSampler
+from .readspec import ReadSpec
+from .sampler import (InOrderBatchSampler, LookaheadSampler, ShapeBucketBatchSampler, WidthBucketBatchSampler,
+                      item_chunks)
 
 
 class CacheBatchDataset(Dataset):
@@ -38,29 +55,27 @@ class CacheBatchDataset(Dataset):
     def __init__(self, cache, *, dtype: torch.dtype | None = None, width: int | None = None, cold="auto",
                  fields=None, pad=None, pad_to=None, sample: bool = False, flip=None, seed=None, epoch: int = 0,
                  packed=()):
-        self.cache, self.dtype, self.width, self.cold = cache, dtype, width, cold
-        self.fields, self.pad, self.pad_to, self.packed = fields, pad, pad_to, packed
-        self.draws = {"sample": sample, "flip": flip, "seed": seed, "epoch": epoch} if sample or flip is not None else {}
-        if self.draws and fields is None:
-            self.fields = ("latent",)
+        self.cache = cache
+        draws = sample is not False or flip is not None
+        self.spec = ReadSpec(fields=("latent",) if draws and fields is None else fields, pad=pad, pad_to=pad_to,
+                             packed=packed, sample=sample, flip=flip, seed=seed, epoch=epoch, dtype=dtype, width=width,
+                             cold=cold)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch of the draws (``sample`` / ``flip``) of the batches read from now on: call it before
         the epoch's DataLoader iterator is made, which copies the dataset into its workers (persistent
         workers keep the epoch they started with)."""
-        if self.draws:
-            self.draws["epoch"] = epoch
+        if self.spec.draws:
+            self.spec = self.spec.at_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.cache)
 
     def __getitem__(self, indices):
         index = as_row_indices(indices, len(self.cache))
-        if self.fields is not None:
-            batch = read_batch(self.cache, index, dtype=self.dtype, width=self.width, cold=self.cold,
-                               fields=self.fields, pad=self.pad, pad_to=self.pad_to, packed=self.packed, **self.draws)
-            return {**batch, "index": index}
-        latents, widths = read_batch(self.cache, index, dtype=self.dtype, width=self.width, cold=self.cold)
+        if self.spec.records:
+            return {**read_batch(self.cache, index, self.spec), "index": index}
+        latents, widths = read_batch(self.cache, index, self.spec)
         return latents, widths, index
 
 
@@ -110,3 +125,368 @@ def collate(items: Sequence[torch.Tensor], white_column: torch.Tensor, *, dtype:
     for b, item in enumerate(items):
         out[b, :, :, : item.shape[-1]] = item
     return out, widths
+
+
+# ---- one loader a training loop uses ------------------------------------------------------------
+DEFAULT_HOLD = 2  # batches a caller may take after one before its buffers are reused (the ring: hold + 1)
+REMOTE_CHUNK_WINDOW = 8  # an object-store cache's default chunk window (see ShardedBatchSampler)
+
+
+class LatentLoader:
+    """The batches of records of a latent cache, one epoch per iteration: bucketed, sharded over
+    ranks, resumable mid-epoch, read into reused buffers.
+
+    ``for batch in loader`` yields dicts as :func:`~latentfast.cache.read_batch` returns them for
+    ``fields`` (default ``("latent",)``), plus ``"index"``: int64 ``[B]``, the batch's cache indices.
+    ``fields``, ``pad``, ``pad_to``, ``packed``, ``sample``, ``flip``, ``dtype``, ``cold`` are
+    read_batch's; ``seed`` seeds both the order and the draws (with the epoch).
+
+    Batches: shuffled by ``(seed, epoch)`` (``shuffle=False``: in item order), of one latent shape
+    (``buckets=True`` on a shaped cache, or with ``sample``) or of similar widths (a line cache, padded
+    with its white column); ``buckets=False``: plain batches. ``drop_last`` drops what does not fill
+    whole batches on every rank, else the epoch's first batches are repeated to fill the last round.
+    On object storage the order is drawn a window of ``chunk_window`` chunks at a time (``"auto"``:
+    :data:`REMOTE_CHUNK_WINDOW` for a remote cache, off for a local one; see
+    :class:`~latentfast.cache.feed.sampler.ShardedBatchSampler`).
+
+    Ranks: ``rank`` / ``world_size`` default to ``torch.distributed``'s when it is initialized (else
+    0 / 1); the ranks' batches of an epoch are disjoint and together cover it. ``len(loader)`` is this
+    rank's batches per epoch. ``set_epoch(e)`` is the one call per epoch (as with DistributedSampler;
+    each pass, ``iter(loader)``, begins the epoch from its start, or from a loaded state's position).
+
+    Resuming: ``state_dict()`` records the epoch and the batches *yielded* so far (workers reading
+    ahead do not count), as the global position in the epoch's batch list; ``load_state_dict(s)``
+    continues from exactly there: the batches that follow equal an uninterrupted run's, bit for bit,
+    whatever ``num_workers``. At another world size, the remaining batches of the epoch (those after
+    the position, none twice, none lost) are split over the new ranks as a fresh pass would split
+    them. A loaded state survives ``set_epoch`` of its own epoch (the usual loop
+    ``for e in range(start, E): loader.set_epoch(e)`` resumes in place). A state saved at the end of
+    an epoch resumes to an empty rest of that epoch.
+
+    Workers: ``num_workers`` processes read whole batches (each into a ring of its own shared-memory
+    buffers, so a batch reaches this process as a handle, not a copy), started on the first pass and
+    kept for the next ones (persistent: the rings are made once); ``prefetch_factor`` batches each
+    ahead; ``multiprocessing_context`` as the DataLoader's. A batch of a pass left before its end is
+    valid until the next pass begins. ``lookahead``: the rows of the next
+    batches are read into the page cache (or fetched from object storage) ahead of the reads.
+
+    Buffers (``recycle=True``): batches are views of a small ring of reused buffers: a batch stays valid
+    while the next ``hold`` batches are taken, and the one after may write over it (clone what you keep
+    longer; ``recycle=False`` allocates every batch). Host buffers are pinned when the batch goes to a
+    GPU (``pin_memory``: default, when ``device`` is CUDA; set it when a
+    :class:`~latentfast.cache.DevicePrefetcher` moves the batches, which waits for its copies to end
+    before the loader may reuse their buffers), and large ones advised for huge pages. ``device``:
+    where the batch lands (a CUDA device: gathered and expanded there; with workers, moved there).
+    """
+
+    def __init__(self, cache, batch_size: int, *, shuffle: bool = True, seed: int = 0, fields=None, pad=None,
+                 pad_to=None, packed=(), sample: bool = False, flip=None, buckets: bool = True, drop_last: bool = False,
+                 num_workers: int = 0, device="cpu", dtype=None, rank: int | None = None, world_size: int | None = None,
+                 cold="auto", recycle: bool = True, hold: int = DEFAULT_HOLD, pin_memory: bool | None = None,
+                 lookahead: int = DEFAULT_LOOKAHEAD, prefetch_factor: int = 2, multiprocessing_context=None,
+                 chunk_window="auto"):
+        self.cache = cache
+        self.spec = ReadSpec(fields=("latent",) if fields is None else fields, pad=pad, pad_to=pad_to, packed=packed,
+                             sample=sample, flip=flip, seed=as_int("seed", seed, minimum=0), dtype=dtype, device=device,
+                             cold=cold)
+        self.device = as_device(device)
+        self.num_workers = as_int("num_workers", num_workers, minimum=0)
+        self.prefetch_factor = as_int("prefetch_factor", prefetch_factor, minimum=1)
+        self.lookahead = as_int("lookahead", lookahead, minimum=0)
+        self.hold = as_int("hold", hold, minimum=0)
+        self.recycle = bool(recycle)
+        self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
+        self.multiprocessing_context = multiprocessing_context
+        rank, world_size = _rank_and_world(rank, world_size)
+        self.sampler = _sampler_for(cache, batch_size, shuffle=shuffle, seed=seed, buckets=buckets, drop_last=drop_last,
+                                    sample=sample, rank=rank, world_size=world_size, chunk_window=chunk_window)
+        self._reserve = _worst_case_bytes(cache, self.spec, self.sampler.batch_size)
+        self._ring: list[BatchBuffers] = []  # this process's slots (made on first use)
+        self._next_slot = 0
+        self._workers: DataLoader | None = None  # with num_workers: the persistent workers' DataLoader
+        self._tasks: _Tasks | None = None
+        self._mapped: collections.deque | None = None  # the workers' latest batches, kept mapped here
+        self._taken = 0  # batches yielded since the pass began (at the sampler's start position)
+        self._loaded = False  # a state was loaded and no pass has begun since
+
+    # -- the epoch and its position -----------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.sampler.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.sampler.world_size
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch`` from its start (a state just loaded for this epoch is kept)."""
+        epoch = as_int("epoch", epoch, minimum=0)
+        if self._loaded and epoch == self.sampler.epoch:
+            return
+        self.sampler.set_epoch(epoch)
+        self._taken, self._loaded = 0, False
+
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """Where the loop stands: the epoch and the global position after the batches yielded so far in
+        this pass, or after the first ``consumed`` of them (a prefetcher that pulls ahead of the loop:
+        :meth:`DevicePrefetcher.state_dict <latentfast.cache.DevicePrefetcher.state_dict>` passes it),
+        plus what :meth:`load_state_dict` checks the loader against. Plain ints and strings."""
+        if consumed is not None and not 0 <= as_int("consumed", consumed, minimum=0) <= self._taken:
+            raise InvalidArgumentError(f"consumed must be <= the {self._taken} batches yielded in this pass, got {consumed}")
+        return {"sampler": self.sampler.state_dict(consumed=self._taken if consumed is None else consumed)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or "sampler" not in state:
+            raise InvalidArgumentError(f"state must be a LatentLoader.state_dict(), got {type(state).__name__} "
+                                       f"{sorted(state) if isinstance(state, dict) else ''}")
+        self.sampler.load_state_dict(state["sampler"])
+        self._taken, self._loaded = 0, True
+
+    # -- reading -----------------------------------------------------------------------------
+    def __iter__(self):
+        # a pass begins where a loaded state left off, else at the epoch's start (as a DataLoader's does)
+        if not self._loaded:
+            self.sampler.set_epoch(self.sampler.epoch)
+        self._taken, self._loaded = 0, False
+        todo = self.sampler.rank_batches()
+        spec = self.spec.at_epoch(self.sampler.epoch)
+        batches = self._in_process(todo, spec) if self.num_workers == 0 else self._from_workers(todo, spec)
+        for batch in batches:
+            self._taken += 1  # counted as handed over: a state saved while the loop holds it resumes after it
+            yield batch
+
+    def _slot(self) -> BatchBuffers | None:
+        """The next buffers of this process's ring (``hold + 1`` slots), or None without recycling."""
+        if not self.recycle:
+            return None
+        if not self._ring:
+            self._ring = [BatchBuffers(pin=self.pin_memory, reserve=self._reserve) for _ in range(self.hold + 1)]
+        slot = self._ring[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % len(self._ring)
+        return slot
+
+    def _in_process(self, todo: list, spec: ReadSpec):
+        for indices in LookaheadSampler(todo, self.cache, self.lookahead):
+            index = torch.tensor(indices, dtype=torch.int64)
+            batch = read_batch(self.cache, index, spec, out=self._slot())
+            batch["index"] = index
+            yield batch
+
+    def _from_workers(self, todo: list, spec: ReadSpec):
+        # a worker's batch k is in flight until this process has taken about prefetch_factor * workers
+        # more; its ring holds that many plus the caller's hold before a slot comes round again
+        slots = self.prefetch_factor + -(-self.hold // self.num_workers) + 1 if self.recycle else 0
+        if self._workers is None:  # persistent: each epoch's pass reuses the workers and their rings
+            self._tasks = _Tasks(self.cache, self.lookahead)
+            reader = _BatchReader(self.cache, spec.replace(device="cpu"), slots, self._reserve)
+            self._workers = DataLoader(reader, batch_size=None, sampler=self._tasks, collate_fn=_as_is,
+                                       num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+                                       persistent_workers=True, multiprocessing_context=self.multiprocessing_context)
+            # the received batches of every slot stay referenced: a slot's storage then stays mapped here, and
+            # its next batch arrives as the same storage (torch's shared-memory cache) instead of a fresh map
+            self._mapped = collections.deque(maxlen=max(1, slots * self.num_workers))
+        self._tasks.todo, self._tasks.epoch = todo, spec.epoch
+        on_device = self.device.type != "cpu"
+        for batch in self._workers:
+            for key in ("index", "flipped", *(name + "_shape" for name in spec.names)):
+                if key in batch:
+                    batch[key] = torch.from_numpy(batch[key])
+            self._mapped.append(batch.copy())
+            if on_device:
+                slot = self._slot()
+                for name in spec.names:
+                    host = batch[name]
+                    batch[name] = take(slot, name, host.shape, host.dtype, self.device).copy_(host)
+            yield batch
+
+
+def _as_is(batch):
+    return batch
+
+
+class _Tasks:
+    """What the workers' DataLoader hands its workers in a pass: ``(epoch, indices)`` of each batch of
+    ``todo`` (set before each pass), with the rows of the next ``lookahead`` batches read ahead."""
+
+    def __init__(self, cache, lookahead: int):
+        self.cache, self.lookahead = cache, lookahead
+        self.todo: list = []
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.todo)
+
+    def __iter__(self):
+        return ((self.epoch, indices) for indices in LookaheadSampler(self.todo, self.cache, self.lookahead))
+
+
+class _BatchReader(Dataset):
+    """A worker's reader: ``reader[(epoch, indices)]`` is read_batch's dict (plus ``"index"``) with the
+    draws of ``epoch``, in the next slot of its ring of shared-memory buffers (made in the worker, on
+    first use); its small entries travel as numpy arrays (pickled by value) instead of a shared-memory
+    segment each."""
+
+    def __init__(self, cache, spec: ReadSpec, slots: int, reserve: dict):
+        self.cache, self.spec, self.slots, self.reserve = cache, spec, slots, reserve
+        self._ring: list[BatchBuffers] = []
+        self._count = 0
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, task) -> dict:
+        epoch, indices = task
+        if self.slots and not self._ring:
+            self._ring = [BatchBuffers(shared=True, reserve=self.reserve) for _ in range(self.slots)]
+        slot = self._ring[self._count % self.slots] if self.slots else None
+        self._count += 1
+        index = torch.tensor(indices, dtype=torch.int64)
+        batch = read_batch(self.cache, index, self.spec.at_epoch(epoch), out=slot)
+        for key in [k for k in batch if k.endswith("_shape") or k == "flipped"]:
+            batch[key] = batch[key].numpy()
+        batch["index"] = index.numpy()
+        return batch
+
+
+def _rank_and_world(rank, world_size) -> tuple[int, int]:
+    """Explicit values, else torch.distributed's when a group is initialized, else 0 of 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return (dist.get_rank() if rank is None else rank), (dist.get_world_size() if world_size is None else world_size)
+    return (0 if rank is None else rank), (1 if world_size is None else world_size)
+
+
+def _sampler_for(cache, batch_size, *, shuffle, seed, buckets, drop_last, sample, rank, world_size, chunk_window):
+    """The batch sampler of a LatentLoader: of one shape (a shaped cache, or drawn samples), of similar
+    widths (a line cache), or unbucketed; shuffled or in order; chunk windows on object storage."""
+    labels = cache.shapes if buckets and (cache.shaped or sample) else None
+    common = dict(rank=rank, world_size=world_size, drop_last=drop_last)
+    if not shuffle:
+        return InOrderBatchSampler(np.zeros(len(cache), np.int64) if labels is None else labels, batch_size, **common)
+    remote = getattr(cache, "remote", None) is not None or getattr(cache, "url", None) is not None
+    if chunk_window == "auto":
+        chunk_window = REMOTE_CHUNK_WINDOW if remote else None
+    if chunk_window is not None:
+        common.update(chunks=item_chunks(cache), chunk_window=chunk_window)
+    if buckets and labels is None:
+        return WidthBucketBatchSampler(cache.widths, batch_size, seed=seed, **common)
+    return ShapeBucketBatchSampler(np.zeros(len(cache), np.int64) if labels is None else labels, batch_size, seed=seed,
+                                   **common)
+
+
+def _worst_case_bytes(cache, spec: ReadSpec, batch_size: int) -> dict:
+    """``{field: bytes}`` of the largest batch of ``batch_size`` items of each field (its largest item
+    size times the batch, in the wider of its stored and read dtypes): what the ring's buffers are made
+    at, so they are allocated once, not grown batch after batch."""
+    reserve = {}
+    for name, field in cache.fields.items():
+        shapes = np.asarray(field["shapes"], dtype=np.int64)
+        if not len(shapes):
+            continue
+        if name == "latent" and not cache.shaped:
+            largest = int(np.prod(shapes[0, :2])) * int(cache.w_max)
+        elif shapes.shape[1]:
+            largest = int(shapes[:, 0].max()) * int(np.prod(shapes[:, 1:], axis=1).max(initial=1))
+        else:
+            largest = 1
+        size = max(field["dtype"].itemsize, spec.dtype.itemsize if name == "latent" and spec.dtype is not None else 0)
+        reserve[name] = batch_size * (largest * size + 1)  # (+1: a value padded to whole 2-byte units)
+    return reserve
+
+
+# ---- a per-item dataset for torch's own pieces ----------------------------------------------------
+class Record(dict):
+    """One item's record from :class:`RecordDataset`: ``{field: value of its own shape, ["flipped"],
+    "index": int}``, carrying the padding rules (``rules``) :func:`collate_records` applies."""
+
+    __slots__ = ("rules",)
+
+    def __reduce__(self):  # (a worker's records, pickled with their rules)
+        return _record, (dict(self), self.rules)
+
+
+def _record(values: dict, rules) -> Record:
+    record = Record(values)
+    record.rules = rules
+    return record
+
+
+class RecordDataset(Dataset):
+    """``dataset[i]``: item ``i`` of ``cache`` as a :class:`Record`, each field read alone (its own
+    shape, bit for bit what :func:`~latentfast.cache.read_batch` gives for it) with the read options of
+    ``spec`` (the draws keyed by the item's key, ``seed`` and the epoch of :meth:`set_epoch`). Made by
+    ``cache.dataset(...)``; pair it with ``collate_fn=collate_records``, which pads a batch of them as
+    read_batch pads (the latent of a line cache with the white column, ``pad`` fields with their
+    value, to ``pad_to`` if given; ``packed`` fields back to back). What torch's pieces need
+    (``DistributedSampler``, accelerate's ``prepare``); it reads item by item, so it is slower than
+    :class:`LatentLoader` (17x on the text records of ``latentfast/bench/bench_loader.py``)."""
+
+    def __init__(self, cache, spec: ReadSpec):
+        if spec.width is not None:
+            raise InvalidArgumentError("cache.dataset reads items one by one: pass width= to no per-item read")
+        self.cache = cache
+        self.spec = spec
+        # one item has one shape: read it unpadded, unpacked; the rules are the collate's
+        self._item_spec = spec.replace(fields=spec.names, pad=None, pad_to=None, packed=())
+        white = getattr(cache, "white_column", None)
+        self.rules = (None if cache.shaped else white, dict(spec.pad or {}), spec.pad_to, tuple(spec.packed))
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch of the draws (``sample`` / ``flip``) of the items read from now on."""
+        self._item_spec = self._item_spec.at_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, i) -> Record:
+        i = as_row_indices([i], len(self.cache))
+        batch = read_batch(self.cache, i, self._item_spec)
+        record = Record({name: batch[name][0] for name in self._item_spec.fields})
+        if "flipped" in batch:
+            record["flipped"] = batch["flipped"][0]
+        record["index"] = int(i[0])
+        record.rules = self.rules
+        return record
+
+
+def collate_records(records: Sequence[Record]) -> dict:
+    """A batch of :class:`Record` s (from ``cache.dataset(...)``) as :func:`~latentfast.cache.read_batch`
+    returns it: ``{field: [B, ...], "<field>_shape": int64 [B, ndim], ["flipped": bool [B]], "index":
+    int64 [B]}``, padded by the dataset's rules. A field of several shapes that is neither padded nor
+    packed raises naming it."""
+    if not records or not all(isinstance(r, Record) for r in records):
+        raise InvalidArgumentError("collate_records takes a non-empty list of the records of cache.dataset(...)")
+    white, pad, pad_to, packed = records[0].rules
+    batch = {}
+    for name in [k for k in records[0] if k not in ("index", "flipped")]:
+        values = [r[name] for r in records]
+        shapes = torch.tensor([list(v.shape) for v in values], dtype=torch.int64)
+        if name in packed:
+            batch[name] = torch.cat(values)
+        elif name == "latent" and white is not None:
+            batch[name] = collate(values, white)[0]
+        elif name in pad:
+            lead = pad_to.get(name) if isinstance(pad_to, dict) else pad_to
+            lead = int(shapes[:, 0].max()) if lead is None else lead
+            out = torch.full((len(values), lead, *values[0].shape[1:]), pad[name], dtype=values[0].dtype)
+            for b, value in enumerate(values):
+                out[b, : value.shape[0]] = value
+            batch[name] = out
+        else:
+            if bool((shapes != shapes[0]).any()):
+                raise InvalidArgumentError(f"field {name!r}: the batch's items have shapes {shapes.unique(dim=0).tolist()}; "
+                                           f"name it in pad= (or packed=) of cache.dataset to pad it to the largest")
+            batch[name] = torch.stack(values)
+        batch[name + "_shape"] = shapes
+    if "flipped" in records[0]:
+        batch["flipped"] = torch.stack([r["flipped"] for r in records])
+    batch["index"] = torch.tensor([r["index"] for r in records], dtype=torch.int64)
+    return batch

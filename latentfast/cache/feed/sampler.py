@@ -324,6 +324,32 @@ class ShapeBucketBatchSampler(ShardedBatchSampler):
         return sum(-(-len(m) // self.batch_size) for m in self._members)
 
 
+class InOrderBatchSampler(ShardedBatchSampler):
+    """Batches in item order, unshuffled (see :class:`ShardedBatchSampler` for sharding, epochs and
+    resuming): each bucket's items (``buckets``: one label per item, or int shapes ``[N, ndim]``)
+    ascending, cut into batches of ``batch_size`` (a bucket's last may be short, or dropped with
+    ``drop_last``), the batches ordered by their first item. The same every epoch."""
+
+    def __init__(self, buckets, batch_size: int, *, rank: int = 0, world_size: int = 1, drop_last: bool = False):
+        self.buckets = _bucket_ids(buckets)
+        super().__init__(len(self.buckets), batch_size, seed=0, rank=rank, world_size=world_size, drop_last=drop_last)
+        order = np.argsort(self.buckets, kind="stable")
+        ends = np.cumsum(np.bincount(self.buckets, minlength=int(self.buckets.max(initial=-1)) + 1))[:-1]
+        self._members = np.split(order, ends) if len(order) else []
+
+    def _all_batches(self) -> list[list[int]]:
+        batches = []
+        for members in self._members:
+            stop = len(members) - len(members) % self.batch_size if self.drop_last else len(members)
+            batches += [members[k : k + self.batch_size].tolist() for k in range(0, stop, self.batch_size)]
+        return sorted(batches, key=lambda batch: batch[0])
+
+    def _total_batches(self) -> int:
+        if self.drop_last:
+            return sum(len(m) // self.batch_size for m in self._members)
+        return sum(-(-len(m) // self.batch_size) for m in self._members)
+
+
 def _bucket_ids(shapes) -> np.ndarray:
     """One small int per item: the index of its shape (or label) among the distinct ones."""
     array = np.asarray(shapes)

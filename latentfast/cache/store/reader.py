@@ -15,6 +15,8 @@ from ...errors import (CacheCorruptError, CacheError, IncompleteCacheError, Inde
                        UnknownKeyError)
 from ...checks import as_row_indices
 from ..feed import coldread, gather
+from ..feed import loader as feed_loader
+from ..feed.readspec import ReadSpec
 from ..remote.storage import is_remote
 from . import fields as fieldstore
 from . import format as fmt
@@ -403,9 +405,27 @@ class LatentCache:
         terms) whose width is its element count, with pitch 0. Never write through ``data``."""
         return self.items.source()
 
-    def read_batch(self, indices, **kwargs):
+    def read_batch(self, indices, spec=None, **kwargs):
         """See :func:`latentfast.cache.read_batch`."""
-        return gather.read_batch(self, indices, **kwargs)
+        return gather.read_batch(self, indices, spec, **kwargs)
+
+    def dataset(self, fields=None, **options) -> feed_loader.RecordDataset:
+        """A map-style Dataset of this cache's records, item by item, for torch's own pieces:
+        ``DataLoader(cache.dataset(fields=..., pad=...), batch_size=..., sampler=DistributedSampler(...),
+        collate_fn=latentfast.cache.collate_records)``. ``fields`` (default ``("latent",)``) and
+        ``options`` (pad, pad_to, packed, sample, flip, seed, dtype, cold) are read_batch's; see
+        :class:`~latentfast.cache.feed.loader.RecordDataset`. :class:`~latentfast.cache.LatentLoader`
+        reads whole batches and is faster."""
+        return feed_loader.RecordDataset(self, ReadSpec(fields=("latent",) if fields is None else fields, **options))
+
+    def __getitems__(self, indices):
+        """What a DataLoader with a ``batch_size`` asks of its dataset: refused before torch's collate would
+        stack items of different widths or shapes (or, worse, stack equal ones unpadded)."""
+        raise InvalidArgumentError(
+            f"DataLoader(cache, batch_size={len(indices)}) cannot batch a LatentCache's items (they differ in shape "
+            f"and pad with the white column): use latentfast.cache.LatentLoader(cache, batch_size) (whole-batch reads, "
+            f"buckets, ranks, resume), or DataLoader(cache.dataset(fields=...), batch_size=..., "
+            f"collate_fn=latentfast.cache.collate_records) for torch's own samplers")
 
     def prefetch(self, indices) -> None:
         """Start reading rows ``indices`` into the page cache and return at once (see :mod:`latentfast.cache.feed.coldread`);
