@@ -16,7 +16,7 @@ from latentfast.errors import InvalidArgumentError
 from latentfast.testing import spawn_gloo, write_random_cache
 
 
-def write_records(folder, n=40, seed=0):
+def write_records(folder, n=40, seed=0, prefix="k"):
     """Records of a float16 latent of two shapes (a shaped cache of 2 buckets), its std and mirror pair
     (for sample / flip), a variable-length bf16 text, a pooled f32 vector and a bool mask of odd length."""
     gen = torch.Generator().manual_seed(seed)
@@ -24,7 +24,7 @@ def write_records(folder, n=40, seed=0):
         for i in range(n):
             shape = (4, 3, 5) if i % 3 else (4, 5, 3)
             L = 2 + i % 7
-            writer.append(f"k{i:03d}", {"latent": torch.randn(shape, generator=gen).half(),
+            writer.append(f"{prefix}{i:03d}", {"latent": torch.randn(shape, generator=gen).half(),
                                         "latent_std": torch.rand(shape, generator=gen).half(),
                                         "latent_flipped": torch.randn(shape, generator=gen).half(),
                                         "latent_flipped_std": torch.rand(shape, generator=gen).half(),
@@ -42,7 +42,7 @@ def folders(tmp_path_factory):
     parts = []
     for k in range(3):
         parts.append(str(root / f"part{k}"))
-        write_records(parts[-1], n=9 + k, seed=10 + k)
+        write_records(parts[-1], n=9 + k, seed=10 + k, prefix=f"p{k}-")  # a key in two parts is refused
     merge_caches(parts, str(root / "sharded"))
     found["sharded"] = str(root / "sharded")
     return found
