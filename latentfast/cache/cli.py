@@ -236,6 +236,10 @@ def _add_import(commands) -> None:
     imp.add_argument("--arch", default=None, help="kohya: which architecture's files to import when several are there")
     imp.add_argument("--images", default=None, help="simpletuner: the image folder (recovers stems from hashed names, "
                      "captions from {stem}.txt)")
+    imp.add_argument("--require", action="append", default=None, metavar="FIELD",
+                     help="trainer formats: refuse the import, naming each file, if an item lacks FIELD (e.g. latent_flipped, "
+                     "alpha_mask; text: the text-encoder outputs); repeatable. Without it such items are imported without "
+                     "that field (an optional field) and listed")
     imp.add_argument("--key", default=None, help="entry holding the latent (default: 'latents', the one tensor named "
                      "'latent...', or the only entry)")
     imp.add_argument("--split", default="train", help="name of the split")
@@ -365,6 +369,11 @@ def run_import(args) -> int:
         if "evidence" in stats:
             print(stats["evidence"])
         print(stats["summary"])
+        lacking = stats.get("lacking") or []
+        for key, field, where in lacking[:20]:  # the items imported without a field others have
+            print(f"  {key}: no {field} (no {where})")
+        if len(lacking) > 20:
+            print(f"  ... and {len(lacking) - 20} more (--require FIELD refuses such items)")
         print(f"latent cache written: {path} ({what})")
     return 0
 
@@ -373,7 +382,7 @@ def _import(args, stats: dict, group=None) -> str:
     """Import as the flags say (one rank's share with ``group``: ``stats`` then counts every rank's items)."""
     from .builders.importers import import_latents
 
-    trainer = {k: v for k, v in (("arch", args.arch), ("images", args.images)) if v is not None}
+    trainer = {k: v for k, v in (("arch", args.arch), ("images", args.images), ("require", args.require)) if v is not None}
     if args.convention != "keep" or args.scaling_factor is not None or args.shift_factor is not None:
         trainer.update(scaled={"keep": None, "scaled": True, "raw": False}[args.convention],
                        scaling_factor=args.scaling_factor, shift_factor=args.shift_factor)

@@ -121,7 +121,7 @@ def _read_pt(path: str, key: str | None):
 def import_latents(source_dir, out_dir, split: str = "train", *, format: str, key: str | None = None,
                    encoder: Any = None, quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
                    scaled: bool | None = None, scaling_factor: float | None = None, shift_factor: float | None = None,
-                   group=None, **options) -> str:
+                   require=None, group=None, **options) -> str:
     """Import ``source_dir`` into a shaped cache in ``out_dir``; returns the data path.
 
     ``format``: a trainer's name or ``"auto"`` (see the module docstring; ``options`` go to the
@@ -133,6 +133,13 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     ``encoder``'s normalization). ``stats`` also receives ``skipped`` (a list of ``(path, reason)``) and
     ``summary`` (one line), and for trainer formats ``format``, ``evidence`` (what detection found) and
     ``convention`` (what the stamp's ``latent_convention`` says).
+
+    Items without an output other items have (kohya sets ``flip_aug`` and ``alpha_mask`` per subset; an
+    image may lack its text-encoder file): kept as records without that field, an optional field of the
+    cache (``read_batch`` gives ``<field>_present``), and listed in ``stats["lacking"]`` (``(key, field,
+    file)``) and the summary. ``require`` (trainer formats: a field name or several; ``"text"`` for the
+    text-encoder outputs) refuses them instead: every item that lacks one is named with the file it
+    would come from, before anything is written.
 
     ``key``: the entry holding the latent (npz array name, safetensors tensor name, or the key of a
     ``.pt`` dict); by default ``latents`` / the one tensor named ``latent...`` / the only entry.
@@ -158,11 +165,11 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
             raise InvalidArgumentError(f"key= applies to the extension formats {sorted(FORMATS)}; format {format!r} reads "
                                        f"the trainer's own entry names")
         return _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
-                               scaling_factor, shift_factor, options)
+                               scaling_factor, shift_factor, _required(require), options)
     max_item_bytes = options.pop("max_item_bytes", trainers.DEFAULT_MAX_ITEM_BYTES)
-    if options or scaled is not None or scaling_factor is not None or shift_factor is not None:
+    if options or scaled is not None or scaling_factor is not None or shift_factor is not None or require is not None:
         raise InvalidArgumentError(f"format {format!r} takes no trainer options (scaled=, scaling_factor=, shift_factor=, "
-                                   f"{sorted(options)}); those are for the trainer formats {list(TRAINER_FORMATS)}")
+                                   f"require=, {sorted(options)}); those are for the trainer formats {list(TRAINER_FORMATS)}")
     if format not in FORMATS:
         raise InvalidArgumentError(f"format must be one of {[*FORMATS, *TRAINER_FORMATS]}, got {format!r}")
     files = list_latent_files(source_dir, format)
@@ -258,8 +265,34 @@ def _unchanged(out_dir, split, identity, meta, files, digests) -> bool:
 
 
 # ---- trainer caches ---------------------------------------------------------------------------------
+def _required(require) -> tuple[str, ...]:
+    """``require=`` as a tuple of field names (``text``: the text-encoder outputs)."""
+    names = () if require is None else (require,) if isinstance(require, str) else tuple(require)
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidArgumentError(f"require must name record fields (e.g. 'latent_flipped', 'text'), got {require!r}")
+    return names
+
+
+def _refuse_lacking(source, required: tuple[str, ...]) -> None:
+    """Raise naming every item (and the file it would come from) that lacks a ``required`` field; nothing is written yet."""
+    lacking = [(field, key, where) for field in required for key, where in source.lacks(field)]
+    if lacking:
+        lines = "\n".join(f"  {key}: no {field} (no {where})" for field, key, where in lacking)
+        raise trainers.TrainerCacheError(f"{source.root}: require={list(required)}: {len(lacking)} items lack a required "
+                                         f"field; nothing was written:\n{lines}")
+
+
+def _check_required(record, fields: dict, required: tuple[str, ...], root: str) -> None:
+    """An item the scan could not judge (its files hold fewer outputs than others): refused before it is written."""
+    for field in required:
+        if not any(name == field or (field == "text" and name.startswith("text_")) for name in fields):
+            raise trainers.TrainerCacheError(f"{root}: require={list(required)}: item {record.key!r} has no {field!r} "
+                                             f"(its fields: {sorted(fields)}); the items before it are written, resumable")
+
+
 def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
-                    scaling_factor, shift_factor, options) -> str:
+                    scaling_factor, shift_factor, required, options) -> str:
     from tqdm import tqdm
 
     if format == "simpletuner":  # its reader records the factors it was told (its files do not say)
@@ -267,6 +300,7 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
     source = trainers.open_source(source_dir, format, **options)
     if not len(source):
         raise trainers.TrainerCacheError(f"{source.root}: {source.format} cache with no items to import ({source.summary()})")
+    _refuse_lacking(source, required)  # (every rank of a distributed import: the whole folder, the same message)
     whole = _described(source)
     share = distributed.current_share()
     if share is not None:  # a distributed import: this rank's items, each a unit costed by its tensor bytes
@@ -288,7 +322,8 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
             lock.release()
             _report(stats, whole, imported=0, resumed=0, unchanged=True, convention=convention)
             return fmt.cache_path(out_dir, split, "data")
-        writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock)
+        # optional=True: an item without an output other items have is a record without that field
+        writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock, optional=True)
     except BaseException:
         lock.release()
         raise
@@ -300,6 +335,7 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
             done, stale = 0, False
             for record in tqdm(source, total=len(source), unit="items", desc="import", disable=True if quiet else None):
                 fields, info = _as_stored(record, convert, convention)
+                _check_required(record, fields, required, source.root)
                 digest = record_hash(fields, info)
                 if record.key in writer:
                     if writer.source_hash(record.key) == digest.hex():
@@ -322,7 +358,7 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
 def _described(source) -> dict:
     """What ``stats`` says of a trainer's whole folder (a distributed import's share says the same)."""
     return {"format": source.format, "evidence": source.evidence, "summary": source.summary(),
-            "skipped": [tuple(s) for s in source.skipped]}
+            "skipped": [tuple(s) for s in source.skipped], "lacking": source.lacking}
 
 
 def _report(stats, whole: dict, **counts) -> None:

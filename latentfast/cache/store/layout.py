@@ -398,9 +398,11 @@ class FieldBatch:
     """One field of a batch of records: its :class:`SpanTable` (the item values as lines of 2-byte
     units; ``None`` for the latent, which has its own table) and how to view the gathered units:
     ``dtype``, the per-item output ``shape``, the true ``shapes`` ``[B, ndim]`` and the ``pad`` value;
-    ``packed``: the items' values back to back, ``shape`` then the whole batch's ``[sum L_i, *rest]``."""
+    ``packed``: the items' values back to back, ``shape`` then the whole batch's ``[sum L_i, *rest]``;
+    ``present``: bool ``[B]``, which items have a value (an optional field; None: not optional). An item
+    without one has all-zero ``shapes`` and reads as zeros (the pad value where padded), no rows packed."""
 
-    __slots__ = ("table", "dtype", "shape", "shapes", "pad", "packed")
+    __slots__ = ("table", "dtype", "shape", "shapes", "pad", "packed", "present")
 
 
 def resolve_fields(cache: Items, field_items: dict, indices, fields, pad, pad_to, *, width=None, dtype=torch.float16,
@@ -455,10 +457,13 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     batch = FieldBatch()
     batch.dtype, batch.pad, batch.packed = items.dtype, value if padded else None, packed
     batch.shapes = np.ascontiguousarray(items.shapes[index_np])
+    batch.present = None if items.present is None else items.present[index_np]
+    # the batch's shape is its present items' (an absent item's zeros would be taken for a shape of its own)
+    shapes, at = (batch.shapes, index_np) if batch.present is None else (batch.shapes[batch.present], index_np[batch.present])
     if packed:
-        batch.shape = _packed_shape(items, batch.shapes, index_np)
+        batch.shape = _packed_shape(items, shapes, at)
     else:
-        batch.shape = _padded_shape(items.name, batch.shapes, index_np, pad_to) if padded else _common_shape(items.name, batch.shapes, index_np)
+        batch.shape = _padded_shape(items.name, shapes, at, pad_to) if padded else _common_shape(items.name, shapes, at)
     table = batch.table = SpanTable()
     table.cache, table.source = items, items.source()
     table.row_starts, table.row_ends, table.index, table.index_np = items.row_starts, items.row_ends, index, index_np
@@ -468,7 +473,8 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     table.width = table.w_max = -(-nbytes // ELEMENT_BYTES)
     table.pitch, table.checked, table.shapes = 0, True, batch.shapes
     table.shape = (table.width,)
-    table.white = torch.zeros((1, 1, 1), dtype=torch.float16) if padded else None
+    lacking = batch.present is not None and not batch.present.all()  # (absent items: zeros, as padding)
+    table.white = torch.zeros((1, 1, 1), dtype=torch.float16) if padded or lacking else None
     return batch
 
 

@@ -243,6 +243,8 @@ class ShardedFieldItems:
         flat = _flat_rows(cache.order, [p.n for p in self.parts])
         self.shapes = np.concatenate([p.shapes for p in self.parts])[flat]
         self.nbytes = np.concatenate([p.nbytes for p in self.parts])[flat]
+        self.present = None if all(p.present is None for p in self.parts) else \
+            np.concatenate([np.ones(p.n, bool) if p.present is None else p.present for p in self.parts])[flat]
         self.n = len(self.order)
         self.row_starts = self.row_ends = None
         self.remote = _ShardHolds(self.order, self.parts) if cache.url is not None else None

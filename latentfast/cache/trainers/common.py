@@ -52,6 +52,22 @@ class ItemPlan(NamedTuple):
     variant: str  # tells items of one stem apart (latent size, frame window); "" if none
     nbytes: int  # tensor bytes the item will read
     load: Callable[[], tuple[dict, dict]]  # -> (fields, info)
+    lacks: tuple = ()  # Lack s: the trainer's outputs this item has no file (or array) of
+
+
+class Lack(NamedTuple):
+    """An output of the trainer one item has none of: ``field`` (a field name, or ``text_*``: every
+    text-encoder output) and ``where`` (the file, or ``file#array``, that would hold it)."""
+
+    field: str
+    where: str
+
+
+def lack_matches(field: str, lack: Lack) -> bool:
+    """Whether a required ``field`` (a field name; ``text`` for the text-encoder outputs) is what ``lack`` misses."""
+    if lack.field.endswith("*"):
+        return field == lack.field[:-2] or field.startswith(lack.field[:-1])
+    return field == lack.field
 
 
 class Source:
@@ -60,7 +76,9 @@ class Source:
     ``format`` and ``evidence`` say what was read and why it was taken for that trainer;
     ``convention`` describes the latents (``{"latent_convention": "scaled" | "raw" | "pixels" |
     "unknown", "scaling_factor": f | None, "shift_factor": f | None}``) and is stamped into every
-    record's info too; ``skipped`` lists what is not imported; :meth:`summary` says it in one line.
+    record's info too; ``skipped`` lists what is not imported; :attr:`lacking` the items imported
+    without an output other items have (a record without that field); :meth:`summary` says it in
+    one line.
     """
 
     def __init__(self, format: str, root: str, plans: list[ItemPlan], skipped: list[Skipped],
@@ -74,6 +92,21 @@ class Source:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+    @property
+    def lacking(self) -> list[tuple[str, str, str]]:
+        """``(key, field, file)`` of each output an item lacks that another item of the folder has (a
+        field the import keeps optional): its field (``text_*``: the text-encoder outputs) and the
+        file (or ``file#array``) that would hold it."""
+        lacked = {lack.field for p in self._plans for lack in p.lacks}
+        everywhere = {f for f in lacked if all(any(lack.field == f for lack in p.lacks) for p in self._plans)}
+        return [(key, lack.field, lack.where) for key, plan in zip(self.keys, self._plans) for lack in plan.lacks
+                if lack.field not in everywhere]
+
+    def lacks(self, field: str) -> list[tuple[str, str]]:
+        """``(key, file)`` of every item that has no ``field`` (a field name, or ``text``: the text-encoder
+        outputs), as the scan knows before anything is read."""
+        return [(key, lack.where) for key, plan in zip(self.keys, self._plans) for lack in plan.lacks if lack_matches(field, lack)]
 
     @property
     def item_bytes(self) -> list[int]:
@@ -109,6 +142,10 @@ class Source:
     def summary(self) -> str:
         """``"kohya: 12 items; skipped 3 files: 2 text-encoder outputs without a latent, 1 ..."``."""
         text = f"{self.format}: {len(self)} items"
+        lacking = Counter(field for _, field, _ in self.lacking)
+        if lacking:
+            text += "; " + ", ".join(f"{n} without {'text-encoder outputs' if f == 'text_*' else f}" for f, n in sorted(lacking.items())) \
+                + " (kept as records without that field)"
         if self.skipped:
             reasons = Counter(s.reason for s in self.skipped)
             text += f"; skipped {len(self.skipped)} files: " + ", ".join(f"{n} {r}" for r, n in reasons.most_common())

@@ -78,7 +78,7 @@ KOHYA_TE_SUFFIX = {"sd": "_te_outputs.npz", "sdxl": "_te_outputs.npz", "legacy":
 
 
 def write_kohya(folder, arch: str = "flux", n: int = 3, flip: bool = True, alpha: bool = True, buckets: int = 2,
-                text: bool = True, seed: int = 0) -> list[str]:
+                text: bool = True, seed: int = 0, without_text=()) -> list[str]:
     """kohya-ss/sd-scripts caches of ``n`` images of mixed sizes beside their (absent) images.
 
     Latents: ``LatentsCachingStrategy._default_cache_batch_latents`` -> ``save_latents_to_disk``
@@ -86,7 +86,9 @@ def write_kohya(folder, arch: str = "flux", n: int = 3, flip: bool = True, alpha
     (``{stem}_{W:04d}x{H:04d}{suffix}``, library/strategy_{sd,flux,sd3,lumina,hunyuan_image,anima}.py;
     ``{stem}.npz`` for ``arch="legacy"``); for the multi-resolution architectures each of ``buckets``
     bucket resolutions adds its ``_{h}x{w}`` keys to the same file. Text: each strategy's
-    ``cache_batch_outputs`` np.savez into ``get_outputs_npz_path`` (``{stem}{TE suffix}``).
+    ``cache_batch_outputs`` np.savez into ``get_outputs_npz_path`` (``{stem}{TE suffix}``), except for
+    the images numbered in ``without_text`` (whose outputs were never cached). ``flip`` and ``alpha``
+    are one subset's ``flip_aug`` and ``alpha_mask``: write each subset into its own image folder.
     """
     os.makedirs(folder, exist_ok=True)
     g, stems = _gen(seed), []
@@ -108,7 +110,7 @@ def write_kohya(folder, arch: str = "flux", n: int = 3, flip: bool = True, alpha
             kohya_save_latents_to_disk(path, _randn(g, *shape, dtype=torch.bfloat16), (width, height), (0, 0, bw, bh),
                                        _randn(g, *shape, dtype=torch.bfloat16) if flip else None, mask,
                                        f"_{h}x{w}" if multi else "")
-        if text:
+        if text and i not in without_text:
             np.savez(os.path.join(folder, stem + KOHYA_TE_SUFFIX[arch]), **_kohya_te_arrays(arch, g, 5 + i))
         stems.append(stem)
     return stems
