@@ -13,6 +13,7 @@ import io
 import json
 import os
 import struct
+import tokenize
 import zipfile
 from collections import Counter
 from typing import Any, Callable, Iterator, NamedTuple
@@ -206,12 +207,38 @@ def array_to_tensor(array: np.ndarray, path: str, name: str) -> torch.Tensor:
 
 
 def npz_member_bytes(path: str) -> dict[str, int]:
-    """Uncompressed size of each array of an ``.npz`` (from the zip directory; nothing is read)."""
+    """Uncompressed size of each array of an ``.npz`` (from the zip directory), each array's ``.npy`` header
+    checked against it: a header whose shape and dtype need other than the bytes stored (a damaged array, or
+    one claiming a huge shape, which numpy would allocate before finding the data short) raises naming
+    ``path#array``. Only the headers are read."""
     try:
         with zipfile.ZipFile(path) as archive:
-            return {info.filename[:-4]: info.file_size for info in archive.infolist() if info.filename.endswith(".npy")}
+            sizes = {}
+            for info in archive.infolist():
+                if info.filename.endswith(".npy"):
+                    sizes[info.filename[:-4]] = info.file_size
+                    _check_npy_header(archive, info, f"{path}#{info.filename[:-4]}")
+            return sizes
     except zipfile.BadZipFile:
         raise fail(path, "an .npz (zip) archive", truncated_or(path, "not a zip archive")) from None
+
+
+def _check_npy_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
+    """The array bytes an ``.npy`` member's header declares equal the bytes stored after it."""
+    try:
+        with archive.open(info) as fh:
+            version = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(fh)
+            header = fh.tell()
+    except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError, zipfile.BadZipFile) as exc:  # (numpy's parser)
+        raise fail(where, "an .npy array (magic and header)", f"{type(exc).__name__}: {exc}") from None
+    if dtype.hasobject:
+        return  # (object arrays are refused when read: allow_pickle=False)
+    declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if declared != info.file_size - header:
+        raise fail(where, f"{declared} bytes of array data (its header's shape {list(shape)}, dtype {dtype.str})",
+                   f"{info.file_size - header} bytes: a damaged array")
 
 
 def truncated_or(path: str, what: str) -> str:

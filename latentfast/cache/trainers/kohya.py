@@ -154,20 +154,28 @@ def _loader(path: str, names: dict[str, str], te_path: str | None, base_info: di
         with _open_npz(path) as npz:
             for what, name in names.items():
                 if what in FIELD:
-                    fields[FIELD[what]] = array_to_tensor(npz[name], path, name)
+                    fields[FIELD[what]] = array_to_tensor(_member(npz, path, name), path, name)
                 else:
-                    info[what] = npz[name].tolist()
+                    info[what] = _member(npz, path, name).tolist()
         info["latent_hw"] = list(fields["latent"].shape[-2:])
         if te_path is not None:
             with _open_npz(te_path) as npz:
                 for name in npz.files:
-                    array = npz[name]
+                    array = _member(npz, te_path, name)
                     if array.ndim == 0:
                         info[f"text_{name}"] = array.item()
                     else:
                         fields[f"text_{name}"] = array_to_tensor(array, te_path, name)
         return fields, info
     return load
+
+
+def _member(npz, path: str, name: str) -> np.ndarray:
+    """Array ``name`` of an open archive; a member that cannot be read (a failed CRC, a damaged header) is named."""
+    try:
+        return npz[name]
+    except Exception as exc:  # noqa: BLE001 - named by file and array
+        raise fail(f"{path}#{name}", "an .npy array", f"{type(exc).__name__}: {exc}") from None
 
 
 def _open_npz(path: str):
