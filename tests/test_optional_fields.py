@@ -290,3 +290,52 @@ def test_cli_lists_lacking_items_and_require_refuses_them(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"  plain/img_001: no text_* (no {src / 'plain' / 'img_001_te_outputs.npz'})" in printed
     assert "plain/img_000: no latent_flipped" in printed
+
+
+def test_a_shard_whose_items_all_lack_an_optional_field_joins_as_absent_items(tmp_path):
+    items = records(n=6, flipped=lambda i: i < 3)
+    write(tmp_path / "a", items[:3], optional=True)
+    write(tmp_path / "b", items[3:], optional=True)  # no item of b has a latent_flipped: b has no such field
+    assert "latent_flipped" not in LatentCache(tmp_path / "b").fields
+    write_manifest(tmp_path / "joined", "train", [str(tmp_path / "a"), str(tmp_path / "b")])
+    joined = LatentCache(tmp_path / "joined")
+    assert joined.fields["latent_flipped"]["present"].tolist() == [True] * 3 + [False] * 3
+    assert joined.meta["fields"]["latent_flipped"]["absent"] == 3
+    batch = joined.read_batch([4, 0], fields=["latent", "latent_flipped"])
+    assert batch["latent_flipped_present"].tolist() == [False, True]
+    assert torch.count_nonzero(batch["latent_flipped"][0]) == 0 and same_bits(batch["latent_flipped"][1], items[0][1]["latent_flipped"])
+    assert joined.read_batch([3, 4, 5, 0], fields=["latent"], flip=1.0, seed=1)["flipped"].tolist() == [False] * 3 + [True]
+    assert verify_cache(tmp_path / "joined")["rows"] == 6
+    from latentfast.cache import inspect_cache
+    assert inspect_cache(tmp_path / "joined")["fields"]["latent_flipped"]["logical_bytes"] == 3 * 4 * 3 * 5 * 4
+    write(tmp_path / "named", items[:3], optional=("latent_flipped", "text"))
+    with LatentCacheWriter(tmp_path / "c") as writer:  # a field neither cache lets items lack must be in both
+        for key, record in records(n=2, flipped=lambda i: False, text=lambda i: False, std=True):
+            writer.append(key + "c", record)
+    with pytest.raises(InvalidArgumentError, match="different encoders, geometry or fields"):
+        write_manifest(tmp_path / "bad", "train", [str(tmp_path / "named"), str(tmp_path / "c")])
+
+
+def _rank_imports_subsets(rank: int, world: int, src: str, out: str):
+    import torch.distributed as dist
+
+    stats = {}
+    import_latents(src, out, format="kohya", quiet=True, stats=stats, group=dist.group.WORLD)
+    return stats["lacking"]
+
+
+@pytest.mark.timeout(240)
+def test_a_distributed_import_of_mixed_subsets_reads_as_a_one_process_import(tmp_path):
+    from latentfast.testing import spawn_gloo
+    from test_import_distributed import assert_same_records
+
+    src = tmp_path / "src"
+    kohya_subsets(src)
+    lacking = spawn_gloo(_rank_imports_subsets, 2, str(src), str(tmp_path / "dist"), timeout_s=120)
+    import_latents(src, tmp_path / "single", format="kohya", quiet=True)
+    single, sharded = LatentCache(tmp_path / "single"), LatentCache(tmp_path / "dist")
+    assert sorted(sharded.fields) == sorted(single.fields)
+    assert_same_records(single, sharded)
+    for name in ("latent_flipped", "alpha_mask", "text_pool2"):
+        assert sharded.fields[name]["present"].tolist() == single.fields[name]["present"].tolist()
+    assert lacking[0] == lacking[1] and len(lacking[0]) == 5  # the whole folder's, on every rank

@@ -397,6 +397,8 @@ class LatentCacheWriter:
             "dtype": self._records[0].get("d", "float16"),
             "encoder": self.identity, "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_rows": 1},
             "complete": True,
+            # what items may lack (a cache that joins shards lets one lack a field all of whose items lack it)
+            **({} if self.optional is None else {"optional_fields": True if self.optional is True else sorted(self.optional)}),
         }
 
     def _write_index(self, shapes: np.ndarray, offsets: np.ndarray, sums: np.ndarray) -> None:
