@@ -339,3 +339,50 @@ def test_a_distributed_import_of_mixed_subsets_reads_as_a_one_process_import(tmp
     for name in ("latent_flipped", "alpha_mask", "text_pool2"):
         assert sharded.fields[name]["present"].tolist() == single.fields[name]["present"].tolist()
     assert lacking[0] == lacking[1] and len(lacking[0]) == 5  # the whole folder's, on every rank
+
+
+def test_ai_toolkit_datasets_with_and_without_flips_and_text_import_whole(tmp_path):
+    """ai-toolkit sets flip_x and cache_text_embeddings per dataset folder: one root holding three of them."""
+    from test_trainers_ai_toolkit import get_latent, hashed_path, prompt_embeds_load
+    from latentfast.cache.trainers.fixtures import write_ai_toolkit
+
+    src = tmp_path / "src"
+    made = {"flipped": write_ai_toolkit(src / "flipped", n=2, resolutions=(256,), flip_x=True),
+            "plain": write_ai_toolkit(src / "plain", n=2, resolutions=(256,), flip_x=False, seed=1),
+            "untexted": write_ai_toolkit(src / "untexted", n=1, resolutions=(256,), flip_x=True, text=False, seed=2)}
+    stats = {}
+    import_latents(src, tmp_path / "out", format="ai-toolkit", quiet=True, stats=stats)
+    cache = LatentCache(tmp_path / "out")
+    assert len(cache) == 5
+    for dataset, manifest in made.items():
+        for entry in manifest:
+            record = cache.record(cache.index(f"{dataset}/{entry['stem']}"))
+            for info in entry["latent_infos"]:
+                latent = get_latent(hashed_path(src / dataset, "_latent_cache", entry["stem"], info))
+                assert same_bits(record["latent_flipped" if info.get("flip_x") else "latent"], latent)
+            assert ("latent_flipped" in record) == (dataset != "plain")
+            if dataset == "untexted":
+                assert not any(k.startswith("text_") for k in record)
+            else:
+                text, pooled, mask = prompt_embeds_load(hashed_path(src / dataset, "_t_e_cache", entry["stem"], entry["te_infos"][0]))
+                assert same_bits(record["text_text_embed"], text) and same_bits(record["text_pooled_embed"], pooled)
+                assert same_bits(record["text_attention_mask"], mask)
+    lacking = sorted((k, f) for k, f, _ in stats["lacking"])
+    assert lacking == [("plain/img_000", "latent_flipped"), ("plain/img_001", "latent_flipped"), ("untexted/img_000", "text_*")]
+    with pytest.raises(TrainerCacheError, match=r"untexted/img_000: no text \(no .*untexted/_t_e_cache/img_000_\{hash\}\.safetensors\)"):
+        import_latents(src, tmp_path / "strict", format="ai-toolkit", quiet=True, require="text")
+
+
+def test_a_simpletuner_item_whose_text_embedding_is_missing_is_listed_with_the_file_it_lacks(tmp_path):
+    from latentfast.cache.trainers.fixtures import simpletuner_text_cache_name, write_simpletuner
+
+    cache, images = tmp_path / "cache", tmp_path / "images"
+    write_simpletuner(str(cache), str(images), n=3, compress=False)
+    missing = simpletuner_text_cache_name("a photo of thing 2", "flux")
+    os.remove(cache / "text" / missing)  # its caption was never encoded
+    stats = {}
+    import_latents(cache, tmp_path / "out", format="simpletuner", images=str(images), quiet=True, stats=stats)
+    ((key, field, where),) = stats["lacking"]
+    assert (key, field) == ("img_002", "text_*") and missing in where
+    out = LatentCache(tmp_path / "out")
+    assert out.fields["text_prompt_embeds"]["present"].tolist() == [k != "img_002" for k in out.keys]

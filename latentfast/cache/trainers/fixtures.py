@@ -278,7 +278,7 @@ def ai_toolkit_anima_prompt_embeds_save(path, qwen_prompt_embeds, t5_input_ids, 
 
 
 def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = True, uint8: bool = False,
-                     dropout: bool = True, seed: int = 0, text_class: str = "PromptEmbeds") -> list[dict]:
+                     dropout: bool = True, seed: int = 0, text_class: str = "PromptEmbeds", text: bool = True) -> list[dict]:
     """An ai-toolkit dataset folder's ``_latent_cache`` and ``_t_e_cache`` (images not written).
 
     Returns, per image, what the trainer hashes to find its files: ``{"stem", "latent_infos": [the
@@ -292,6 +292,8 @@ def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = 
     embedding at ``get_blank_text_embedding_path``; ``text_class="AnimaPromptEmbeds"`` as the Anima
     model caches them (``AnimaModel.get_prompt_embeds``: Qwen hidden states in bf16, their mask, and the
     T5 tokenizer's ids and mask, each ``padding="longest"``, int64) through ``AnimaPromptEmbeds.save``.
+    ``text=False``: a dataset without ``cache_text_embeddings`` (no ``_t_e_cache``). ``flip_x`` is the
+    dataset's: one folder per dataset.
     """
     g, manifest = _gen(seed), []
     for i in range(n):
@@ -313,7 +315,7 @@ def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = 
                 from safetensors.torch import save_file
 
                 save_file(state_dict, path, metadata=ai_toolkit_meta(info))
-        captions = [f"a photo number {i}"] + ([""] if dropout else [])
+        captions = ([f"a photo number {i}"] + ([""] if dropout else [])) if text else []
         for caption in captions:
             te_info = OrderedDict([("caption", caption), ("text_embedding_space_version", "flux"), ("text_embedding_version", 1)])
             entry["te_infos"].append(te_info)

@@ -74,7 +74,7 @@ def scan(folder, images=None, captions: dict | None = None, model_type: str | No
         text = next((texts[n] for n in names if n in texts), None)
         used.add(text)
         nbytes = pt_nbytes(path) + (pt_nbytes(text) if text else 0)
-        lacks = () if text else (Lack("text_*", f"text embedding {names[0] if names else '(caption unknown)'} in {root}"),)
+        lacks = () if text else (Lack("text_*", f"text embedding {' or '.join(names) if names else '(caption unknown)'} under {root}"),)
         plans.append(ItemPlan(rel_key(latent_root, dirpath, stem), "", nbytes, _loader(path, text), lacks))
     if texts and captions and not used - {None}:
         raise TrainerCacheError(
