@@ -386,3 +386,14 @@ def test_a_simpletuner_item_whose_text_embedding_is_missing_is_listed_with_the_f
     assert (key, field) == ("img_002", "text_*") and missing in where
     out = LatentCache(tmp_path / "out")
     assert out.fields["text_prompt_embeds"]["present"].tolist() == [k != "img_002" for k in out.keys]
+
+
+def test_inspect_counts_the_items_without_a_value(tmp_path, capsys):
+    write(tmp_path, records(), optional=True)
+    from latentfast.cache import inspect_cache
+
+    info = inspect_cache(tmp_path)
+    assert info["fields"]["text"]["absent"] == 1 and info["fields"]["latent_flipped"]["absent"] == 3
+    assert "train.field.text.present.npy" in info["files"]
+    assert cache_cli(["cache", "inspect", str(tmp_path)]) == 0
+    assert "optional: 3 items without" in capsys.readouterr().out

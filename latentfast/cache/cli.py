@@ -445,7 +445,8 @@ def run_inspect(args) -> int:
     print(f"rows: {info['n']}   layout: {info['layout']}")
     print("fields (bytes: logical = every item's value, stored = on disk, equal values once):")
     for name, field in info["fields"].items():
-        print(f"  {name:>16} {field['dtype']:>9} {field['ndim']}-D   logical {field['logical_bytes']:>15,}   stored {field['stored_bytes']:>15,}")
+        absent = f"   optional: {field['absent']:,} items without" if "absent" in field else ""
+        print(f"  {name:>16} {field['dtype']:>9} {field['ndim']}-D   logical {field['logical_bytes']:>15,}   stored {field['stored_bytes']:>15,}{absent}")
     if "shape_counts" in info:
         _print_shaped(info)
         return 0

@@ -559,9 +559,12 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
     fields = {fieldstore.LATENT: {"dtype": cache.meta.get("dtype", "float16"), "ndim": int(cache.shapes.shape[1]), "logical_bytes": data_bytes, "stored_bytes": data_bytes}}
     for name, entry in cache.meta.get("fields", {}).items():
         fields[name] = {k: entry[k] for k in ("dtype", "ndim", "logical_bytes", "stored_bytes")}
-        for kind in ("data", "spans", "crc"):
+        if entry.get("optional"):  # (items without a value)
+            fields[name]["absent"] = entry["absent"]
+        for kind in ("data", "spans", "crc", "present"):
             path = fieldstore.field_path(cache_dir, split, name, kind)
-            files[os.path.basename(path)] = os.path.getsize(path)
+            if kind != "present" or entry.get("optional"):
+                files[os.path.basename(path)] = os.path.getsize(path)
     info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files, "fields": fields,
             "bytes_on_disk": sum(files.values()), "data_bytes": data_bytes,
             "resident_bytes": coldread.resident_bytes(cache._data_path)}  # in the page cache now (None: the OS cannot say)
