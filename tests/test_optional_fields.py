@@ -397,3 +397,43 @@ def test_inspect_counts_the_items_without_a_value(tmp_path, capsys):
     assert "train.field.text.present.npy" in info["files"]
     assert cache_cli(["cache", "inspect", str(tmp_path)]) == 0
     assert "optional: 3 items without" in capsys.readouterr().out
+
+
+def test_dataloader_workers_read_the_presence_bits(tmp_path):
+    from latentfast.cache.feed.loader import batch_loader
+
+    items = records(n=8)
+    cache = write(tmp_path, items, optional=True)
+    loader = batch_loader(cache, [[0, 1, 2], [5, 6, 7]], fields=["latent", "latent_flipped", "text"], pad={"text": 0},
+                          flip=0.5, seed=4, num_workers=2, multiprocessing_context="spawn", lookahead=0)
+    for batch in loader:
+        index = batch["index"].tolist()
+        assert batch["text_present"].tolist() == [i != 1 for i in index]
+        assert batch["latent_flipped_present"].tolist() == [i % 2 == 0 for i in index]
+        assert not (batch["flipped"] & ~batch["latent_flipped_present"]).any()
+        assert torch.equal(batch["latent"], cache.read_batch(index, fields=["latent"], flip=0.5, seed=4)["latent"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_batch_of_optional_fields_equals_the_cpu_batch(tmp_path):
+    cache = write(tmp_path, records(n=6), optional=True)
+    kw = {"fields": ["latent", "latent_flipped", "text"], "pad": {"text": 0}}
+    for index in ([1, 0, 3], [1], [0, 2, 4]):
+        cpu, gpu = cache.read_batch(index, **kw), cache.read_batch(index, device="cuda", **kw)
+        assert cpu.keys() == gpu.keys()
+        for name in cpu:
+            assert same_bits(gpu[name].cpu(), cpu[name]), name
+        drawn = cache.read_batch(index, device="cuda", fields=["latent"], flip=1.0, seed=0)
+        assert same_bits(drawn["latent"].cpu(), cache.read_batch(index, fields=["latent"], flip=1.0, seed=0)["latent"])
+
+
+def test_spans_giving_an_absent_item_bytes_are_refused(tmp_path):
+    write(tmp_path, records(), optional=True)
+    path = fieldstore.field_path(tmp_path, "train", "text", "spans")
+    spans = np.load(path)
+    for column, value in ((1, 2), (0, 1 << 40)):
+        damaged = spans.copy()
+        damaged[1, column] = value  # item 1 has no text
+        np.save(path, damaged)
+        with pytest.raises(CacheCorruptError, match="an item its presence file says has no value"):
+            LatentCache(tmp_path)

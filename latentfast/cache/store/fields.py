@@ -233,8 +233,10 @@ def load_field_index(cache_dir: str, split: str, name: str, meta: dict, n: int) 
     if len(have) and (have[:, :2].min() < 0 or np.any(have[:, 2:] < 0) or np.any(have[:, 0] % 2)
                       or np.any(have[:, 1] != np.prod(have[:, 2:], axis=1) * itemsize) or int((have[:, 0] + have[:, 1]).max()) > size):
         raise CacheCorruptError(f"latent cache field {name!r}: {spath} names spans that do not match the shapes or lie past the end of {dpath} ({size} bytes)")
-    if present is not None and np.any(spans[~present, 1:] != 0):
-        raise CacheCorruptError(f"latent cache field {name!r}: {spath} gives bytes or a shape to an item its presence file says has no value")
+    if present is not None and (np.any(spans[~present, 1:] != 0) or np.any(spans[~present, 0] % 2)
+                                or np.any((spans[~present, 0] < 0) | (spans[~present, 0] > size))):
+        raise CacheCorruptError(f"latent cache field {name!r}: {spath} gives bytes, a shape or an offset past {dpath} to an item "
+                                f"its presence file says has no value")
     return spans, crc, present
 
 
