@@ -227,8 +227,9 @@ class LatentCacheWriter:
         stored as given (the first record fixes the cache's dtype, ``cache.dtype``), every other field
         stored as given in its own dtype and shape (see
         :mod:`~latentfast.cache.store.fields`); the first record fixes the set of fields (less or
-        more only by the writer's ``optional`` fields) and each one's dtype and ndim. ``source_hash``: bytes or hex of the source's content hash (what a
-        rebuild compares); ``info``: a small JSON-able dict kept with the item (e.g. original size, crop)."""
+        more only by the writer's ``optional`` fields) and each one's dtype and ndim. ``source_hash``:
+        bytes or hex of the source's content hash (what a rebuild compares); ``info``: a small JSON-able
+        dict kept with the item (e.g. original size, crop)."""
         self._check_open()
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"key must be a non-empty str, got {key!r}")

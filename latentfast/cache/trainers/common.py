@@ -53,7 +53,7 @@ class ItemPlan(NamedTuple):
     variant: str  # tells items of one stem apart (latent size, frame window); "" if none
     nbytes: int  # tensor bytes the item will read
     load: Callable[[], tuple[dict, dict]]  # -> (fields, info)
-    lacks: tuple = ()  # Lack s: the trainer's outputs this item has no file (or array) of
+    lacks: tuple = ()  # Lack entries: the outputs of the trainer this item has no file (or array) of
 
 
 class Lack(NamedTuple):
