@@ -5,6 +5,7 @@ models that key text embeddings by dataset and file path, legacy kohya ``{stem}.
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
 import os
 import shutil
@@ -70,8 +71,6 @@ def path_keyed_text_file(text_dir, dataset_id, images, stem, caption, model_type
     """helpers/caching/text_embeds.py ``hash_prompt_with_path`` for ``TextEmbedCacheKey.DATASET_AND_FILENAME``: the key
     helpers/training/collate.py builds (``f"{backend_id}:{normalize_data_path(path, instance_data_dir)}"``), hashed with
     the prompt by ``create_hash``."""
-    import hashlib
-
     relative = os.path.normcase(os.path.relpath(os.path.abspath(os.path.join(images, stem + ".png")), os.path.abspath(images)))
     md5_hash = hashlib.md5(f"{dataset_id}:{relative}".encode())
     md5_hash.update(b"\0prompt\0")

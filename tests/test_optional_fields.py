@@ -10,14 +10,19 @@ import pytest
 import torch
 
 from latentfast import sampling
-from latentfast.cache import LatentCache, LatentCacheWriter, verify_cache
+from latentfast.cache import LatentCache, LatentCacheWriter, inspect_cache, verify_cache
 from latentfast.cache.builders.importers import import_latents
+from latentfast.cache.feed.loader import batch_loader
 from latentfast.cache.cli import main as cache_cli
 from latentfast.cache.store import fields as fieldstore
 from latentfast.cache.store.shards import write_manifest
 from latentfast.cache.trainers import TrainerCacheError, open_source
-from latentfast.cache.trainers.fixtures import KOHYA_TE_SUFFIX, same_bits, write_kohya
+from latentfast.cache.trainers.fixtures import (KOHYA_TE_SUFFIX, same_bits, simpletuner_text_cache_name, write_ai_toolkit,
+                                                write_kohya, write_simpletuner)
 from latentfast.errors import AbsentValueError, CacheCorruptError, InvalidArgumentError
+from latentfast.testing import spawn_gloo
+from test_import_distributed import assert_same_records
+from test_trainers_ai_toolkit import get_latent, hashed_path, prompt_embeds_load
 from test_trainers_kohya import load_latents_from_disk, load_outputs_npz
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -306,7 +311,6 @@ def test_a_shard_whose_items_all_lack_an_optional_field_joins_as_absent_items(tm
     assert torch.count_nonzero(batch["latent_flipped"][0]) == 0 and same_bits(batch["latent_flipped"][1], items[0][1]["latent_flipped"])
     assert joined.read_batch([3, 4, 5, 0], fields=["latent"], flip=1.0, seed=1)["flipped"].tolist() == [False] * 3 + [True]
     assert verify_cache(tmp_path / "joined")["rows"] == 6
-    from latentfast.cache import inspect_cache
     assert inspect_cache(tmp_path / "joined")["fields"]["latent_flipped"]["logical_bytes"] == 3 * 4 * 3 * 5 * 4
     write(tmp_path / "named", items[:3], optional=("latent_flipped", "text"))
     with LatentCacheWriter(tmp_path / "c") as writer:  # a field neither cache lets items lack must be in both
@@ -326,9 +330,6 @@ def _rank_imports_subsets(rank: int, world: int, src: str, out: str):
 
 @pytest.mark.timeout(240)
 def test_a_distributed_import_of_mixed_subsets_reads_as_a_one_process_import(tmp_path):
-    from latentfast.testing import spawn_gloo
-    from test_import_distributed import assert_same_records
-
     src = tmp_path / "src"
     kohya_subsets(src)
     lacking = spawn_gloo(_rank_imports_subsets, 2, str(src), str(tmp_path / "dist"), timeout_s=120)
@@ -343,9 +344,6 @@ def test_a_distributed_import_of_mixed_subsets_reads_as_a_one_process_import(tmp
 
 def test_ai_toolkit_datasets_with_and_without_flips_and_text_import_whole(tmp_path):
     """ai-toolkit sets flip_x and cache_text_embeddings per dataset folder: one root holding three of them."""
-    from test_trainers_ai_toolkit import get_latent, hashed_path, prompt_embeds_load
-    from latentfast.cache.trainers.fixtures import write_ai_toolkit
-
     src = tmp_path / "src"
     made = {"flipped": write_ai_toolkit(src / "flipped", n=2, resolutions=(256,), flip_x=True),
             "plain": write_ai_toolkit(src / "plain", n=2, resolutions=(256,), flip_x=False, seed=1),
@@ -374,8 +372,6 @@ def test_ai_toolkit_datasets_with_and_without_flips_and_text_import_whole(tmp_pa
 
 
 def test_a_simpletuner_item_whose_text_embedding_is_missing_is_listed_with_the_file_it_lacks(tmp_path):
-    from latentfast.cache.trainers.fixtures import simpletuner_text_cache_name, write_simpletuner
-
     cache, images = tmp_path / "cache", tmp_path / "images"
     write_simpletuner(str(cache), str(images), n=3, compress=False)
     missing = simpletuner_text_cache_name("a photo of thing 2", "flux")
@@ -390,8 +386,6 @@ def test_a_simpletuner_item_whose_text_embedding_is_missing_is_listed_with_the_f
 
 def test_inspect_counts_the_items_without_a_value(tmp_path, capsys):
     write(tmp_path, records(), optional=True)
-    from latentfast.cache import inspect_cache
-
     info = inspect_cache(tmp_path)
     assert info["fields"]["text"]["absent"] == 1 and info["fields"]["latent_flipped"]["absent"] == 3
     assert "train.field.text.present.npy" in info["files"]
@@ -400,8 +394,6 @@ def test_inspect_counts_the_items_without_a_value(tmp_path, capsys):
 
 
 def test_dataloader_workers_read_the_presence_bits(tmp_path):
-    from latentfast.cache.feed.loader import batch_loader
-
     items = records(n=8)
     cache = write(tmp_path, items, optional=True)
     loader = batch_loader(cache, [[0, 1, 2], [5, 6, 7]], fields=["latent", "latent_flipped", "text"], pad={"text": 0},
