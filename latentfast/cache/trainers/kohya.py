@@ -11,9 +11,12 @@ Records: fields ``latent``, ``latent_flipped``, ``alpha_mask`` and ``text_{array
 the text file (``text_hidden_state1``, ``text_t5_out``, ...); info ``original_size``, ``crop_ltrb``,
 ``latent_hw``, ``image_size`` (``[W, H]`` from the name), ``arch`` and the text file's 0-d arrays as
 ``text_{name}`` (``text_apply_t5_attn_mask``). Several buckets of one image: ``{stem}@{h}x{w}``.
-kohya sets ``flip_aug`` and ``alpha_mask`` per subset and caches text outputs where it can, so one
-folder may hold items without ``latents_flipped``, ``alpha_mask`` or a text file: each is an item
-without that field (``source.lacking`` lists them; the import keeps the field optional).
+kohya sets ``flip_aug`` and ``alpha_mask`` per subset (library/train_util.py ``BaseDataset.__getitem__``:
+``flipped = subset.flip_aug and random.random() < 0.5``; ``cache_latents`` caches the flipped latent for
+those subsets only), and an image may lack its text file, so one folder may hold items without
+``latents_flipped``, ``alpha_mask`` or a text file: each is an item without that field
+(``source.lacking`` lists them; the import keeps the field optional, and ``read_batch(flip=)`` flips only
+items that have one, as kohya flips only flip_aug subsets).
 """
 from __future__ import annotations
 
