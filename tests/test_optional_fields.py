@@ -429,3 +429,10 @@ def test_spans_giving_an_absent_item_bytes_are_refused(tmp_path):
         np.save(path, damaged)
         with pytest.raises(CacheCorruptError, match="an item its presence file says has no value"):
             LatentCache(tmp_path)
+
+
+def test_a_batch_of_present_values_of_several_shapes_names_them_at_their_places(tmp_path):
+    cache = write(tmp_path, records(), optional=True)
+    with pytest.raises(InvalidArgumentError, match=r"field 'text': the batch's items have 2 shapes: \[2, 8\] \(indices\[1\] = 0\), "
+                                                   r"\[4, 8\] \(indices\[2\] = 2\)"):
+        cache.read_batch([1, 0, 2], fields=["text"])

@@ -459,11 +459,14 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     batch.shapes = np.ascontiguousarray(items.shapes[index_np])
     batch.present = None if items.present is None else items.present[index_np]
     # the batch's shape is its present items' (an absent item's zeros would be taken for a shape of its own)
-    shapes, at = (batch.shapes, index_np) if batch.present is None else (batch.shapes[batch.present], index_np[batch.present])
+    at = np.arange(len(index_np)) if batch.present is None else np.flatnonzero(batch.present)  # their places in the batch
+    shapes, index_at = batch.shapes[at], index_np[at]
     if packed:
-        batch.shape = _packed_shape(items, shapes, at)
+        batch.shape = _packed_shape(items, shapes, index_at, at)
+    elif padded:
+        batch.shape = _padded_shape(items.name, shapes, index_at, pad_to, at)
     else:
-        batch.shape = _padded_shape(items.name, shapes, at, pad_to) if padded else _common_shape(items.name, shapes, at)
+        batch.shape = _common_shape(items.name, shapes, index_at, at)
     table = batch.table = SpanTable()
     table.cache, table.source = items, items.source()
     table.row_starts, table.row_ends, table.index, table.index_np = items.row_starts, items.row_ends, index, index_np
@@ -478,37 +481,39 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     return batch
 
 
-def _packed_shape(items, shapes: np.ndarray, index_np: np.ndarray) -> tuple[int, ...]:
+def _packed_shape(items, shapes: np.ndarray, index_np: np.ndarray, at: np.ndarray) -> tuple[int, ...]:
     """``[sum L_i, *rest]`` of a packed field: the items must agree past their first dimension and
-    hold whole 2-byte units (the gather copies units back to back)."""
+    hold whole 2-byte units (the gather copies units back to back). ``at``: the items' places in the batch."""
     if shapes.shape[1] == 0:
         raise InvalidArgumentError(f"field {items.name!r} holds scalars: there is nothing to pack")
-    _common_shape(items.name + " (past its first dimension)", shapes[:, 1:], index_np)
+    _common_shape(items.name + " (past its first dimension)", shapes[:, 1:], index_np, at)
     odd = np.flatnonzero(items.nbytes[index_np] % 2)
     if len(odd):
-        raise InvalidArgumentError(f"field {items.name!r}: indices[{int(odd[0])}] = {int(index_np[odd[0]])} has an odd byte count "
+        raise InvalidArgumentError(f"field {items.name!r}: indices[{int(at[odd[0]])}] = {int(index_np[odd[0]])} has an odd byte count "
                                    f"({int(items.nbytes[index_np[odd[0]]])}) and cannot be packed in 2-byte units; read it with pad= instead")
     return (int(shapes[:, 0].sum()), *(int(x) for x in shapes[0, 1:])) if len(shapes) else (0,) * shapes.shape[1]
 
 
-def _common_shape(name: str, shapes: np.ndarray, index_np: np.ndarray) -> tuple[int, ...]:
+def _common_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, at=None) -> tuple[int, ...]:
+    """The one shape of ``shapes`` (items ``index_np``, at places ``at`` of the batch: default 0, 1, ...)."""
+    at = np.arange(len(index_np)) if at is None else at
     if len(shapes) and np.any(shapes != shapes[0]):
         kinds, first = np.unique(shapes, axis=0, return_index=True)
-        listed = ", ".join(f"{kinds[k].tolist()} (indices[{int(first[k])}] = {int(index_np[first[k]])})" for k in np.argsort(first)[:6])
+        listed = ", ".join(f"{kinds[k].tolist()} (indices[{int(at[first[k]])}] = {int(index_np[first[k]])})" for k in np.argsort(first)[:6])
         raise InvalidArgumentError(f"field {name!r}: the batch's items have {len(kinds)} shapes: {listed}; "
                                    f"name the field in pad= to pad it to the largest")
     return tuple(int(x) for x in shapes[0]) if len(shapes) else (0,) * shapes.shape[1]  # (an empty batch: zeros)
 
 
-def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to) -> tuple[int, ...]:
+def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to, at) -> tuple[int, ...]:
     """The batch's shape of a padded field: the largest first dimension (or ``pad_to``), the rest shared."""
     if shapes.shape[1] == 0:
         raise InvalidArgumentError(f"field {name!r} holds scalars: there is nothing to pad")
-    _common_shape(name + " (past its first dimension)", shapes[:, 1:], index_np)
+    _common_shape(name + " (past its first dimension)", shapes[:, 1:], index_np, at)
     longest = int(shapes[:, 0].max(initial=0))
     if pad_to is not None and pad_to < longest:
-        at = int(np.argmax(shapes[:, 0]))
-        raise InvalidArgumentError(f"pad_to[{name!r}] = {pad_to} is shorter than indices[{at}] = {int(index_np[at])}, "
-                                   f"of shape {shapes[at].tolist()}")
+        k = int(np.argmax(shapes[:, 0]))
+        raise InvalidArgumentError(f"pad_to[{name!r}] = {pad_to} is shorter than indices[{int(at[k])}] = {int(index_np[k])}, "
+                                   f"of shape {shapes[k].tolist()}")
     lead = longest if pad_to is None else pad_to
     return (lead, *(int(x) for x in shapes[0, 1:])) if len(shapes) else (lead,) + (0,) * (shapes.shape[1] - 1)
