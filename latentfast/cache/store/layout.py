@@ -459,8 +459,8 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     batch.shapes = np.ascontiguousarray(items.shapes[index_np])
     batch.present = None if items.present is None else items.present[index_np]
     # the batch's shape is its present items' (an absent item's zeros would be taken for a shape of its own)
-    at = np.arange(len(index_np)) if batch.present is None else np.flatnonzero(batch.present)  # their places in the batch
-    shapes, index_at = batch.shapes[at], index_np[at]
+    at = None if batch.present is None else np.flatnonzero(batch.present)  # their places in the batch (None: 0, 1, ...)
+    shapes, index_at = (batch.shapes, index_np) if at is None else (batch.shapes[at], index_np[at])
     if packed:
         batch.shape = _packed_shape(items, shapes, index_at, at)
     elif padded:
@@ -481,7 +481,7 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     return batch
 
 
-def _packed_shape(items, shapes: np.ndarray, index_np: np.ndarray, at: np.ndarray) -> tuple[int, ...]:
+def _packed_shape(items, shapes: np.ndarray, index_np: np.ndarray, at=None) -> tuple[int, ...]:
     """``[sum L_i, *rest]`` of a packed field: the items must agree past their first dimension and
     hold whole 2-byte units (the gather copies units back to back). ``at``: the items' places in the batch."""
     if shapes.shape[1] == 0:
@@ -489,23 +489,27 @@ def _packed_shape(items, shapes: np.ndarray, index_np: np.ndarray, at: np.ndarra
     _common_shape(items.name + " (past its first dimension)", shapes[:, 1:], index_np, at)
     odd = np.flatnonzero(items.nbytes[index_np] % 2)
     if len(odd):
-        raise InvalidArgumentError(f"field {items.name!r}: indices[{int(at[odd[0]])}] = {int(index_np[odd[0]])} has an odd byte count "
+        raise InvalidArgumentError(f"field {items.name!r}: indices[{_place(at, odd[0])}] = {int(index_np[odd[0]])} has an odd byte count "
                                    f"({int(items.nbytes[index_np[odd[0]]])}) and cannot be packed in 2-byte units; read it with pad= instead")
     return (int(shapes[:, 0].sum()), *(int(x) for x in shapes[0, 1:])) if len(shapes) else (0,) * shapes.shape[1]
 
 
+def _place(at, k) -> int:
+    """The place in the batch of the ``k``-th item checked (``at``: their places, None: every item in order)."""
+    return int(k) if at is None else int(at[k])
+
+
 def _common_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, at=None) -> tuple[int, ...]:
     """The one shape of ``shapes`` (items ``index_np``, at places ``at`` of the batch: default 0, 1, ...)."""
-    at = np.arange(len(index_np)) if at is None else at
     if len(shapes) and np.any(shapes != shapes[0]):
         kinds, first = np.unique(shapes, axis=0, return_index=True)
-        listed = ", ".join(f"{kinds[k].tolist()} (indices[{int(at[first[k]])}] = {int(index_np[first[k]])})" for k in np.argsort(first)[:6])
+        listed = ", ".join(f"{kinds[k].tolist()} (indices[{_place(at, first[k])}] = {int(index_np[first[k]])})" for k in np.argsort(first)[:6])
         raise InvalidArgumentError(f"field {name!r}: the batch's items have {len(kinds)} shapes: {listed}; "
                                    f"name the field in pad= to pad it to the largest")
     return tuple(int(x) for x in shapes[0]) if len(shapes) else (0,) * shapes.shape[1]  # (an empty batch: zeros)
 
 
-def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to, at) -> tuple[int, ...]:
+def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to, at=None) -> tuple[int, ...]:
     """The batch's shape of a padded field: the largest first dimension (or ``pad_to``), the rest shared."""
     if shapes.shape[1] == 0:
         raise InvalidArgumentError(f"field {name!r} holds scalars: there is nothing to pad")
@@ -513,7 +517,7 @@ def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to, a
     longest = int(shapes[:, 0].max(initial=0))
     if pad_to is not None and pad_to < longest:
         k = int(np.argmax(shapes[:, 0]))
-        raise InvalidArgumentError(f"pad_to[{name!r}] = {pad_to} is shorter than indices[{int(at[k])}] = {int(index_np[k])}, "
+        raise InvalidArgumentError(f"pad_to[{name!r}] = {pad_to} is shorter than indices[{_place(at, k)}] = {int(index_np[k])}, "
                                    f"of shape {shapes[k].tolist()}")
     lead = longest if pad_to is None else pad_to
     return (lead, *(int(x) for x in shapes[0, 1:])) if len(shapes) else (lead,) + (0,) * (shapes.shape[1] - 1)
