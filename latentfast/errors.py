@@ -83,6 +83,11 @@ class MissingCostError(LatentfastError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class AbsentValueError(CacheError, LookupError):
+    """An item has no value of an optional record field that this read needs (the error names the item's
+    key and the field)."""
+
+
 class UnknownKeyError(CacheError, KeyError):
     """A latent cache holds no item with this key."""
 
@@ -95,6 +100,7 @@ class DeviceUnavailableError(LatentfastError, RuntimeError):
 
 
 __all__ = [
+    "AbsentValueError",
     "ArgumentTypeError",
     "BackendUnavailableError",
     "CaptionError",

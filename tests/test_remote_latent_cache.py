@@ -44,12 +44,23 @@ def _records(folder):
                                     "pooled": torch.randn(7, generator=gen), "mask": torch.rand(2 + 3 * (i % 3), generator=gen) > 0.5})
 
 
+def _optional(folder):
+    """Records some of which lack a field (an optional field: its presence file comes along with the index)."""
+    gen = torch.Generator().manual_seed(6)
+    with LatentCacheWriter(folder, optional=True) as writer:
+        for i in range(11):
+            record = {"latent": torch.randn((4, 3, 5), generator=gen).half()}
+            if i % 3:
+                record["text"] = torch.randn((1 + i, 6), generator=gen).to(torch.bfloat16)
+            writer.append(f"o{i}", record)
+
+
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
     """Local caches of each kind and their copies at s3://lfcache/<kind>; yields (endpoint, {kind: folder})."""
     root = tmp_path_factory.mktemp("caches")
     folders = write_random_cache(str(root), 37, 4, 8, 40, seed=5, layouts=("padded", "ragged"))
-    for kind, make in (("shaped", _shaped), ("records", _records)):
+    for kind, make in (("shaped", _shaped), ("records", _records), ("optional", _optional)):
         folders[kind] = str(root / kind)
         make(folders[kind])
     with s3_server() as endpoint:
@@ -93,7 +104,7 @@ def batches_of(cache, rng, n_batches=6):
     return [rng.choice(len(cache), size=7).tolist() for _ in range(n_batches)]
 
 
-@pytest.mark.parametrize("kind", ["padded", "ragged", "shaped", "records"])
+@pytest.mark.parametrize("kind", ["padded", "ragged", "shaped", "records", "optional"])
 def test_a_pushed_cache_reads_back_bit_equal(caches, tmp_path, kind):
     endpoint, folders = caches
     local, cache = LatentCache(folders[kind]), remote(endpoint, kind, tmp_path / "lc")
@@ -115,6 +126,10 @@ def test_a_pushed_cache_reads_back_bit_equal(caches, tmp_path, kind):
             assert_same(cache.read_batch(batch, **kw), local.read_batch(batch, **kw))
             kw = {"fields": ("latent", "text"), "packed": ("text",)}  # from a cache of its own: its first reads
             assert_same(packed_reader.read_batch(batch, **kw), local.read_batch(batch, **kw))
+        if kind == "optional":
+            kw = {"fields": ("latent", "text"), "pad": {"text": 0}}
+            assert_same(cache.read_batch(batch, **kw), local.read_batch(batch, **kw))
+            assert cache.read_batch(batch, **kw)["text_present"].tolist() == [i % 3 != 0 for i in batch]
     for i in range(len(local)):
         assert_same(cache[i], local[i])
         assert_same(cache.record(i), local.record(i))

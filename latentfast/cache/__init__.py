@@ -31,6 +31,7 @@ _EXPORTS = {
     "verify_cache": ".store.reader",
     # shaped caches: writer, image / video builders, importers
     "CacheLockedError": "..errors",
+    "AbsentValueError": "..errors",
     "LatentCacheWriter": ".store.writer",
     "build_image_cache": ".builders.images",
     "build_video_cache": ".builders.images",

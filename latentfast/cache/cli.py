@@ -269,6 +269,15 @@ def _add_import(commands) -> None:
     imp.add_argument("--arch", default=None, help="kohya: which architecture's files to import when several are there")
     imp.add_argument("--images", default=None, help="simpletuner: the image folder (recovers stems from hashed names, "
                      "captions from {stem}.txt)")
+    imp.add_argument("--latent-dtype", choices=("bfloat16", "float16"), default=None,
+                     help="trainer formats: store the VAE latents (latent, latent_flipped, ...) in this dtype, rounded to "
+                     "nearest (an item with a value float16 cannot hold is refused, named); default: the source's dtype")
+    imp.add_argument("--require", action="append", default=None, metavar="FIELD",
+                     help="trainer formats: refuse the import, naming each file, if an item lacks FIELD (e.g. latent_flipped, "
+                     "alpha_mask; text: the text-encoder outputs); repeatable. Without it such items are imported without "
+                     "that field (an optional field) and listed")
+    imp.add_argument("--dataset-id", default=None, help="simpletuner: the dataset's id, for models that key text "
+                     "embeddings by dataset and file path (default: tried from the VAE cache folder's name)")
     imp.add_argument("--key", default=None, help="entry holding the latent (default: 'latents', the one tensor named "
                      "'latent...', or the only entry)")
     imp.add_argument("--split", default="train", help="name of the split")
@@ -439,6 +448,11 @@ def run_import(args) -> int:
         if "evidence" in stats:
             print(stats["evidence"])
         print(stats["summary"])
+        lacking = stats.get("lacking") or []
+        for key, field, where in lacking[:20]:  # the items imported without a field others have
+            print(f"  {key}: no {field} (no {where})")
+        if len(lacking) > 20:
+            print(f"  ... and {len(lacking) - 20} more (--require FIELD refuses such items)")
         print(_up_to_date(args, path) if stats.get("unchanged") else f"latent cache written: {path} ({what})")
     return 0
 
@@ -447,7 +461,9 @@ def _import(args, stats: dict, group=None) -> str:
     """Import as the flags say (one rank's share with ``group``: ``stats`` then counts every rank's items)."""
     from .builders.importers import import_latents
 
-    trainer = {k: v for k, v in (("arch", args.arch), ("images", args.images)) if v is not None}
+    given = (("arch", args.arch), ("images", args.images), ("require", args.require), ("latent_dtype", args.latent_dtype),
+             ("dataset_id", args.dataset_id))
+    trainer = {k: v for k, v in given if v is not None}
     if args.convention != "keep" or args.scaling_factor is not None or args.shift_factor is not None:
         trainer.update(scaled={"keep": None, "scaled": True, "raw": False}[args.convention],
                        scaling_factor=args.scaling_factor, shift_factor=args.shift_factor)
@@ -503,7 +519,8 @@ def run_inspect(args) -> int:
     print(f"rows: {info['n']}   layout: {info['layout']}")
     print("fields (bytes: logical = every item's value, stored = on disk, equal values once):")
     for name, field in info["fields"].items():
-        print(f"  {name:>16} {field['dtype']:>9} {field['ndim']}-D   logical {field['logical_bytes']:>15,}   stored {field['stored_bytes']:>15,}")
+        absent = f"   optional: {field['absent']:,} items without" if "absent" in field else ""
+        print(f"  {name:>16} {field['dtype']:>9} {field['ndim']}-D   logical {field['logical_bytes']:>15,}   stored {field['stored_bytes']:>15,}{absent}")
     if "shape_counts" in info:
         _print_shaped(info)
         return 0

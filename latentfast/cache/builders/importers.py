@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import CacheError, InvalidArgumentError
+from ...errors import CacheError, InvalidArgumentError, NonFiniteError
 from ..store import format as fmt
 from ..store.durable import BuildLock, content_hash
 from ..store.writer import LatentCacheWriter, check_file_name, encoder_identity, open_for_sources
 from .. import trainers
-from ..trainers.common import array_to_tensor, load_pt, pt_nbytes
+from ..trainers.common import array_to_tensor, load_pt, npz_member_bytes, pt_nbytes
 from . import distributed
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
@@ -93,6 +93,7 @@ def _pick(path: str, names: list[str], key: str | None, default_prefix: str) -> 
 
 
 def _read_npz(path: str, key: str | None):
+    npz_member_bytes(path)  # every array's header against its stored bytes, before numpy allocates what one claims
     with np.load(path, allow_pickle=False) as archive:
         name = _pick(path, list(archive.files), key, "latents")
         latent = array_to_tensor(archive[name], path, name)  # bf16 bits saved by numpy (|V2) read as bfloat16
@@ -124,7 +125,7 @@ def _read_pt(path: str, key: str | None, max_item_bytes: int):
 def import_latents(source_dir, out_dir, split: str = "train", *, format: str, key: str | None = None,
                    encoder: Any = None, quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
                    scaled: bool | None = None, scaling_factor: float | None = None, shift_factor: float | None = None,
-                   group=None, **options) -> str:
+                   require=None, latent_dtype: str | None = None, group=None, **options) -> str:
     """Import ``source_dir`` into a shaped cache in ``out_dir``; returns the data path.
 
     ``format``: a trainer's name or ``"auto"`` (see the module docstring; ``options`` go to the
@@ -136,6 +137,20 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
     ``encoder``'s normalization). ``stats`` also receives ``skipped`` (a list of ``(path, reason)``) and
     ``summary`` (one line), and for trainer formats ``format``, ``evidence`` (what detection found) and
     ``convention`` (what the stamp's ``latent_convention`` says).
+
+    Items without an output other items have (kohya sets ``flip_aug`` and ``alpha_mask`` per subset; an
+    image may lack its text-encoder file): kept as records without that field, an optional field of the
+    cache (``read_batch`` gives ``<field>_present``), and listed in ``stats["lacking"]`` (``(key, field,
+    file)``) and the summary. ``require`` (trainer formats: a field name or several; ``"text"`` for the
+    text-encoder outputs) refuses them instead: every item that lacks one is named with the file it
+    would come from, before anything is written.
+
+    ``latent_dtype`` (trainer formats): ``"bfloat16"`` or ``"float16"`` stores every VAE latent field
+    (``latent``, ``latent_flipped``, ``latent_std``, ...: not audio latents) in that dtype, rounded to
+    nearest (``Tensor.to``) after any ``scaled=`` conversion -- kohya's float32 latents in half the bytes.
+    A value the dtype cannot hold (beyond float16's +-65504; bfloat16 has float32's range) refuses the
+    import at that item, naming its key, field and largest magnitude (the items before it stay written,
+    resumable). None (default) keeps each field's source dtype.
 
     ``key``: the entry holding the latent (npz array name, safetensors tensor name, or the key of a
     ``.pt`` dict); by default ``latents`` / the one tensor named ``latent...`` / the only entry.
@@ -163,11 +178,13 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
             raise InvalidArgumentError(f"key= applies to the extension formats {sorted(FORMATS)}; format {format!r} reads "
                                        f"the trainer's own entry names")
         return _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
-                               scaling_factor, shift_factor, options)
+                               scaling_factor, shift_factor, _required(require), _latent_dtype(latent_dtype), options)
     max_item_bytes = options.pop("max_item_bytes", trainers.DEFAULT_MAX_ITEM_BYTES)
-    if options or scaled is not None or scaling_factor is not None or shift_factor is not None:
+    if options or scaled is not None or scaling_factor is not None or shift_factor is not None or require is not None \
+            or latent_dtype not in (None, "float16"):
         raise InvalidArgumentError(f"format {format!r} takes no trainer options (scaled=, scaling_factor=, shift_factor=, "
-                                   f"{sorted(options)}); those are for the trainer formats {list(TRAINER_FORMATS)}")
+                                   f"require=, latent_dtype= other than float16, which it stores, {sorted(options)}); those "
+                                   f"are for the trainer formats {list(TRAINER_FORMATS)}")
     if format not in FORMATS:
         raise InvalidArgumentError(f"format must be one of {[*FORMATS, *TRAINER_FORMATS]}, got {format!r}")
     files = list_latent_files(source_dir, format)
@@ -304,8 +321,43 @@ def _unchanged(out_dir, split, identity, meta, files, digests) -> bool:
 
 
 # ---- trainer caches ---------------------------------------------------------------------------------
+def _required(require) -> tuple[str, ...]:
+    """``require=`` as a tuple of field names (``text``: the text-encoder outputs)."""
+    names = () if require is None else (require,) if isinstance(require, str) else tuple(require)
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidArgumentError(f"require must name record fields (e.g. 'latent_flipped', 'text'), got {require!r}")
+    return names
+
+
+def _refuse_lacking(source, required: tuple[str, ...]) -> None:
+    """Raise naming every item (and the file it would come from) that lacks a ``required`` field; nothing is written yet."""
+    lacking = [(field, key, where) for field in required for key, where in source.lacks(field)]
+    if lacking:
+        lines = "\n".join(f"  {key}: no {field} (no {where})" for field, key, where in lacking)
+        raise trainers.TrainerCacheError(f"{source.root}: require={list(required)}: {len(lacking)} items lack a required "
+                                         f"field; nothing was written:\n{lines}")
+
+
+def _check_required(record, fields: dict, required: tuple[str, ...], root: str) -> None:
+    """An item the scan could not judge (its files hold fewer outputs than others): refused before it is written."""
+    for field in required:
+        if not any(name == field or (field == "text" and name.startswith("text_")) for name in fields):
+            raise trainers.TrainerCacheError(f"{root}: require={list(required)}: item {record.key!r} has no {field!r} "
+                                             f"(its fields: {sorted(fields)}); the items before it are written, resumable")
+
+
+def _latent_dtype(name) -> torch.dtype | None:
+    """``latent_dtype=`` as a torch dtype (None: each field's source dtype)."""
+    if name is None:
+        return None
+    if name not in ("bfloat16", "float16"):
+        raise InvalidArgumentError(f"latent_dtype must be 'bfloat16', 'float16' or None (the source's dtype), got {name!r}")
+    return getattr(torch, name)
+
+
 def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
-                    scaling_factor, shift_factor, options) -> str:
+                    scaling_factor, shift_factor, required, latent_dtype, options) -> str:
     from ...progress import progress_bar as tqdm  # a bar on a terminal, a line every ~10 s in a log
 
     if format == "simpletuner":  # its reader records the factors it was told (its files do not say)
@@ -313,6 +365,7 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
     source = trainers.open_source(source_dir, format, **options)
     if not len(source):
         raise trainers.TrainerCacheError(f"{source.root}: {source.format} cache with no items to import ({source.summary()})")
+    _refuse_lacking(source, required)  # (every rank of a distributed import: the whole folder, the same message)
     whole = _described(source)
     share = distributed.current_share()
     if share is not None:  # a distributed import: this rank's items, each a unit costed by its tensor bytes
@@ -328,13 +381,16 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
     convert, convention = latent_conversion(source.convention, scaled, scaling_factor, shift_factor, identity, source.root)
     meta = {"kind": "import", "import_format": source.format, "import_key": None, "source": source.root,
             "latent_convention": convention}
+    if latent_dtype is not None:  # (absent otherwise: the meta of imports made before the option)
+        meta["import_latent_dtype"] = str(latent_dtype).removeprefix("torch.")
     lock = BuildLock(out_dir, split, lock_timeout)
     try:
-        if _records_unchanged(out_dir, split, identity, meta, source, convert, convention):
+        if _records_unchanged(out_dir, split, identity, meta, source, convert, convention, latent_dtype):
             lock.release()
             _report(stats, whole, imported=0, resumed=0, unchanged=True, convention=convention)
             return fmt.cache_path(out_dir, split, "data")
-        writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock)
+        # optional=True: an item without an output other items have is a record without that field
+        writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock, optional=True)
     except BaseException:
         lock.release()
         raise
@@ -345,7 +401,8 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
         while True:  # a second pass only when an item written by an interrupted run has changed since
             done, stale = 0, False
             for record in tqdm(source, total=len(source), unit="items", desc="import", disable=True if quiet else None):
-                fields, info = _as_stored(record, convert, convention)
+                fields, info = _as_stored(record, convert, convention, latent_dtype, source.root)
+                _check_required(record, fields, required, source.root)
                 digest = record_hash(fields, info)
                 if record.key in writer:
                     if writer.source_hash(record.key) == digest.hex():
@@ -368,7 +425,7 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
 def _described(source) -> dict:
     """What ``stats`` says of a trainer's whole folder (a distributed import's share says the same)."""
     return {"format": source.format, "evidence": source.evidence, "summary": source.summary(),
-            "skipped": [tuple(s) for s in source.skipped]}
+            "skipped": [tuple(s) for s in source.skipped], "lacking": source.lacking}
 
 
 def _report(stats, whole: dict, **counts) -> None:
@@ -428,10 +485,25 @@ def to_raw(z: torch.Tensor, scale: float, shift: float | None) -> torch.Tensor:
     return (x + shift if shift else x).to(z.dtype)
 
 
-def _as_stored(record, convert, convention) -> tuple[dict, dict]:
+def _as_stored(record, convert, convention, latent_dtype=None, root: str = "") -> tuple[dict, dict]:
     fields = {name: convert(v) if convert is not None and is_vae_latent(name, v) else v for name, v in record.fields.items()}
+    if latent_dtype is not None:
+        fields = {name: narrowed(record.key, name, v, latent_dtype, root) if is_vae_latent(name, v) else v
+                  for name, v in fields.items()}
     info = {**record.info, **convention}  # the item says what the stamp says
     return fields, info
+
+
+def narrowed(key: str, name: str, value: torch.Tensor, dtype: torch.dtype, root: str) -> torch.Tensor:
+    """``value`` in ``dtype`` (rounded to nearest); a finite value that overflows it raises, naming the item."""
+    out = value.to(dtype)
+    overflow = torch.isinf(out) & torch.isfinite(value)
+    if bool(overflow.any()):
+        largest = float(value[torch.isfinite(value)].abs().max())
+        raise NonFiniteError(f"item {key!r} of {root}: field {name!r} holds values beyond {str(dtype).removeprefix('torch.')}'s "
+                             f"range (largest magnitude {largest:.6g}, limit {torch.finfo(dtype).max:.6g}): latent_dtype="
+                             f"{str(dtype).removeprefix('torch.')!r} cannot store it (bfloat16 can; or keep the source's dtype)")
+    return out
 
 
 def record_hash(fields: dict, info: dict) -> bytes:
@@ -445,7 +517,7 @@ def record_hash(fields: dict, info: dict) -> bytes:
     return digest.digest()
 
 
-def _records_unchanged(out_dir, split, identity, meta, source, convert, convention) -> bool:
+def _records_unchanged(out_dir, split, identity, meta, source, convert, convention, latent_dtype=None) -> bool:
     """A complete cache of exactly these records (same keys, same content), imported the same way, intact."""
     from ..store.reader import LatentCache, bad_blocks
 
@@ -458,6 +530,6 @@ def _records_unchanged(out_dir, split, identity, meta, source, convert, conventi
             or any(cache.meta.get(k) != v for k, v in meta.items() if k != "source")):
         return False
     for i, record in enumerate(source):
-        if record_hash(*_as_stored(record, convert, convention)) != hashes[i].tobytes():
+        if record_hash(*_as_stored(record, convert, convention, latent_dtype, source.root)) != hashes[i].tobytes():
             return False
     return not bad_blocks(cache, first_only=True)[0]

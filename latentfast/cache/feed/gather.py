@@ -25,7 +25,7 @@ import torch
 
 from ...checks import FLOAT_DTYPES
 from ...devices import as_device
-from ...errors import DeviceUnavailableError, InvalidArgumentError
+from ...errors import AbsentValueError, DeviceUnavailableError, InvalidArgumentError
 from ..store import layout
 from ..store.layout import ELEMENT_BYTES
 from ... import ops, sampling
@@ -84,13 +84,18 @@ def read_batch(cache, indices, spec: ReadSpec | None = None, *, out=None, return
         flip: a probability: each item's ``latent`` entry is its ``latent_flipped`` (a cache built
             with ``flip=True``) with this probability, drawn from the same item seed (its own stream);
             the batch gets a ``flipped`` bool ``[B]`` entry. With ``sample`` the flipped items draw
-            around ``latent_flipped`` with ``latent_flipped_std``.
+            around ``latent_flipped`` with ``latent_flipped_std``. Where ``latent_flipped`` is optional
+            (an import of a trainer folder that flips some subsets only), an item without one is never
+            flipped: the draw is made among the items that have one.
         seed, epoch: the draws' run seed (an int, required with ``sample`` / ``flip``) and epoch (>= 0).
 
     Returns:
         With ``fields``: ``{field: [B, *shape] tensor, "<field>_shape": int64 [B, ndim] (the true
         shapes, on the CPU)}``; the latent in ``dtype``, every other field in its stored dtype,
-        bit for bit. Without, line caches: ``(latents [B, C, h, W] of dtype on device, widths [B] int32 on the CPU)``;
+        bit for bit. An optional field (one some items lack) adds ``"<field>_present"``, bool ``[B]``
+        on the CPU; an item without a value has a zero shape and reads as zeros (its pad value where
+        padded). A draw that needs a value an item lacks (``latent_std`` with ``sample``) raises
+        :class:`~latentfast.errors.AbsentValueError` naming the item's key and the field. Without, line caches: ``(latents [B, C, h, W] of dtype on device, widths [B] int32 on the CPU)``;
         columns from a row's width up to W hold the cache's white column. Shaped caches:
         ``(latents [B, *shape], shapes [B, ndim] int64 on the CPU)``; items of different shapes
         raise ``InvalidArgumentError`` naming them.
@@ -170,6 +175,8 @@ def _read_records(cache, items, indices, spec, names, on_cpu, device, dtype, out
         else:
             result[name] = _field_values(batch, on_cpu, device, spec, out, buffer)
             shapes = torch.from_numpy(batch.shapes)
+            if batch.present is not None:
+                result[name + "_present"] = torch.from_numpy(batch.present.copy())
         result[name + "_shape"] = shapes
     return result
 
@@ -199,6 +206,16 @@ def _read_drawn(cache, items, indices, spec, on_cpu, device, dtype, out) -> dict
     keys = cache.keys
     seeds = sampling.item_seeds([keys[i] for i in index_np.tolist()], seed, spec.epoch)
     flipped = sampling.flip_draws(seeds, flip) if flip is not None else torch.zeros(len(index_np), dtype=torch.bool)
+    if flip is not None and have["latent_flipped"].present is not None:  # only items that have a flipped latent flip
+        flipped &= torch.from_numpy(have["latent_flipped"].present[index_np])
+    for name in need:  # a value the draw reads must be there (the flipped items' variants, the others' latent_std)
+        present = have[name].present
+        reads = flipped.numpy() if name.startswith("latent_flipped") else ~flipped.numpy()
+        lacking = [] if present is None else np.flatnonzero(reads & ~present[index_np])
+        if len(lacking):
+            at = int(lacking[0])
+            raise AbsentValueError(f"{'sample=True' if name.endswith('_std') else 'flip='} reads field {name!r} of indices[{at}] = "
+                                   f"{int(index_np[at])} (key {keys[int(index_np[at])]!r}), which that item lacks")
     extra = [n for n in ("latent_std",) if sample and n not in names]
     batch = _read_records(cache, items, index, spec, names + extra, on_cpu, device, dtype, out)
     latent = batch["latent"]

@@ -8,10 +8,18 @@ On disk, field ``name`` of split ``split`` is:
   not written again;
 - ``{split}.field.{name}.spans.npy``  int64 ``[N, 2 + ndim]``: per item the byte offset and byte
   length of its value in the data file, then its shape (items sharing a value share an offset);
-- ``{split}.field.{name}.crc32.npy``  uint32 ``[N]``: CRC-32 of each item's value bytes.
+- ``{split}.field.{name}.crc32.npy``  uint32 ``[N]``: CRC-32 of each item's value bytes;
+- ``{split}.field.{name}.present.npy`` bool ``[N]``, optional fields only: whether each item has a value.
 
-The meta lists the fields (``meta["fields"]``: name -> dtype, ndim, logical and stored bytes). The
-``latent`` field is the cache's main float16 data file, as in every cache before fields existed.
+The meta lists the fields (``meta["fields"]``: name -> dtype, ndim, logical and stored bytes, and for
+an optional field ``optional: true`` and its ``absent`` count). The ``latent`` field is the cache's
+main data file, as in every cache before fields existed; it is never optional.
+
+Optional fields: an item without a value of an optional field has the spans row ``[end of the data
+file, 0, 0, ...]`` (no bytes, an all-zero shape: it shares no offset with a stored value) and CRC 0.
+The presence file is an index file like the spans: its CRC-32 is in the meta's ``files`` and checked
+on open. A cache written before optional fields existed has no presence file: every item has every
+field.
 
 :class:`FieldStore` is the writer's side (the same durable protocol as the latents: whole writes,
 fdatasync before the log names a value, read back against the CRC, index, rename, meta last);
@@ -29,7 +37,7 @@ import zlib
 import numpy as np
 import torch
 
-from ...errors import CacheCorruptError, InvalidArgumentError, NonFiniteError
+from ...errors import AbsentValueError, CacheCorruptError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
 from .durable import pwrite_all
 
@@ -38,11 +46,11 @@ _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
-_KINDS = {"data": "dat", "spans": "spans.npy", "crc": "crc32.npy"}
+_KINDS = {"data": "dat", "spans": "spans.npy", "crc": "crc32.npy", "present": "present.npy"}
 
 
 def field_path(cache_dir, split: str, name: str, kind: str) -> str:
-    """Path of field ``name``'s ``data``, ``spans`` or ``crc`` file."""
+    """Path of field ``name``'s ``data``, ``spans``, ``crc`` or ``present`` file."""
     return os.path.join(os.fspath(cache_dir), f"{split}.field.{name}.{_KINDS[kind]}")
 
 
@@ -80,7 +88,8 @@ def as_stored(key: str, name: str, value) -> tuple[str, tuple[int, ...], np.ndar
 
 class FieldStore:
     """The writer's side of one field: its partial data file, declared dtype/ndim, and the index of
-    stored values by hash (for storing equal values once)."""
+    stored values by hash (for storing equal values once). ``entries`` lists, in item order, each
+    item's log entry, None where the item has no value (an optional field)."""
 
     def __init__(self, out_dir: str, split: str, name: str):
         self.name = name
@@ -108,7 +117,7 @@ class FieldStore:
         self.end = _needed(entries)
         os.ftruncate(self.fd, self.end)
         self.by_hash, self.dtype, self.ndim = {}, None, None
-        for e in entries:
+        for e in _present(entries):
             self._declare(e["d"], len(e["s"]))
             self._remember(bytes.fromhex(e["x"]), e["o"], e["n"])
 
@@ -155,6 +164,8 @@ class FieldStore:
         """Index of the first entry whose bytes on disk fail its CRC, else None (each stored value read once)."""
         good: set[tuple[int, int]] = set()
         for i, e in enumerate(entries):
+            if e is None:
+                continue
             spot = (e["o"], e["n"])
             if spot in good:
                 continue
@@ -163,12 +174,20 @@ class FieldStore:
             good.add(spot)
         return None
 
-    def index_files(self, entries: list[dict]) -> tuple[bytes, bytes, dict]:
-        """``(spans .npy, crc .npy, meta entry)`` of this field for the finished cache."""
-        spans = np.asarray([[e["o"], e["n"], *e["s"]] for e in entries], dtype=np.int64).reshape(len(entries), 2 + self.ndim)
-        crc = np.asarray([e["c"] for e in entries], dtype=np.uint32)
+    def index_files(self, entries: list[dict | None], optional: bool = False) -> tuple[bytes, bytes, bytes | None, dict]:
+        """``(spans .npy, crc .npy, present .npy or None, meta entry)`` of this field for the finished
+        cache; the field is optional (a presence file) when ``optional`` or some item has no value."""
+        absent = [0] * (2 + self.ndim)
+        absent[0] = self.end  # past every stored value: an absent item shares no offset with one
+        spans = np.asarray([absent if e is None else [e["o"], e["n"], *e["s"]] for e in entries],
+                           dtype=np.int64).reshape(len(entries), 2 + self.ndim)
+        crc = np.asarray([0 if e is None else e["c"] for e in entries], dtype=np.uint32)
         meta = {"dtype": self.dtype, "ndim": self.ndim, "logical_bytes": int(spans[:, 1].sum()), "stored_bytes": self.end}
-        return fmt.npy_bytes(spans), fmt.npy_bytes(crc), meta
+        present = np.asarray([e is not None for e in entries], dtype=bool)
+        if not (optional or not present.all()):
+            return fmt.npy_bytes(spans), fmt.npy_bytes(crc), None, meta
+        meta.update(optional=True, absent=int((~present).sum()))
+        return fmt.npy_bytes(spans), fmt.npy_bytes(crc), fmt.npy_bytes(present), meta
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -183,38 +202,68 @@ def fmt_size(path: str) -> int:
         return -1
 
 
-def _needed(entries: list[dict]) -> int:
+def _needed(entries: list[dict | None]) -> int:
     """Bytes of the data file that ``entries`` reach (values are padded to even byte counts)."""
-    return max((e["o"] + e["n"] + (e["n"] & 1) for e in entries), default=0)
+    return max((e["o"] + e["n"] + (e["n"] & 1) for e in _present(entries)), default=0)
+
+
+def _present(entries: list[dict | None]) -> list[dict]:
+    """The entries of items that have a value."""
+    return [e for e in entries if e is not None]
 
 
 # ---- reading ------------------------------------------------------------------------------------
-def load_field_index(cache_dir: str, split: str, name: str, entry, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(spans [N, 2 + ndim], crc [N])`` of field ``name``, checked against the meta and the data file."""
+def load_field_index(cache_dir: str, split: str, name: str, meta: dict, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(spans [N, 2 + ndim], crc [N], present [N] bool or None)`` of field ``name`` of the cache whose
+    meta is ``meta``, checked against it and the data file; ``present`` is None where every item has a
+    value (a field not optional)."""
+    entry = meta["fields"][name]
     meta_path = fmt.cache_path(cache_dir, split, "meta")
     if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES or not isinstance(entry.get("ndim"), int) \
-            or not 0 <= entry["ndim"] <= 8:
-        raise CacheCorruptError(f"latent cache meta {meta_path}: field {name!r} needs a dtype of {sorted(DTYPES)} and an ndim in [0, 8], got {entry!r}")
+            or not 0 <= entry["ndim"] <= 8 or entry.get("optional", False) not in (True, False):
+        raise CacheCorruptError(f"latent cache meta {meta_path}: field {name!r} needs a dtype of {sorted(DTYPES)}, an ndim in [0, 8] "
+                                f"and optional true or false, got {entry!r}")
     spath, cpath, dpath = (field_path(cache_dir, split, name, k) for k in ("spans", "crc", "data"))
     spans, crc = fmt.load_npy(spath, f"field {name!r} spans"), fmt.load_npy(cpath, f"field {name!r} checksums")
     if spans.shape != (n, 2 + entry["ndim"]) or spans.dtype != np.int64 or crc.shape != (n,) or crc.dtype != np.uint32:
         raise CacheCorruptError(f"latent cache field {name!r}: {spath} must be int64 [{n}, {2 + entry['ndim']}] and {cpath} uint32 [{n}], "
                                 f"got {spans.dtype} {list(spans.shape)} and {crc.dtype} {list(crc.shape)}")
+    present = _load_present(cache_dir, split, name, entry, n, meta)
     itemsize = torch.empty(0, dtype=DTYPES[entry["dtype"]]).element_size()
     size = fmt_size(dpath)
     if size < 0:
         raise FileNotFoundError(f"latent cache field {name!r} data file {dpath} does not exist")
-    if n and (spans[:, :2].min() < 0 or np.any(spans[:, 2:] < 0) or np.any(spans[:, 0] % 2)
-              or np.any(spans[:, 1] != np.prod(spans[:, 2:], axis=1) * itemsize) or int((spans[:, 0] + spans[:, 1]).max()) > size):
+    have = spans if present is None else spans[present]
+    if len(have) and (have[:, :2].min() < 0 or np.any(have[:, 2:] < 0) or np.any(have[:, 0] % 2)
+                      or np.any(have[:, 1] != np.prod(have[:, 2:], axis=1) * itemsize) or int((have[:, 0] + have[:, 1]).max()) > size):
         raise CacheCorruptError(f"latent cache field {name!r}: {spath} names spans that do not match the shapes or lie past the end of {dpath} ({size} bytes)")
-    return spans, crc
+    if present is not None and (np.any(spans[~present, 1:] != 0) or np.any(spans[~present, 0] % 2)
+                                or np.any((spans[~present, 0] < 0) | (spans[~present, 0] > size))):
+        raise CacheCorruptError(f"latent cache field {name!r}: {spath} gives bytes, a shape or an offset past {dpath} to an item "
+                                f"its presence file says has no value")
+    return spans, crc, present
+
+
+def _load_present(cache_dir: str, split: str, name: str, entry: dict, n: int, meta: dict) -> np.ndarray | None:
+    """An optional field's presence bits (checked against the meta's CRC-32 and ``absent`` count), else None."""
+    if not entry.get("optional"):
+        return None
+    path = field_path(cache_dir, split, name, "present")
+    present = fmt.load_npy(path, f"field {name!r} presence")
+    if present.shape != (n,) or present.dtype != np.bool_ or int((~present).sum()) != entry.get("absent"):
+        raise CacheCorruptError(f"latent cache field {name!r}: {path} must be bool [{n}] with {entry.get('absent')!r} items absent "
+                                f"(the meta's count), got {present.dtype} {list(present.shape)}")
+    fmt.check_recorded(cache_dir, split, meta, (f"{name}.present",))
+    return present
 
 
 class FieldItems:
     """One field of an opened cache as the batch gather sees it: the data file as float16 units,
-    each item's unit offset and unit count, its shape, and (per process) the map and checks done."""
+    each item's unit offset and unit count, its shape, whether it has a value (``present``: bool
+    ``[N]`` of an optional field, None where every item has one), and (per process) the map and
+    checks done."""
 
-    def __init__(self, cache, name: str, spans: np.ndarray, crc: np.ndarray):
+    def __init__(self, cache, name: str, spans: np.ndarray, crc: np.ndarray, present: np.ndarray | None = None):
         self.cache_dir, self.split, self.name = cache.cache_dir, cache.split, name
         self.path = field_path(cache.cache_dir, cache.split, name, "data")
         self.dtype = DTYPES[cache.meta["fields"][name]["dtype"]]
@@ -223,7 +272,7 @@ class FieldItems:
         self.nbytes = spans[:, 1]
         self.row_starts = spans[:, 0] // 2  # unit offset of each item's value (shared values share it)
         self.row_ends = self.row_starts + (self.nbytes + 1) // 2
-        self.crc = crc
+        self.crc, self.present = crc, present
         self.remote = getattr(cache, "remote", None)  # a cache in object storage (layout.holding)
         self._source = None
         self._verified: set[int] = set()
@@ -262,8 +311,15 @@ class FieldItems:
                                                 f"values that are not finite (NaN or inf)")
                     self._verified.add(i)
 
+    def has(self, i: int) -> bool:
+        """Whether item ``i`` has a value of this field."""
+        return self.present is None or bool(self.present[i])
+
     def value(self, fd: int, i: int) -> torch.Tensor:
-        """Item ``i``'s value, read with one pread."""
+        """Item ``i``'s value, read with one pread (an item without one: :class:`AbsentValueError`)."""
+        if not self.has(i):
+            raise AbsentValueError(f"latent cache {self.cache_dir} (split {self.split!r}): item {i} has no value of the "
+                                   f"optional field {self.name!r}")
         start, nbytes = int(self.row_starts[i]) * 2, int(self.nbytes[i])
         raw = os.pread(fd, nbytes, start)
         if len(raw) != nbytes:

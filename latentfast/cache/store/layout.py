@@ -398,9 +398,11 @@ class FieldBatch:
     """One field of a batch of records: its :class:`SpanTable` (the item values as lines of 2-byte
     units; ``None`` for the latent, which has its own table) and how to view the gathered units:
     ``dtype``, the per-item output ``shape``, the true ``shapes`` ``[B, ndim]`` and the ``pad`` value;
-    ``packed``: the items' values back to back, ``shape`` then the whole batch's ``[sum L_i, *rest]``."""
+    ``packed``: the items' values back to back, ``shape`` then the whole batch's ``[sum L_i, *rest]``;
+    ``present``: bool ``[B]``, which items have a value (an optional field; None: not optional). An item
+    without one has all-zero ``shapes`` and reads as zeros (the pad value where padded), no rows packed."""
 
-    __slots__ = ("table", "dtype", "shape", "shapes", "pad", "packed")
+    __slots__ = ("table", "dtype", "shape", "shapes", "pad", "packed", "present")
 
 
 # read_batch(pad_to=) pads a field's first dimension to at most this: a sequence longer than a million
@@ -463,10 +465,16 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     batch = FieldBatch()
     batch.dtype, batch.pad, batch.packed = items.dtype, value if padded else None, packed
     batch.shapes = np.ascontiguousarray(items.shapes[index_np])
+    batch.present = None if items.present is None else items.present[index_np]
+    # the batch's shape is its present items' (an absent item's zeros would be taken for a shape of its own)
+    at = None if batch.present is None else np.flatnonzero(batch.present)  # their places in the batch (None: 0, 1, ...)
+    shapes, index_at = (batch.shapes, index_np) if at is None else (batch.shapes[at], index_np[at])
     if packed:
-        batch.shape = _packed_shape(items, batch.shapes, index_np)
+        batch.shape = _packed_shape(items, shapes, index_at, at)
+    elif padded:
+        batch.shape = _padded_shape(items.name, shapes, index_at, pad_to, at)
     else:
-        batch.shape = _padded_shape(items.name, batch.shapes, index_np, pad_to) if padded else _common_shape(items.name, batch.shapes, index_np)
+        batch.shape = _common_shape(items.name, shapes, index_at, at)
     table = batch.table = SpanTable()
     table.cache, table.source = items, items.source()
     table.row_starts, table.row_ends, table.index, table.index_np = items.row_starts, items.row_ends, index, index_np
@@ -476,41 +484,48 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     table.width = table.w_max = -(-nbytes // ELEMENT_BYTES)
     table.pitch, table.checked, table.shapes = 0, True, batch.shapes
     table.shape = (table.width,)
-    table.white = torch.zeros((1, 1, 1), dtype=torch.float16) if padded else None
+    lacking = batch.present is not None and not batch.present.all()  # (absent items: zeros, as padding)
+    table.white = torch.zeros((1, 1, 1), dtype=torch.float16) if padded or lacking else None
     return batch
 
 
-def _packed_shape(items, shapes: np.ndarray, index_np: np.ndarray) -> tuple[int, ...]:
+def _packed_shape(items, shapes: np.ndarray, index_np: np.ndarray, at=None) -> tuple[int, ...]:
     """``[sum L_i, *rest]`` of a packed field: the items must agree past their first dimension and
-    hold whole 2-byte units (the gather copies units back to back)."""
+    hold whole 2-byte units (the gather copies units back to back). ``at``: the items' places in the batch."""
     if shapes.shape[1] == 0:
         raise InvalidArgumentError(f"field {items.name!r} holds scalars: there is nothing to pack")
-    _common_shape(items.name + " (past its first dimension)", shapes[:, 1:], index_np)
+    _common_shape(items.name + " (past its first dimension)", shapes[:, 1:], index_np, at)
     odd = np.flatnonzero(items.nbytes[index_np] % 2)
     if len(odd):
-        raise InvalidArgumentError(f"field {items.name!r}: indices[{int(odd[0])}] = {int(index_np[odd[0]])} has an odd byte count "
+        raise InvalidArgumentError(f"field {items.name!r}: indices[{_place(at, odd[0])}] = {int(index_np[odd[0]])} has an odd byte count "
                                    f"({int(items.nbytes[index_np[odd[0]]])}) and cannot be packed in 2-byte units; read it with pad= instead")
     return (int(shapes[:, 0].sum()), *(int(x) for x in shapes[0, 1:])) if len(shapes) else (0,) * shapes.shape[1]
 
 
-def _common_shape(name: str, shapes: np.ndarray, index_np: np.ndarray) -> tuple[int, ...]:
+def _place(at, k) -> int:
+    """The place in the batch of the ``k``-th item checked (``at``: their places, None: every item in order)."""
+    return int(k) if at is None else int(at[k])
+
+
+def _common_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, at=None) -> tuple[int, ...]:
+    """The one shape of ``shapes`` (items ``index_np``, at places ``at`` of the batch: default 0, 1, ...)."""
     if len(shapes) and np.any(shapes != shapes[0]):
         kinds, first = np.unique(shapes, axis=0, return_index=True)
-        listed = ", ".join(f"{kinds[k].tolist()} (indices[{int(first[k])}] = {int(index_np[first[k]])})" for k in np.argsort(first)[:6])
+        listed = ", ".join(f"{kinds[k].tolist()} (indices[{_place(at, first[k])}] = {int(index_np[first[k]])})" for k in np.argsort(first)[:6])
         raise InvalidArgumentError(f"field {name!r}: the batch's items have {len(kinds)} shapes: {listed}; "
                                    f"name the field in pad= to pad it to the largest")
     return tuple(int(x) for x in shapes[0]) if len(shapes) else (0,) * shapes.shape[1]  # (an empty batch: zeros)
 
 
-def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to) -> tuple[int, ...]:
+def _padded_shape(name: str, shapes: np.ndarray, index_np: np.ndarray, pad_to, at=None) -> tuple[int, ...]:
     """The batch's shape of a padded field: the largest first dimension (or ``pad_to``), the rest shared."""
     if shapes.shape[1] == 0:
         raise InvalidArgumentError(f"field {name!r} holds scalars: there is nothing to pad")
-    _common_shape(name + " (past its first dimension)", shapes[:, 1:], index_np)
+    _common_shape(name + " (past its first dimension)", shapes[:, 1:], index_np, at)
     longest = int(shapes[:, 0].max(initial=0))
     if pad_to is not None and pad_to < longest:
-        at = int(np.argmax(shapes[:, 0]))
-        raise InvalidArgumentError(f"pad_to[{name!r}] = {pad_to} is shorter than indices[{at}] = {int(index_np[at])}, "
-                                   f"of shape {shapes[at].tolist()}")
+        k = int(np.argmax(shapes[:, 0]))
+        raise InvalidArgumentError(f"pad_to[{name!r}] = {pad_to} is shorter than indices[{_place(at, k)}] = {int(index_np[k])}, "
+                                   f"of shape {shapes[k].tolist()}")
     lead = longest if pad_to is None else pad_to
     return (lead, *(int(x) for x in shapes[0, 1:])) if len(shapes) else (lead,) + (0,) * (shapes.shape[1] - 1)

@@ -109,8 +109,8 @@ class LatentCache:
         self._data_path = fmt.cache_path(self.cache_dir, split, "data")
         try:
             self._load_index()
-            self._field_index = {name: fieldstore.load_field_index(self.cache_dir, split, name, entry, len(self))
-                                 for name, entry in self._declared_fields().items()}
+            self._field_index = {name: fieldstore.load_field_index(self.cache_dir, split, name, meta, len(self))
+                                 for name in self._declared_fields()}
             self.white_column = self._resolve_white(white_column) if not self.shaped else None
             fmt.check_recorded(self.cache_dir, split, meta, ("widths", "offsets", "shapes", "white"))
         except (OSError, CacheError):
@@ -269,18 +269,24 @@ class LatentCache:
 
     @property
     def fields(self) -> dict[str, dict]:
-        """Each field of the cache's records: name -> ``{"dtype", "ndim", "shapes" (int64 [N, ndim])}``.
-        ``latent`` (the float16 data file) is always one; a cache written with records has the others."""
+        """Each field of the cache's records: name -> ``{"dtype", "ndim", "shapes" (int64 [N, ndim])}``,
+        and for an optional field ``"present"`` (bool [N]: which items have a value; the others' shapes
+        are zeros). ``latent`` (the data file) is always one; a cache written with records has the others."""
         described = {fieldstore.LATENT: {"dtype": self.dtype, "ndim": int(self.shapes.shape[1]), "shapes": self.shapes}}
         for name, items in self.field_items.items():
             described[name] = {"dtype": items.dtype, "ndim": int(items.shapes.shape[1]), "shapes": items.shapes}
+            if items.present is not None:
+                described[name]["present"] = items.present
         return described
 
     def record(self, i: int) -> dict[str, torch.Tensor]:
-        """Item ``i`` as a record: ``{"latent": cache[i], <field>: value, ...}`` (each field in its stored dtype)."""
+        """Item ``i`` as a record: ``{"latent": cache[i], <field>: value, ...}`` (each field in its stored
+        dtype; an optional field the item lacks is not in it)."""
         i = self._checked_index(i)
         record = {fieldstore.LATENT: self[i]}
         for name, items in self.field_items.items():
+            if not items.has(i):
+                continue
             if self.verify_rows:
                 items.check(np.asarray([i]))
             with layout.holding_items(items, [i]):
@@ -538,9 +544,10 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
         raise CacheCorruptError(f"latent cache {cache._data_path}: block {b} (rows {r0}..{r1 - 1}) fails its CRC-32 checksum")
     if cache.white_column is not None and not torch.isfinite(cache.white_column.float()).all():
         raise CacheCorruptError(f"latent cache {cache_dir}: the white column holds a non-finite value")
-    for items in cache.field_items.values():  # every field value against its CRC, and finite (a shared value once)
-        _, first = np.unique(items.row_starts, return_index=True)
-        items.check(first, finite=True)
+    for items in cache.field_items.values():  # every present field value against its CRC, and finite (a shared value once)
+        have = np.arange(items.n) if items.present is None else np.flatnonzero(items.present)
+        _, first = np.unique(items.row_starts[have], return_index=True)
+        items.check(have[first], finite=True)
     cache.keys  # noqa: B018 - a malformed keys file fails verify
     seconds = time.perf_counter() - start
     nbytes = int(cache.row_starts[-1]) * 2
@@ -573,9 +580,12 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
     fields = {fieldstore.LATENT: {"dtype": cache.meta.get("dtype", "float16"), "ndim": int(cache.shapes.shape[1]), "logical_bytes": data_bytes, "stored_bytes": data_bytes}}
     for name, entry in cache.meta.get("fields", {}).items():
         fields[name] = {k: entry[k] for k in ("dtype", "ndim", "logical_bytes", "stored_bytes")}
-        for kind in ("data", "spans", "crc"):
+        if entry.get("optional"):  # (items without a value)
+            fields[name]["absent"] = entry["absent"]
+        for kind in ("data", "spans", "crc", "present"):
             path = fieldstore.field_path(cache_dir, split, name, kind)
-            files[os.path.basename(path)] = os.path.getsize(path)
+            if kind != "present" or entry.get("optional"):
+                files[os.path.basename(path)] = os.path.getsize(path)
     info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files, "fields": fields,
             "bytes_on_disk": sum(files.values()), "data_bytes": data_bytes,
             "resident_bytes": coldread.resident_bytes(cache._data_path)}  # in the page cache now (None: the OS cannot say)

@@ -104,9 +104,26 @@ def stamp_of(meta: dict) -> dict:
     return stamp
 
 
+def _shared_fields(a: dict, b: dict, first: dict, other: dict) -> tuple[dict, dict]:
+    """Two stamps' fields less those one cache lacks where either may lack it (a shard whose items all lack
+    an optional field has none of it: a distributed import's share of one subset)."""
+    def keep(mine: dict, theirs: dict) -> dict:
+        return {n: v for n, v in mine.items() if n in theirs or not (may_lack(first, n) or may_lack(other, n))}
+    return keep(a, b), keep(b, a)
+
+
+def may_lack(meta: dict, name: str) -> bool:
+    """Whether the cache of ``meta`` lets items lack field ``name``: stored optional, or its writer's
+    ``optional=`` (``meta["optional_fields"]``: true, or the names) allows it."""
+    allowed = meta.get("optional_fields")
+    return bool(((meta.get("fields") or {}).get(name) or {}).get("optional")) or allowed is True \
+        or (isinstance(allowed, list) and name in allowed)
+
+
 def stamp_mismatch(first: LatentCache, other: LatentCache) -> list[str]:
     """Lines naming each stamp field where ``other`` differs from ``first`` (white column included)."""
     a, b = stamp_of(first.meta), stamp_of(other.meta)
+    a["fields"], b["fields"] = _shared_fields(a["fields"], b["fields"], first.meta, other.meta)
     lines = [f"  {k}: {first.cache_dir} has {a[k]!r}, {other.cache_dir} has {b[k]!r}" for k in a if a[k] != b[k]]
     wa, wb = first.white_column, other.white_column
     if (wa is None) != (wb is None) or (wa is not None and not torch.equal(wa, wb)):
@@ -264,11 +281,14 @@ class ShardedFieldItems:
 
     def __init__(self, cache: "ShardedCache", name: str):
         self.name, self.order, self.verify_rows = name, cache.order, cache.verify_rows
-        self.parts = [s.field_items[name] for s in cache.shards]
-        self.dtype = self.parts[0].dtype
+        held = next(s.field_items[name] for s in cache.shards if name in s.field_items)
+        self.parts = [s.field_items.get(name) or _NoValues(len(s), held) for s in cache.shards]
+        self.dtype = held.dtype
         flat = _flat_rows(cache.order, [p.n for p in self.parts])
         self.shapes = np.concatenate([p.shapes for p in self.parts])[flat]
         self.nbytes = np.concatenate([p.nbytes for p in self.parts])[flat]
+        self.present = None if all(p.present is None for p in self.parts) else \
+            np.concatenate([np.ones(p.n, bool) if p.present is None else p.present for p in self.parts])[flat]
         self.n = len(self.order)
         self.row_starts = self.row_ends = None
         self.remote = _ShardHolds(self.order, self.parts) if cache.url is not None else None
@@ -285,6 +305,25 @@ class ShardedFieldItems:
             self.parts[k].check(picked[picked[:, 0] == k, 1])
 
 
+class _NoValues:
+    """An optional field of a shard none of whose items has it (so the shard stores no such field): its
+    ``n`` items read as absent, a field's items (``held``, another shard's) in dtype and ndim."""
+
+    remote = None
+
+    def __init__(self, n: int, held):
+        self.n, self.name, self.dtype = n, held.name, held.dtype
+        self.shapes = np.zeros((n, held.shapes.shape[1]), dtype=np.int64)
+        self.nbytes = np.zeros(n, dtype=np.int64)
+        self.present = np.zeros(n, dtype=bool)
+
+    def source(self):
+        return torch.zeros(0, dtype=torch.float16), torch.zeros(self.n, dtype=torch.int64), torch.zeros(self.n, dtype=torch.int32), 0
+
+    def check(self, index_np) -> None:
+        pass  # (no values: nothing to check)
+
+
 class _ShardHolds:
     """What a batch of a sharded cache in object storage holds while it is gathered: each shard's rows
     of the batch, in that shard's own files (see :func:`latentfast.cache.store.layout.holding_items`)."""
@@ -298,7 +337,8 @@ class _ShardHolds:
         picked = self.order[np.asarray(index, dtype=np.int64)]
         picked = picked[np.argsort(picked[:, 0], kind="stable")]  # grouped by shard
         cuts = np.flatnonzero(picked[1:, 0] != picked[:-1, 0]) + 1
-        return holding_many([(self.parts[int(rows[0, 0])], rows[:, 1]) for rows in np.split(picked, cuts) if len(rows)])
+        return holding_many([(self.parts[int(rows[0, 0])], rows[:, 1]) for rows in np.split(picked, cuts)
+                             if len(rows) and self.parts[int(rows[0, 0])].remote is not None])  # (_NoValues: nothing held)
 
 
 def _flat_rows(order: np.ndarray, sizes: list[int]) -> np.ndarray:
@@ -366,6 +406,7 @@ class ShardedCache(LatentCache):
         first = self.shards[0]
         self.meta = {k: v for k, v in first.meta.items() if k != "files"}  # (each shard's files are its own)
         self.meta.update(n=int(len(self.order)), shards=len(self.shards))
+        self._join_optional_fields()
         if first.shaped:
             self.meta.update({k: max(int(s.meta[k]) for s in self.shards) for k in _SHAPED_SIZES})
         self.white_column = first.white_column
@@ -376,9 +417,24 @@ class ShardedCache(LatentCache):
         self.row_starts = None
         self._reset_process_state()
 
+    def _join_optional_fields(self) -> None:
+        """The meta's fields over every shard: a field optional in one shard, or missing from one (all its
+        items lack it), is optional in the whole, its ``absent`` the shards' total."""
+        fields: dict = {}
+        for shard in self.shards:
+            for name, entry in (shard.meta.get("fields") or {}).items():
+                fields.setdefault(name, dict(entry))
+        for name, entry in fields.items():
+            held = [(s.meta.get("fields") or {}).get(name) for s in self.shards]
+            if any(e is None or e.get("optional") for e in held):
+                entry.update(optional=True, absent=sum(len(s) if e is None else e.get("absent", 0) for s, e in zip(self.shards, held)))
+        if fields:
+            self.meta["fields"] = fields
+
     def _reset_process_state(self) -> None:
         self.items = ShardedItems(self)
-        self.field_items = {name: ShardedFieldItems(self, name) for name in self.shards[0].field_items}
+        names = dict.fromkeys(name for s in self.shards for name in s.field_items)  # (an optional one may be in some shards only)
+        self.field_items = {name: ShardedFieldItems(self, name) for name in names}
         self._keys = None
         self._key_index = None
 
@@ -505,9 +561,10 @@ def inspect_sharded(cache_dir, split: str = "train", bins: int = 10, **remote) -
             "data_bytes": sum(p["data_bytes"] for p in parts),
             "resident_bytes": None if any(p["resident_bytes"] is None for p in parts) else sum(p["resident_bytes"] for p in parts),
             "shards": [{"path": d, "n": p["n"], "bytes_on_disk": p["bytes_on_disk"]} for d, p in zip(cache.shard_dirs, parts)]}
-    info["fields"] = {name: {**entry, "logical_bytes": sum(p["fields"][name]["logical_bytes"] for p in parts),
-                             "stored_bytes": sum(p["fields"][name]["stored_bytes"] for p in parts)}
-                      for name, entry in parts[0]["fields"].items()}
+    entries = {name: entry for p in reversed(parts) for name, entry in p["fields"].items()}  # (the first shard's, where it has one)
+    info["fields"] = {name: {**entry, **{k: sum(p["fields"][name][k] for p in parts if name in p["fields"])
+                                         for k in ("logical_bytes", "stored_bytes")}}
+                      for name, entry in entries.items()}
     info.update(layout_summary(cache, info["data_bytes"], bins))
     return info
 

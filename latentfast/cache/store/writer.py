@@ -131,6 +131,12 @@ class LatentCacheWriter:
         lock: a :class:`~latentfast.cache.store.durable.BuildLock` the caller already holds on this split
             (the writer releases it when done) instead of taking one.
         restart: discard an interrupted run's progress instead of resuming it.
+        optional: which record fields an item may lack: None (default: every record has the first
+            record's fields, no more, no fewer), field names, or True (any field but ``latent``). An
+            optional field may also first appear in a later record (the items before it lack it). A
+            field some item lacks, or one named here, is stored optional: a presence bit per item
+            (see :mod:`~latentfast.cache.store.fields`; ``read_batch`` returns ``<field>_present``).
+            Part of the resume header.
 
     Every latent must share the first one's ``ndim``, channel count (``shape[0]``) and dtype; keys are
     unique non-empty strings of valid text (no lone surrogates). A record's ``latent_flipped`` and
@@ -141,13 +147,14 @@ class LatentCacheWriter:
 
     def __init__(self, out_dir, split: str = "train", *, encoder: Any = None, meta: dict | None = None,
                  flush_every: int = 64, lock_timeout: float = 0.0, lock: BuildLock | None = None,
-                 restart: bool = False):
+                 restart: bool = False, optional=None):
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise InvalidArgumentError(f"flush_every must be a positive int, got {flush_every!r}")
         if meta is not None and not isinstance(meta, dict):
             raise ArgumentTypeError(f"meta must be a dict of extra fields, got {type(meta).__name__}")
         self.out_dir, self.split, self.flush_every = os.fspath(out_dir), split, flush_every
         self.identity = encoder_identity(encoder)
+        self.optional = _optional_names(optional)
         self.extra_meta = json.loads(json.dumps(meta or {}, sort_keys=True))
         self._lock = lock if lock is not None else BuildLock(self.out_dir, split, lock_timeout)
         self._paths = {k: fmt.cache_path(self.out_dir, split, k) for k in
@@ -171,6 +178,8 @@ class LatentCacheWriter:
     # -- opening: resume a matching log or start over ---------------------------------------
     def _header(self) -> bytes:
         head = {"latentfast_writer": _LOG_VERSION, "encoder": self.identity, "meta": self.extra_meta}
+        if self.optional is not None:  # (absent: the header of every log written before optional fields)
+            head["optional"] = self.optional if self.optional is True else sorted(self.optional)
         return (json.dumps(head, sort_keys=True) + "\n").encode()
 
     def reopen(self, *, restart: bool = False) -> "LatentCacheWriter":
@@ -178,7 +187,7 @@ class LatentCacheWriter:
         self.flush()
         self._close_files()
         return LatentCacheWriter(self.out_dir, self.split, encoder=self.identity, meta=self.extra_meta,
-                                 flush_every=self.flush_every, lock=self._lock, restart=restart)
+                                 flush_every=self.flush_every, lock=self._lock, restart=restart, optional=self.optional)
 
     def _open(self, restart: bool) -> bool:
         records = None if restart else self._read_log()
@@ -200,9 +209,10 @@ class LatentCacheWriter:
 
     def _open_fields(self, records: list[dict]) -> bool:
         """Resume the field stores the logged records name (False: one cannot back its records)."""
-        for name in records[0].get("f", {}) if records else ():
+        names = dict.fromkeys(name for r in records or () for name in r.get("f", {}))  # (an optional one may come late)
+        for name in names:
             store = self._fields[name] = FieldStore(self.out_dir, self.split, name)
-            if not store.open([r["f"][name] for r in records], restart=False):
+            if not store.open(_entries(records, name), restart=False):
                 return False
         return True
 
@@ -244,9 +254,10 @@ class LatentCacheWriter:
         record ``{"latent": z, "text": e, ...}`` of named fields: ``latent`` float16, bfloat16 or float32,
         stored as given (the first record fixes the cache's dtype, ``cache.dtype``), every other field
         stored as given in its own dtype and shape (see
-        :mod:`~latentfast.cache.store.fields`); the first record fixes the set of fields and each
-        one's dtype and ndim. ``source_hash``: bytes or hex of the source's content hash (what a
-        rebuild compares); ``info``: a small JSON-able dict kept with the item (e.g. original size, crop)."""
+        :mod:`~latentfast.cache.store.fields`); the first record fixes the set of fields (less or
+        more only by the writer's ``optional`` fields) and each one's dtype and ndim. ``source_hash``:
+        bytes or hex of the source's content hash (what a rebuild compares); ``info``: a small JSON-able
+        dict kept with the item (e.g. original size, crop)."""
         self._check_open()
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"key must be a non-empty str, got {key!r}")
@@ -274,7 +285,7 @@ class LatentCacheWriter:
     def _split_record(self, key: str, value: Any) -> tuple[Any, dict]:
         """``(latent, {name: (dtype, shape, bytes)})`` of an item, every field checked before anything is written."""
         if not isinstance(value, Mapping):
-            if self._records and "f" in self._records[0]:
+            if self._fields:
                 raise InvalidArgumentError(f"key {key!r}: this cache's items are records of the fields "
                                            f"{[LATENT, *self._fields]}; append a dict of them")
             return value, {}
@@ -282,12 +293,16 @@ class LatentCacheWriter:
             raise InvalidArgumentError(f"record of key {key!r} has no {LATENT!r} field (fields given: {sorted(value)})")
         latent = latent_as_stored(key, value[LATENT])
         names = [check_name(n) for n in value if n != LATENT]
-        declared = list(self._fields) if self._records else names
-        if sorted(names) != sorted(declared):
-            raise InvalidArgumentError(f"record of key {key!r} has the fields {sorted(names)}, but this cache's records have "
-                                       f"{sorted(declared)} (first item {self._records[0]['k'] if self._records else key!r})")
+        if self._records:
+            missing, new = set(self._fields) - set(names), set(names) - set(self._fields)
+            refused = sorted(n for n in missing | new if not self._may_lack(n))
+            if refused:
+                raise InvalidArgumentError(
+                    f"record of key {key!r} has the fields {sorted(names)}, but this cache's records have {sorted(self._fields)} "
+                    f"(first item {self._records[0]['k']!r}); {refused} are not optional (LatentCacheWriter(optional=...) "
+                    f"lets items lack a field)")
         extra = {}
-        for name in declared:
+        for name in names:
             stored = as_stored(key, name, value[name])
             if name not in self._fields:
                 self._fields[name] = FieldStore(self.out_dir, self.split, name)
@@ -300,6 +315,10 @@ class LatentCacheWriter:
                 raise InvalidArgumentError(f"field {name!r} of key {key!r} has shape {list(shapes[name])}, but its "
                                            f"{partner!r} has {list(shapes[partner])}: they must be of one shape")
         return latent, extra
+
+    def _may_lack(self, name: str) -> bool:
+        """Whether an item may lack field ``name`` (see ``optional``)."""
+        return self.optional is True or (self.optional is not None and name in self.optional)
 
     def append_bytes(self, key: str, shape, payload: bytes, crc: int, *, source_hash=None, info=None) -> None:
         """Copy an item already stored as float16 bytes (e.g. from an older cache) after checking its
@@ -365,7 +384,7 @@ class LatentCacheWriter:
                 if zlib.crc32(fh.read(end - start)) != int(sums[i]):
                     raise self._dropped(i, start, self._partial)
         for name, store in self._fields.items():
-            bad = store.verify([r["f"][name] for r in self._records])
+            bad = store.verify(_entries(self._records, name))
             if bad is not None:
                 raise self._dropped(bad, int(offsets[bad]) * 2, store.partial)
 
@@ -389,7 +408,7 @@ class LatentCacheWriter:
             del self._index[record["k"]]
         del self._records[keep:]
         for name, store in self._fields.items():
-            store.rewind([r["f"][name] for r in self._records])
+            store.rewind(_entries(self._records, name))
         self._logged = keep
         self._end = end
         os.ftruncate(self._fd, self._end)
@@ -413,6 +432,8 @@ class LatentCacheWriter:
             "dtype": self._records[0].get("d", "float16"),
             "encoder": self.identity, "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_rows": 1},
             "complete": True,
+            # what items may lack (a cache that joins shards lets one lack a field all of whose items lack it)
+            **({} if self.optional is None else {"optional_fields": True if self.optional is True else sorted(self.optional)}),
         }
 
     def _write_index(self, shapes: np.ndarray, offsets: np.ndarray, sums: np.ndarray) -> None:
@@ -426,8 +447,10 @@ class LatentCacheWriter:
                  "widths": None, "white": None}  # a line cache's leftovers would contradict this one
         paths, meta, renames = dict(self._paths), self._meta(shapes), []
         for name, store in self._fields.items():
-            spans, crc, meta.setdefault("fields", {})[name] = store.index_files([r["f"][name] for r in self._records])
-            for kind, label, payload in (("spans", "spans", spans), ("crc", "crc32", crc)):  # label: as format.damaged_files finds it
+            spans, crc, present, meta.setdefault("fields", {})[name] = store.index_files(
+                _entries(self._records, name), optional=self.optional is not True and self._may_lack(name))
+            for kind, label, payload in (("spans", "spans", spans), ("crc", "crc32", crc), ("present", "present", present)):
+                # label: as format.damaged_files finds it; a None payload removes an earlier build's file
                 paths[f"{name}.{label}"] = field_path(self.out_dir, self.split, name, kind)
                 files[f"{name}.{label}"] = payload
             store.close()
@@ -502,6 +525,25 @@ def checked_source_hash(key: str, source_hash) -> str:
     raise InvalidArgumentError(
         f"source_hash of key {key!r} must be {HASH_BYTES} bytes or their {2 * HASH_BYTES} hex digits "
         f"(e.g. durable.content_hash(path)), got {source_hash!r:.80}")
+
+
+def _entries(records: list[dict], name: str) -> list[dict | None]:
+    """Field ``name``'s log entry of each record, None where the record lacks it."""
+    return [r.get("f", {}).get(name) for r in records]
+
+
+def _optional_names(optional):
+    """``optional=`` as True, a frozenset of field names, or None."""
+    if optional is None or optional is True:
+        return optional
+    names = [optional] if isinstance(optional, str) else optional
+    try:
+        names = frozenset(check_name(n) for n in names)
+    except TypeError:
+        raise ArgumentTypeError(f"optional must be None, True or field names, got {optional!r}") from None
+    if LATENT in names:
+        raise InvalidArgumentError(f"optional: every record has its {LATENT!r}; name the other fields an item may lack, got {optional!r}")
+    return names
 
 
 def _itemsize(record: dict) -> int:

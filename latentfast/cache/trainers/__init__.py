@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 
 from . import ai_toolkit, diffusion_pipe, kohya, musubi_tuner, simpletuner
 from .common import DEFAULT_MAX_ITEM_BYTES, Record, Skipped, Source, TrainerCacheError, check_root, walk_files
@@ -37,7 +38,7 @@ def detect(folder) -> tuple[str, str]:
             found["ai-toolkit"].append(name)
         elif musubi_tuner.LATENT_NAME.match(name) or musubi_tuner.TEXT_NAME.match(name):
             found["musubi-tuner"].append(name)
-        elif kohya.LATENT_NAME.match(name) or KOHYA_TE.search(name):
+        elif kohya.LATENT_NAME.match(name) or KOHYA_TE.search(name) or _legacy_kohya(os.path.join(dirpath, name)):
             found["kohya"].append(name)
         elif name.endswith(".pt"):
             found["simpletuner"].append(name)
@@ -47,6 +48,18 @@ def detect(folder) -> tuple[str, str]:
         raise TrainerCacheError(f"{root}: expected one trainer's cache to detect, found {what}; pass format=")
     (fmt, files), = hits.items()
     return fmt, f"{len(files)} {fmt} cache files such as {os.path.basename(files[0])}"
+
+
+def _legacy_kohya(path: str) -> bool:
+    """A legacy kohya (sd / sdxl) latent cache ``{stem}.npz``: an archive holding an array ``latents``
+    (what ``SdSdxlLatentsCachingStrategy`` reads from ``{stem}.npz``), told by its zip directory alone."""
+    if not path.endswith(".npz"):
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return "latents.npy" in archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False  # (not detected; a kohya import names the file)
 
 
 def open_source(folder, format: str = "auto", **options) -> Source:

@@ -11,7 +11,10 @@ become fields of the same record. Fields ``latent`` (uint8 dequantized as ``_lat
 does, to float32), ``latent_first_frame``, ``latent_audio``, ``pixels`` (the ``tensor`` entry,
 dequantized), ``waveform`` (int16 dequantized as ``_waveform_from_int16``), each with suffix
 ``_flipped`` / ``_flipped_y`` / ``_flipped_xy`` for the flipped copies; text fields ``text_{entry}``
-(``text_text_embed``, ``text_pooled_embed``, ``text_attention_mask``, ``text_text_embed_0``, ...).
+(``text_text_embed``, ``text_pooled_embed``, ``text_attention_mask``, ``text_text_embed_0``, ...; an
+``AnimaPromptEmbeds`` file: ``text_qwen_prompt_embeds``, ``text_qwen_attention_mask``,
+``text_t5_input_ids``, ``text_t5_attention_mask``, and info ``text_class_name``; other classes, such as
+``AdvancedPromptEmbeds``, are refused naming the file).
 Info: the latent file's metadata, JSON values parsed (flip keys left out), ``quantized: "uint8"`` when
 so stored, ``num_frames``, ``waveform_sample_rate``. Several sizes of one image: ``{stem}@{h}x{w}``.
 
@@ -29,10 +32,13 @@ from collections import defaultdict
 
 import torch
 
-from .common import (DEFAULT_MAX_ITEM_BYTES, ItemPlan, Skipped, Source, TrainerCacheError, check_root,
+from .common import (DEFAULT_MAX_ITEM_BYTES, ItemPlan, Lack, Skipped, Source, TrainerCacheError, check_root,
                      load_safetensors, rel_key, safetensors_header, walk_files)
 
 CACHE_NAME = re.compile(r"^(?P<stem>.+)_(?P<hash>[A-Za-z0-9_-]{22})\.safetensors$")
+# what toolkit/prompt_utils.py PromptEmbeds.load reads here: plain PromptEmbeds files (no class_name), and
+# those whose metadata class_name hands them to AnimaPromptEmbeds.load (AdvancedPromptEmbeds: not read)
+TEXT_CLASSES = {"PromptEmbeds", "AnimaPromptEmbeds"}
 VARIANT = {(False, False): "", (True, False): "_flipped", (False, True): "_flipped_y", (True, True): "_flipped_xy"}
 LATENT_FIELDS = {"latent": "latent", "first_frame_latent": "latent_first_frame", "audio_latent": "latent_audio",
                  "tensor": "pixels", "waveform": "waveform"}
@@ -76,14 +82,17 @@ def scan(folder, max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Source:
         te_path = texts.get((image_dir, stem))
         attached.add(te_path)
         nbytes = sum(sum(e[2] for e in v[2].values()) for v in variants.values())
+        lacks = () if "_flipped" in variants else (Lack("latent_flipped", f"flip_x copy of {variants[''][0]}"),)
         if te_path:
             te_entries, te_meta = safetensors_header(te_path)
-            if te_meta.get("class_name"):
-                raise TrainerCacheError(f"{te_path}: expected PromptEmbeds entries, found a {te_meta['class_name']} file "
-                                        "(not supported)")
+            if te_meta.get("class_name", "PromptEmbeds") not in TEXT_CLASSES:
+                raise TrainerCacheError(f"{te_path}: expected the entries of one of {sorted(TEXT_CLASSES)}, found a "
+                                        f"{te_meta['class_name']} file (not supported)")
             nbytes += sum(e[2] for e in te_entries.values())
+        else:
+            lacks += (Lack("text_*", os.path.join(image_dir, "_t_e_cache", f"{stem}_{{hash}}.safetensors")),)
         hw = "x".join(str(s) for s in variants[""][2]["latent"][1][-2:])
-        plans.append(ItemPlan(rel_key(root, image_dir, stem), hw, nbytes, _loader(variants, te_path)))
+        plans.append(ItemPlan(rel_key(root, image_dir, stem), hw, nbytes, _loader(variants, te_path), lacks))
     skipped.extend(Skipped(p, "text embeddings not matched to one image") for files in text_files.values()
                    for *_, p in files if p not in used)
     skipped.extend(Skipped(p, "text embeddings of images without a latent") for p in texts.values() if p not in attached)
@@ -163,7 +172,10 @@ def _loader(variants: dict, te_path: str | None):
                 elif name == "waveform":
                     tensor = dequantize_int16(tensor)
                 fields[LATENT_FIELDS.get(name, name) + suffix] = tensor
-        if te_path is not None:
+        if te_path is not None:  # both classes save their tensors flat by name (PromptEmbeds.load dispatches on class_name)
             fields.update({f"text_{k}": v for k, v in load_safetensors(te_path).items()})
+            text_class = safetensors_header(te_path)[1].get("class_name")
+            if text_class:
+                info["text_class_name"] = text_class
         return fields, info
     return load

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import struct
+import tokenize
 import zipfile
 import zlib
 from collections import Counter
@@ -54,6 +55,22 @@ class ItemPlan(NamedTuple):
     variant: str  # tells items of one stem apart (latent size, frame window); "" if none
     nbytes: int  # tensor bytes the item will read
     load: Callable[[], tuple[dict, dict]]  # -> (fields, info)
+    lacks: tuple = ()  # Lack entries: the outputs of the trainer this item has no file (or array) of
+
+
+class Lack(NamedTuple):
+    """An output of the trainer one item has none of: ``field`` (a field name, or ``text_*``: every
+    text-encoder output) and ``where`` (the file, or ``file#array``, that would hold it)."""
+
+    field: str
+    where: str
+
+
+def lack_matches(field: str, lack: Lack) -> bool:
+    """Whether a required ``field`` (a field name; ``text`` for the text-encoder outputs) is what ``lack`` misses."""
+    if lack.field.endswith("*"):
+        return field == lack.field[:-2] or field.startswith(lack.field[:-1])
+    return field == lack.field
 
 
 class Source:
@@ -62,7 +79,9 @@ class Source:
     ``format`` and ``evidence`` say what was read and why it was taken for that trainer;
     ``convention`` describes the latents (``{"latent_convention": "scaled" | "raw" | "pixels" |
     "unknown", "scaling_factor": f | None, "shift_factor": f | None}``) and is stamped into every
-    record's info too; ``skipped`` lists what is not imported; :meth:`summary` says it in one line.
+    record's info too; ``skipped`` lists what is not imported; :attr:`lacking` the items imported
+    without an output other items have (a record without that field); :meth:`summary` says it in
+    one line.
     """
 
     def __init__(self, format: str, root: str, plans: list[ItemPlan], skipped: list[Skipped],
@@ -76,6 +95,21 @@ class Source:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+    @property
+    def lacking(self) -> list[tuple[str, str, str]]:
+        """``(key, field, file)`` of each output an item lacks that another item of the folder has (a
+        field the import keeps optional): its field (``text_*``: the text-encoder outputs) and the
+        file (or ``file#array``) that would hold it."""
+        lacked = {lack.field for p in self._plans for lack in p.lacks}
+        everywhere = {f for f in lacked if all(any(lack.field == f for lack in p.lacks) for p in self._plans)}
+        return [(key, lack.field, lack.where) for key, plan in zip(self.keys, self._plans) for lack in plan.lacks
+                if lack.field not in everywhere]
+
+    def lacks(self, field: str) -> list[tuple[str, str]]:
+        """``(key, file)`` of every item that has no ``field`` (a field name, or ``text``: the text-encoder
+        outputs), as the scan knows before anything is read."""
+        return [(key, lack.where) for key, plan in zip(self.keys, self._plans) for lack in plan.lacks if lack_matches(field, lack)]
 
     @property
     def item_bytes(self) -> list[int]:
@@ -111,6 +145,10 @@ class Source:
     def summary(self) -> str:
         """``"kohya: 12 items; skipped 3 files: 2 text-encoder outputs without a latent, 1 ..."``."""
         text = f"{self.format}: {len(self)} items"
+        lacking = Counter(field for _, field, _ in self.lacking)
+        if lacking:
+            text += "; " + ", ".join(f"{n} without {'text-encoder outputs' if f == 'text_*' else f}" for f, n in sorted(lacking.items())) \
+                + " (kept as records without that field)"
         if self.skipped:
             reasons = Counter(s.reason for s in self.skipped)
             text += f"; skipped {len(self.skipped)} files: " + ", ".join(f"{n} {r}" for r, n in reasons.most_common())
@@ -173,12 +211,38 @@ def array_to_tensor(array: np.ndarray, path: str, name: str) -> torch.Tensor:
 
 
 def npz_member_bytes(path: str) -> dict[str, int]:
-    """Uncompressed size of each array of an ``.npz`` (from the zip directory; nothing is read)."""
+    """Uncompressed size of each array of an ``.npz`` (from the zip directory), each array's ``.npy`` header
+    checked against it: a header whose shape and dtype need other than the bytes stored (a damaged array, or
+    one claiming a huge shape, which numpy would allocate before finding the data short) raises naming
+    ``path#array``. Only the headers are read."""
     try:
         with zipfile.ZipFile(path) as archive:
-            return {info.filename[:-4]: info.file_size for info in archive.infolist() if info.filename.endswith(".npy")}
+            sizes = {}
+            for info in archive.infolist():
+                if info.filename.endswith(".npy"):
+                    sizes[info.filename[:-4]] = info.file_size
+                    _check_npy_header(archive, info, f"{path}#{info.filename[:-4]}")
+            return sizes
     except zipfile.BadZipFile:
         raise fail(path, "an .npz (zip) archive", truncated_or(path, "not a zip archive")) from None
+
+
+def _check_npy_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
+    """The array bytes an ``.npy`` member's header declares equal the bytes stored after it."""
+    try:
+        with archive.open(info) as fh:
+            version = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(fh)
+            header = fh.tell()
+    except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError, zipfile.BadZipFile) as exc:  # (numpy's parser)
+        raise fail(where, "an .npy array (magic and header)", f"{type(exc).__name__}: {exc}") from None
+    if dtype.hasobject:
+        return  # (object arrays are refused when read: allow_pickle=False)
+    declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if declared != info.file_size - header:
+        raise fail(where, f"{declared} bytes of array data (its header's shape {list(shape)}, dtype {dtype.str})",
+                   f"{info.file_size - header} bytes: a damaged array")
 
 
 def truncated_or(path: str, what: str) -> str:

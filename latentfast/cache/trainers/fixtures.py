@@ -78,7 +78,7 @@ KOHYA_TE_SUFFIX = {"sd": "_te_outputs.npz", "sdxl": "_te_outputs.npz", "legacy":
 
 
 def write_kohya(folder, arch: str = "flux", n: int = 3, flip: bool = True, alpha: bool = True, buckets: int = 2,
-                text: bool = True, seed: int = 0) -> list[str]:
+                text: bool = True, seed: int = 0, without_text=()) -> list[str]:
     """kohya-ss/sd-scripts caches of ``n`` images of mixed sizes beside their (absent) images.
 
     Latents: ``LatentsCachingStrategy._default_cache_batch_latents`` -> ``save_latents_to_disk``
@@ -86,7 +86,9 @@ def write_kohya(folder, arch: str = "flux", n: int = 3, flip: bool = True, alpha
     (``{stem}_{W:04d}x{H:04d}{suffix}``, library/strategy_{sd,flux,sd3,lumina,hunyuan_image,anima}.py;
     ``{stem}.npz`` for ``arch="legacy"``); for the multi-resolution architectures each of ``buckets``
     bucket resolutions adds its ``_{h}x{w}`` keys to the same file. Text: each strategy's
-    ``cache_batch_outputs`` np.savez into ``get_outputs_npz_path`` (``{stem}{TE suffix}``).
+    ``cache_batch_outputs`` np.savez into ``get_outputs_npz_path`` (``{stem}{TE suffix}``), except for
+    the images numbered in ``without_text`` (whose outputs were never cached). ``flip`` and ``alpha``
+    are one subset's ``flip_aug`` and ``alpha_mask``: write each subset into its own image folder.
     """
     os.makedirs(folder, exist_ok=True)
     g, stems = _gen(seed), []
@@ -108,7 +110,7 @@ def write_kohya(folder, arch: str = "flux", n: int = 3, flip: bool = True, alpha
             kohya_save_latents_to_disk(path, _randn(g, *shape, dtype=torch.bfloat16), (width, height), (0, 0, bw, bh),
                                        _randn(g, *shape, dtype=torch.bfloat16) if flip else None, mask,
                                        f"_{h}x{w}" if multi else "")
-        if text:
+        if text and i not in without_text:
             np.savez(os.path.join(folder, stem + KOHYA_TE_SUFFIX[arch]), **_kohya_te_arrays(arch, g, 5 + i))
         stems.append(stem)
     return stems
@@ -265,8 +267,18 @@ def ai_toolkit_prompt_embeds_save(path, text_embeds, pooled_embeds=None, attenti
     save_file(state_dict, path)
 
 
+def ai_toolkit_anima_prompt_embeds_save(path, qwen_prompt_embeds, t5_input_ids, qwen_attention_mask, t5_attention_mask):
+    """extensions_built_in/diffusion_models/anima/anima.py ``AnimaPromptEmbeds.save``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({"qwen_prompt_embeds": qwen_prompt_embeds.cpu(), "qwen_attention_mask": qwen_attention_mask.cpu(),
+               "t5_input_ids": t5_input_ids.cpu(), "t5_attention_mask": t5_attention_mask.cpu()},
+              path, metadata={"class_name": "AnimaPromptEmbeds"})
+
+
 def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = True, uint8: bool = False,
-                     dropout: bool = True, seed: int = 0) -> list[dict]:
+                     dropout: bool = True, seed: int = 0, text_class: str = "PromptEmbeds", text: bool = True) -> list[dict]:
     """An ai-toolkit dataset folder's ``_latent_cache`` and ``_t_e_cache`` (images not written).
 
     Returns, per image, what the trainer hashes to find its files: ``{"stem", "latent_infos": [the
@@ -277,7 +289,11 @@ def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = 
     resolution and per ``flip_x`` copy; ``uint8`` as with ``cache_latents_as_uint8`` (``_latent_to_uint8``).
     Text: ``TextEmbeddingCachingMixin.cache_text_embeddings`` -> ``PromptEmbeds.save`` at
     ``get_text_embedding_path`` and, with ``dropout`` (caption_dropout_rate > 0), the blank caption's
-    embedding at ``get_blank_text_embedding_path``.
+    embedding at ``get_blank_text_embedding_path``; ``text_class="AnimaPromptEmbeds"`` as the Anima
+    model caches them (``AnimaModel.get_prompt_embeds``: Qwen hidden states in bf16, their mask, and the
+    T5 tokenizer's ids and mask, each ``padding="longest"``, int64) through ``AnimaPromptEmbeds.save``.
+    ``text=False``: a dataset without ``cache_text_embeddings`` (no ``_t_e_cache``). ``flip_x`` is the
+    dataset's: one folder per dataset.
     """
     g, manifest = _gen(seed), []
     for i in range(n):
@@ -299,13 +315,18 @@ def write_ai_toolkit(folder, n: int = 3, resolutions=(256, 384), flip_x: bool = 
                 from safetensors.torch import save_file
 
                 save_file(state_dict, path, metadata=ai_toolkit_meta(info))
-        captions = [f"a photo number {i}"] + ([""] if dropout else [])
+        captions = ([f"a photo number {i}"] + ([""] if dropout else [])) if text else []
         for caption in captions:
             te_info = OrderedDict([("caption", caption), ("text_embedding_space_version", "flux"), ("text_embedding_version", 1)])
             entry["te_infos"].append(te_info)
             length = 4 + i if caption else 2
-            ai_toolkit_prompt_embeds_save(os.path.join(folder, "_t_e_cache", f"{stem}_{ai_toolkit_hash(te_info)}.safetensors"),
-                                          _randn(g, 1, length, 32, dtype=torch.bfloat16), _randn(g, 1, 24, dtype=torch.bfloat16),
+            te_path = os.path.join(folder, "_t_e_cache", f"{stem}_{ai_toolkit_hash(te_info)}.safetensors")
+            if text_class == "AnimaPromptEmbeds":
+                ai_toolkit_anima_prompt_embeds_save(te_path, _randn(g, 1, length, 32, dtype=torch.bfloat16),
+                                                    torch.randint(0, 32000, (1, length + 1), generator=g),
+                                                    torch.ones(1, length, dtype=torch.int64), torch.ones(1, length + 1, dtype=torch.int64))
+                continue
+            ai_toolkit_prompt_embeds_save(te_path, _randn(g, 1, length, 32, dtype=torch.bfloat16), _randn(g, 1, 24, dtype=torch.bfloat16),
                                           torch.ones(1, length, dtype=torch.int64))
         manifest.append(entry)
     return manifest
@@ -328,8 +349,26 @@ def simpletuner_torch_save(data, path: str, compress: bool):
             torch.save(data, fh)
 
 
+def simpletuner_text_cache_name(caption: str, model_type: str, dataset_id: str | None = None, image_path=None,
+                                instance_data_dir=None) -> str:
+    """helpers/caching/text_embeds.py ``TextEmbeddingCache.hash_prompt`` / ``create_hash`` of a caption key, or
+    (``dataset_id``: ``TextEmbedCacheKey.DATASET_AND_FILENAME``) of the key helpers/training/collate.py
+    builds, ``f"{data_backend_id}:{normalize_data_path(image_path, instance_data_dir)}"``, then the prompt."""
+    if dataset_id is None:
+        return hashlib.md5(str(caption).encode()).hexdigest() + f"-{model_type}.pt"
+    abs_root = os.path.abspath(os.path.normpath(instance_data_dir))  # helpers/utils/pathing.py normalize_data_path
+    relative = os.path.normcase(os.path.relpath(os.path.abspath(os.path.normpath(image_path)), abs_root))
+    md5_hash = hashlib.md5()
+    md5_hash.update(str(f"{dataset_id}:{relative}").encode())
+    if caption:
+        md5_hash.update(b"\0prompt\0")
+        md5_hash.update(str(caption).encode())
+    return md5_hash.hexdigest() + f"-{model_type}.pt"
+
+
 def write_simpletuner(folder, images, n: int = 3, compress: bool = True, hash_filenames: bool = True,
-                      model_type: str = "flux", seed: int = 0, buckets: int | None = None) -> list[str]:
+                      model_type: str = "flux", seed: int = 0, buckets: int | None = None,
+                      dataset_id: str | None = None) -> list[str]:
     """A SimpleTuner cache root (``vae/`` and ``text/``) and its ``images`` folder (tiny PNGs + ``.txt`` captions);
     latent sizes: each item its own, or ``buckets`` sizes in turn.
 
@@ -339,6 +378,10 @@ def write_simpletuner(folder, images, n: int = 3, compress: bool = True, hash_fi
     (helpers/caching/text_embeds.py: ``md5(caption)-{model_type}.pt``) holding
     ``_slice_batch_output_for_cache``'s dict (prompt_embeds / attention_mask cut to the mask's length).
     Both through ``LocalDataBackend.torch_save``, gzip'd when ``compress`` (``compress_disk_cache``).
+    ``dataset_id``: a model keying text by dataset and path (``TextEmbedCacheKey.DATASET_AND_FILENAME``:
+    krea2 / longcat_image / qwen_image edit, ...), in SimpleTuner's default layout: latents in
+    ``vae/{model_type}/{dataset_id}`` (data_backend/factory.py ``_default_vae_cache_dir``), text in
+    ``text/{model_type}``, named by :func:`simpletuner_text_cache_name` of the dataset, path and caption.
     """
     from PIL import Image
 
@@ -353,13 +396,15 @@ def write_simpletuner(folder, images, n: int = 3, compress: bool = True, hash_fi
             fh.write(caption)
         name = hashlib.sha256(stem.encode()).hexdigest() if hash_filenames else stem
         latent = _randn(g, 16, 4 + (i if buckets is None else i % buckets), 6, dtype=torch.bfloat16)
-        simpletuner_torch_save(latent, os.path.join(folder, "vae", sub, name + ".pt"), compress)
+        vae_dir, text_dir = ("vae", "text") if dataset_id is None else \
+            (os.path.join("vae", model_type, dataset_id), os.path.join("text", model_type))
+        simpletuner_torch_save(latent, os.path.join(folder, vae_dir, sub, name + ".pt"), compress)
         true_length, padded = 3 + i, 8
         embeds = {"prompt_embeds": _randn(g, 1, padded, 32, dtype=torch.bfloat16)[:, :true_length].clone().contiguous(),
                   "pooled_prompt_embeds": _randn(g, 24, dtype=torch.bfloat16),
                   "attention_mask": torch.ones(1, true_length, dtype=torch.int64)}
-        text_name = hashlib.md5(caption.encode()).hexdigest() + f"-{model_type}.pt"
-        simpletuner_torch_save(embeds, os.path.join(folder, "text", text_name), compress)
+        text_name = simpletuner_text_cache_name(caption, model_type, dataset_id, os.path.join(images, sub, stem + ".png"), images)
+        simpletuner_torch_save(embeds, os.path.join(folder, text_dir, text_name), compress)
         stems.append(f"{sub}/{stem}" if sub else stem)
     return stems
 

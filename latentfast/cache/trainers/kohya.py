@@ -11,6 +11,12 @@ Records: fields ``latent``, ``latent_flipped``, ``alpha_mask`` and ``text_{array
 the text file (``text_hidden_state1``, ``text_t5_out``, ...); info ``original_size``, ``crop_ltrb``,
 ``latent_hw``, ``image_size`` (``[W, H]`` from the name), ``arch`` and the text file's 0-d arrays as
 ``text_{name}`` (``text_apply_t5_attn_mask``). Several buckets of one image: ``{stem}@{h}x{w}``.
+kohya sets ``flip_aug`` and ``alpha_mask`` per subset (library/train_util.py ``BaseDataset.__getitem__``:
+``flipped = subset.flip_aug and random.random() < 0.5``; ``cache_latents`` caches the flipped latent for
+those subsets only), and an image may lack its text file, so one folder may hold items without
+``latents_flipped``, ``alpha_mask`` or a text file: each is an item without that field
+(``source.lacking`` lists them; the import keeps the field optional, and ``read_batch(flip=)`` flips only
+items that have one, as kohya flips only flip_aug subsets).
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import re
 
 import numpy as np
 
-from .common import (DEFAULT_MAX_ITEM_BYTES, ItemPlan, Skipped, Source, TrainerCacheError, array_to_tensor,
+from .common import (DEFAULT_MAX_ITEM_BYTES, ItemPlan, Lack, Skipped, Source, TrainerCacheError, array_to_tensor,
                      check_root, fail, npz_member_bytes, rel_key, truncated_or, walk_files)
 
 LATENT_NAME = re.compile(r"^(?P<stem>.+)_(?P<w>\d{4,})x(?P<h>\d{4,})_(?P<arch>sd|sdxl|flux|sd3|lumina|hi|anima)\.npz$")
@@ -67,12 +73,14 @@ def scan(folder, arch: str | None = None, max_item_bytes: int = DEFAULT_MAX_ITEM
         used.add(te_path)
         new = _plans_for_file(root, dirpath, stem, path, size, arch, te_path, skipped)
         no_text += len(new) if te_path is None else 0
-        plans.extend(new)
+        plans.extend(plan._replace(lacks=(*plan.lacks, Lack("text_*", os.path.join(dirpath, stem) + TE_SUFFIX[arch])))
+                     if te_path is None else plan for plan in new)
     for other, files in latents.items():
         if other != arch:
             skipped.extend(Skipped(p, f"latent files of architecture {other!r} (pass arch={other!r})") for *_, p, _ in files)
     skipped.extend(Skipped(p, "text-encoder outputs without a latent file") for p in sorted(texts) if p not in used)
-    notes = [f"{no_text} items have no text-encoder outputs"] if no_text else []
+    # (items without a text file while others have one are listed by source.lacking: a field kept optional)
+    notes = [f"{no_text} items have no text-encoder outputs"] if no_text and no_text == len(plans) else []
     kind, scale, shift = CONVENTION[arch]
     evidence = f"{sum(len(v) for v in latents.values())} .npz latent files ({arch})"
     return Source("kohya", root, plans, skipped, {"latent_convention": kind, "scaling_factor": scale, "shift_factor": shift},
@@ -133,7 +141,10 @@ def _plans_for_file(root, dirpath, stem, path, image_size, arch, te_path, skippe
             continue
         nbytes = sum(sizes[n] for n in names.values()) + te_bytes
         load = _loader(path, names, te_path, {"arch": arch, "image_size": list(image_size) if image_size else None})
-        plans.append(ItemPlan(rel_key(root, dirpath, stem), suffix, nbytes, load))
+        # flip_aug and alpha_mask are set per subset: one folder may hold items with and without them
+        lacks = tuple(Lack(FIELD[what], f"{path}#{what}" + (f"_{suffix}" if suffix else ""))
+                      for what in ("latents_flipped", "alpha_mask") if what not in names)
+        plans.append(ItemPlan(rel_key(root, dirpath, stem), suffix, nbytes, load, lacks))
     if not plans:
         raise fail(path, "a kohya latent cache (arrays latents[_{h}x{w}], original_size, crop_ltrb)",
                    f"arrays {sorted(sizes)}")
@@ -146,20 +157,28 @@ def _loader(path: str, names: dict[str, str], te_path: str | None, base_info: di
         with _open_npz(path) as npz:
             for what, name in names.items():
                 if what in FIELD:
-                    fields[FIELD[what]] = array_to_tensor(npz[name], path, name)
+                    fields[FIELD[what]] = array_to_tensor(_member(npz, path, name), path, name)
                 else:
-                    info[what] = npz[name].tolist()
+                    info[what] = _member(npz, path, name).tolist()
         info["latent_hw"] = list(fields["latent"].shape[-2:])
         if te_path is not None:
             with _open_npz(te_path) as npz:
                 for name in npz.files:
-                    array = npz[name]
+                    array = _member(npz, te_path, name)
                     if array.ndim == 0:
                         info[f"text_{name}"] = array.item()
                     else:
                         fields[f"text_{name}"] = array_to_tensor(array, te_path, name)
         return fields, info
     return load
+
+
+def _member(npz, path: str, name: str) -> np.ndarray:
+    """Array ``name`` of an open archive; a member that cannot be read (a failed CRC, a damaged header) is named."""
+    try:
+        return npz[name]
+    except Exception as exc:  # noqa: BLE001 - named by file and array
+        raise fail(f"{path}#{name}", "an .npy array", f"{type(exc).__name__}: {exc}") from None
 
 
 def _open_npz(path: str):
