@@ -316,7 +316,7 @@ def test_a_shard_whose_items_all_lack_an_optional_field_joins_as_absent_items(tm
     with LatentCacheWriter(tmp_path / "c") as writer:  # a field neither cache lets items lack must be in both
         for key, record in records(n=2, flipped=lambda i: False, text=lambda i: False, std=True):
             writer.append(key + "c", record)
-    with pytest.raises(InvalidArgumentError, match="different encoders, geometry or fields"):
+    with pytest.raises(InvalidArgumentError, match="different encoders, geometry, fields or latent conventions"):
         write_manifest(tmp_path / "bad", "train", [str(tmp_path / "named"), str(tmp_path / "c")])
 
 
