@@ -346,3 +346,100 @@ def test_shards_a_merge_refers_to_survive_a_build_of_another_world_size(tmp_path
     os.remove(shardstore.manifest_path(merged, "train"))  # the merge is gone: nothing refers to them now
     assert sorted(remove_other_worlds(out, "train", 2)) == three
     assert sorted(os.listdir(os.path.join(out, "shards"))) == [os.path.basename(f) for f in two]
+
+
+# -- evidence: a reader opening a sharded folder while a distributed rebuild of it is under way ------
+REBUILD_RANK = r"""
+import datetime, sys
+import torch.distributed as dist
+from latentfast.cache.builders.images import build_image_cache
+from latentfast.toy import ToyVAE
+
+rank, store, src, out, seed = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+try:
+    build_image_cache(ToyVAE(seed=seed), src, out, buckets=[(32, 32), (32, 48), (48, 32)], batch_size=1, quiet=True,
+                      group=dist.group.WORLD)
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def run_ranks(tmp_path, run: int, src: str, out: str, seed: int):
+    import subprocess
+    import sys
+
+    store = str(tmp_path / f"store{run}")
+    return [subprocess.Popen([sys.executable, "-c", REBUILD_RANK, str(r), store, src, out, str(seed)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+
+
+def read_all(cache) -> list:
+    """``(cache[i], read_batch(cache, [i])[0][0])`` of every item, or ``["raised"]`` if a read raised."""
+    try:
+        return [(cache[i], read_batch(cache, [i])[0][0]) for i in range(len(cache))]
+    except CacheError:
+        return ["raised"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_reader_during_a_distributed_rebuild_gets_the_old_cache_the_new_or_an_error(tmp_path):
+    from latentfast.cache.builders.distributed import shard_dir
+    from latentfast.cache.builders.images import build_image_cache
+    from latentfast.toy import ToyVAE
+    from test_cache_distributed import BUCKETS, make_sources
+
+    src, out = make_sources(str(tmp_path / "src"))["images"], str(tmp_path / "out")
+    ranks = run_ranks(tmp_path, 0, src, out, 3)
+    assert [p.wait(timeout=300) for p in ranks] == [0, 0], [p.stderr.read()[-2000:] for p in ranks]
+    generations = {}
+    for seed in (3, 4):  # what each generation holds, built by one process
+        build_image_cache(ToyVAE(seed=seed), src, str(tmp_path / f"single{seed}"), buckets=BUCKETS, batch_size=1, quiet=True)
+        single = LatentCache(str(tmp_path / f"single{seed}"))
+        generations[seed] = [single[i] for i in range(len(single))]
+
+    def generation_of(items: list):
+        if items == ["raised"]:
+            return "raised"
+        for seed, want in generations.items():
+            if len(items) == len(want) and all(torch.equal(a, w) and torch.equal(b, w) for (a, b), w in zip(items, want)):
+                return seed
+        return None  # a mix, or wrong bytes
+
+    held = LatentCache(out)
+    assert generation_of(read_all(held)) == 3  # (every file of both shards open from here on)
+    ranks = run_ranks(tmp_path, 1, src, out, 4)
+    seen = []
+    try:
+        while any(p.poll() is None for p in ranks):
+            try:
+                seen.append(generation_of(read_all(LatentCache(out))))
+            except (CacheError, FileNotFoundError):  # no manifest yet, a shard mid-publish, one changed since
+                seen.append("raised")
+            assert generation_of(read_all(held)) == 3, "the reader opened before the rebuild left its generation"
+    finally:
+        codes = [p.wait(timeout=300) for p in ranks]
+    assert codes == [0, 0], [p.stderr.read()[-2000:] for p in ranks]
+    assert None not in seen and seen, f"a reader opened during the rebuild read a mix: {seen}"
+    assert generation_of(read_all(LatentCache(out))) == 4 and generation_of(read_all(held)) == 3
+    # a rank that republished its shard while the old manifest was still there (a builder with no collective
+    # before its writes) from edited sources: the same items and encoder, other values -- the manifest no
+    # longer describes that shard, and the folder is refused, never read as one cache of two generations
+    from PIL import Image
+
+    edited, other = str(tmp_path / "edited"), str(tmp_path / "other")
+    shutil.copytree(src, edited)
+    for root, _dirs, names in os.walk(edited):
+        for name in names:
+            path = os.path.join(root, name)
+            Image.fromarray(255 - np.asarray(Image.open(path).convert("RGB"))).save(path)
+    ranks = run_ranks(tmp_path, 2, edited, other, 4)
+    assert [p.wait(timeout=300) for p in ranks] == [0, 0], [p.stderr.read()[-2000:] for p in ranks]
+    theirs, ours = shard_dir(other, "train", 1, 2), shard_dir(out, "train", 1, 2)
+    for name in sorted(os.listdir(theirs), key=lambda n: n.endswith("meta.json")):  # the meta last, as a publish does
+        if name.startswith("train."):
+            shutil.copyfile(os.path.join(theirs, name), os.path.join(ours, name))
+    assert len(LatentCache(ours)) == shardstore.load_manifest(shardstore.manifest_path(out, "train"))["shards"][1]["n"]
+    with pytest.raises(CacheCorruptError, match="changed after the manifest was written"):
+        LatentCache(out)
