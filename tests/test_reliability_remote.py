@@ -217,6 +217,22 @@ def test_damaged_local_chunks_are_fetched_again(s3, tmp_path, kind, damage):
     assert result["rows"] == n
 
 
+def test_a_damaged_local_chunk_under_a_span_reader_is_fetched_again(objects, tmp_path):
+    local = dict(local_cache=str(tmp_path / "lc"), local_cache_bytes=1 << 30)
+    spans = (np.array([0, 150_000]), np.array([100_000, 120_000]))
+    want = np.concatenate([PAYLOAD[o:o + n] for o, n in zip(*spans)])
+    out = np.zeros(int(spans[1].sum()), dtype=np.uint8)
+    RemoteReader("s3://lfrel/f", quick_options(objects), **local).read_ranges("data.bin", *spans, out)
+    data = chunk_files(local["local_cache"])[0]
+    flip_byte(data, 40_000)
+    reader = RemoteReader("s3://lfrel/f", quick_options(objects), **local)
+    out[:] = 0
+    reader.read_ranges("data.bin", *spans, out)  # no CRC given: only the chunk's own can tell
+    np.testing.assert_array_equal(out, want)
+    assert reader.stats["requests"] == 1  # the damaged chunk alone, fetched again
+    assert np.fromfile(data, dtype=np.uint8)[40_000] == PAYLOAD[40_000]  # and repaired in place
+
+
 # -- 12: a pull checks what it downloaded before it publishes the meta ---------------------------
 from latentfast.cache.remote import pull  # noqa: E402
 from latentfast.errors import CacheError  # noqa: E402
