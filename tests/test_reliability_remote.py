@@ -75,7 +75,7 @@ def test_a_merged_cache_over_rebuilt_folders_reads_one_generation(tmp_path):
 
 
 # -- evidence: a clean short answer to a ranged GET raises, and is never kept in the chunk cache ----
-obstore = pytest.importorskip("obstore", reason="remote caches need obstore (pip install 'latentfast[s3]')")
+pytest.importorskip("obstore", reason="remote caches need obstore (pip install 'latentfast[s3]')")
 pytest.importorskip("moto.server", reason="the loopback S3 server is moto[server] (pip install 'latentfast[test]')")
 
 from latentfast.cache.remote import RemoteReader, RemoteReadError  # noqa: E402
