@@ -253,18 +253,20 @@ class FaultProxy:
     """An HTTP proxy on 127.0.0.1 in front of an S3 endpoint that injects faults into ranged GETs.
 
     ``faults``: a list consumed one per ranged GET, each ``None`` (pass), ``"500"``, ``"503"``
-    (SlowDown), ``"drop"`` (half the body, then the connection is cut), ``"slow:SECONDS"`` (wait
-    before answering) or ``"flip"`` (one bit of the body flipped); ``fault_all`` (same values)
+    (SlowDown), ``"drop"`` (half the body, then the connection is cut), ``"short"`` (half the body,
+    sent as a complete answer: its Content-Length says so, the connection stays up), ``"slow:SECONDS"``
+    (wait before answering) or ``"flip"`` (one bit of the body flipped); ``fault_all`` (same values)
     applies to every ranged GET once the list is empty. ``gets`` records ``(path, range)`` of every
-    ranged GET. A context manager; it also stops by itself after ``lifetime_s``.
+    ranged GET. ``whole_gets``: whole-object GETs (a download; not listings) get faults too. A context
+    manager; it also stops by itself after ``lifetime_s``.
     """
 
-    def __init__(self, upstream: str, faults=(), fault_all=None, lifetime_s: float = 300.0):
+    def __init__(self, upstream: str, faults=(), fault_all=None, lifetime_s: float = 300.0, whole_gets: bool = False):
         import threading
         import urllib.parse
 
         self.upstream = urllib.parse.urlsplit(upstream)
-        self.faults, self.fault_all = list(faults), fault_all
+        self.faults, self.fault_all, self.whole_gets = list(faults), fault_all, whole_gets
         self.gets: list[tuple[str, str]] = []
         self._guard = threading.Lock()
         self._server = self._make_server()
@@ -334,7 +336,8 @@ class FaultProxy:
 
             def _handle(self):
                 byte_range = self.headers.get("Range")
-                fault = proxy._next_fault(self.path, byte_range) if self.command == "GET" and byte_range else None
+                faulted = byte_range or (proxy.whole_gets and "?" not in self.path)
+                fault = proxy._next_fault(self.path, byte_range) if self.command == "GET" and faulted else None
                 if fault == "500":
                     return self._error(500, "InternalError")
                 if fault == "503":
@@ -350,6 +353,8 @@ class FaultProxy:
                     data = bytearray(data)
                     data[len(data) // 2] ^= 0x10
                     data = bytes(data)
+                if fault == "short":
+                    data = data[: len(data) // 2]
                 if fault == "drop":
                     self.send_response(status)
                     self.send_header("Content-Length", str(len(data)))

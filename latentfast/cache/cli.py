@@ -116,6 +116,7 @@ def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
         sub.add_argument("--local-cache", help="URLs: the folder of fetched chunks (default: a temporary folder, removed after)")
         sub.add_argument("--local-cache-bytes", type=parse_bytes, default=2 << 30,
                          help="URLs: the local cache's budget, in bytes or with a K/M/G/T suffix")
+        _add_timeout(sub, 30.0)
         sub.set_defaults(func=_one_line_errors(handler))
     _add_push_pull(commands)
     commands.metavar = "{" + ",".join(commands.choices) + "}"
@@ -126,7 +127,8 @@ def _add_push_pull(commands) -> None:
     for name, handler, text, src, dst in (
             ("push", run_push, "upload a finished cache folder to object storage (data first, the meta last: a "
              "half-pushed cache never opens)", ("cache_dir", "the local cache folder"), ("url", "s3://bucket/prefix")),
-            ("pull", run_pull, "download a cache from object storage into a folder (the meta last), then verify it",
+            ("pull", run_pull, "download a cache from object storage into a folder, verify it, then publish it there "
+             "(the meta last: a pull that fails its checks leaves the folder as it was)",
              ("url", "s3://bucket/prefix"), ("cache_dir", "the local folder to write"))):
         sub = commands.add_parser(name, help=text, description=text + ". The standard AWS environment variables "
                                   "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION) are honoured.",
@@ -134,13 +136,27 @@ def _add_push_pull(commands) -> None:
         sub.add_argument(src[0], help=src[1])
         sub.add_argument(dst[0], help=dst[1])
         sub.add_argument("--endpoint-url", help="the S3-compatible endpoint (overrides AWS_ENDPOINT_URL)")
+        _add_timeout(sub, None)
         if name == "pull":
-            sub.add_argument("--no-verify", action="store_true", help="skip verifying the pulled cache")
+            sub.add_argument("--no-verify", action="store_true", help="skip verifying the pulled cache's checksums "
+                             "(sizes and single-part uploads' MD5s are still checked)")
         sub.set_defaults(func=_one_line_errors(handler))
 
 
+def _add_timeout(sub, default) -> None:
+    sub.add_argument("--timeout", type=float, default=default, metavar="SECONDS",
+                     help="URLs: the seconds one object-store request may take, and its retries after it: an endpoint "
+                     "that accepts and never answers fails within about twice this" +
+                     (f" (default: {default:g})" if default else " (default: the client's, 30 s a request, retries for 180 s)"))
+
+
 def _storage_options(args) -> dict | None:
-    return {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
+    if args.timeout is not None:
+        if args.timeout <= 0:
+            raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+        options.update(timeout=args.timeout, retry_timeout=args.timeout)
+    return options or None
 
 
 def parse_bytes(text: str) -> int:
@@ -183,16 +199,12 @@ def run_push(args) -> int:
 
 def run_pull(args) -> int:
     from .remote import pull
-    from .store.reader import verify_cache
 
-    names = pull(args.url, args.cache_dir, _storage_options(args))
+    stats: dict = {}
+    names = pull(args.url, args.cache_dir, _storage_options(args), verify=not args.no_verify, stats=stats)
+    for split, result in stats["verified"].items():
+        print(f"verify OK: split {split!r}, {result['rows']} rows, {result['bytes']:,} bytes")
     print(f"pulled {len(names)} files of {args.url} into {args.cache_dir}")
-    if not args.no_verify:
-        splits = sorted({n[: -len(".latents.meta.json")] if n.endswith(".latents.meta.json") else n[: -len(".shards.json")]
-                         for n in names if n.endswith((".latents.meta.json", ".shards.json")) and "/" not in n})
-        for split in splits:
-            result = verify_cache(args.cache_dir, split)
-            print(f"verify OK: split {split!r}, {result['rows']} rows, {result['bytes']:,} bytes")
     return 0
 
 

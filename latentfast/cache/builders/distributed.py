@@ -18,8 +18,8 @@ folder never write the same file. When every rank is done (one collective), rank
 manifest, durably and last; the others wait for it. A rank killed mid-way loses only its batch in
 flight: the shards the others finished are complete caches, and rerunning the same command resumes
 each shard (complete ones are found unchanged and skipped). Once the manifest is durable, rank 0
-deletes the shards of this split that a build of another world size left there (nothing refers to
-them any more); a damaged manifest or order file is rewritten by rerunning the same build, which
+deletes the shards of this split that a build of another world size left there (no manifest refers to
+them any more; one that a ``cache merge`` without ``--copy`` still names is kept); a damaged manifest or order file is rewritten by rerunning the same build, which
 finds every shard unchanged.
 
 ``import_latents`` takes part the same way: each file (extension formats) or each item of a
@@ -206,7 +206,9 @@ def remove_other_worlds(out_dir, split: str, world: int) -> list[str]:
     (``{split}-*-of-{other:05d}``): the manifest just written refers to none of them. Called after the
     manifest is durable, so a crash in between leaves an extra folder, never a cache without its data.
     This world size's shards and other splits' are kept, and so is a shard whose build lock is held
-    (a build of that world size writing into the folder now). Returns the folders removed."""
+    (a build of that world size writing into the folder now) or that a ``cache merge`` without
+    ``--copy`` refers to (:func:`~latentfast.cache.store.shards.referenced_by`: its manifest still
+    exists and names it). Returns the folders removed."""
     root = os.path.join(os.fspath(out_dir), "shards")
     name = re.compile(re.escape(split) + r"-\d{5}-of-(\d{5})")
     try:
@@ -222,6 +224,8 @@ def remove_other_worlds(out_dir, split: str, world: int) -> list[str]:
         except CacheLockedError:
             continue
         with lock:  # moved aside under its lock: a build starting now finds no half-deleted shard
+            if shardstore.referenced_by(folder, split):
+                continue
             trash = os.path.join(root, f".{os.path.basename(folder)}.{os.getpid()}.removing")
             os.rename(folder, trash)
         shutil.rmtree(trash)

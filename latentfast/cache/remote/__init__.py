@@ -13,10 +13,10 @@ forked after the parent used the client makes its calls through a helper process
 does not survive ``fork()``, see :mod:`.client`).
 """
 from .chunks import CHUNK_BYTES, ChunkCache
-from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
+from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError, RemoteReplacedError
 from .reader import COALESCE_BYTES, RemoteReader, coalesce
 from .storage import ObjectFolder, is_remote
 from .transfer import pull, push
 
 __all__ = ["CHUNK_BYTES", "COALESCE_BYTES", "ChunkCache", "ObjectFolder", "RemoteCorruptError",
-           "RemoteNotFoundError", "RemoteReadError", "RemoteReader", "coalesce", "is_remote", "pull", "push"]
+           "RemoteNotFoundError", "RemoteReadError", "RemoteReader", "RemoteReplacedError", "coalesce", "is_remote", "pull", "push"]

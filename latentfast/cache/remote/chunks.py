@@ -10,8 +10,13 @@ Layout under ``directory``, per remote object version (``key`` = a hash of URL, 
                   sees a torn or missing chunk; a folder from an earlier boot (where marks may have
                   reached the disk before the bytes) is emptied when opened;
 - ``key.atime``   int64 per chunk, CLOCK_MONOTONIC ns of its last use (node-wide clock): the LRU order;
+- ``key.crc32``   uint32 per chunk, the CRC-32 of its bytes as downloaded (written before its mark):
+                  each process checks a chunk against it before its first read of it, and a chunk that
+                  fails (the local copy damaged on disk) is dropped and fetched again;
 - ``key.claims``  empty; a POSIX byte-range lock on ``[c0, c1)`` is the right to download chunks
                   ``c0..c1-1``: one download per chunk per node. The kernel drops it if the holder dies.
+
+A set whose files do not have the sizes its object implies (a truncated file) is made again, empty.
 
 The folder's ``used_bytes`` holds one int64, the bytes of chunks present over all objects: every
 download adds to it, eviction sets it, under a ``lockf`` of the file; so a download checks the
@@ -39,6 +44,7 @@ import mmap
 import os
 import threading
 import time
+import zlib
 
 import numpy as np
 
@@ -138,9 +144,11 @@ class ObjectChunks:
         self.data_fd = os.open(base + ".data", os.O_RDWR)
         self._reader_fds: dict[int, int] = {}  # flock: readers SH (one fd per thread), evictor EX
         self.claims_fd = os.open(base + ".claims", os.O_RDWR)
-        self._maps = [_shared_map(base + ".present"), _shared_map(base + ".atime")]
+        self._maps = [_shared_map(base + ".present"), _shared_map(base + ".atime"), _shared_map(base + ".crc32")]
         self.present = np.frombuffer(self._maps[0], dtype=np.uint8, count=self.n_chunks)  # plain views:
         self.atime = np.frombuffer(self._maps[1], dtype=np.int64, count=self.n_chunks)  # np.memmap slices slowly
+        self.crc = np.frombuffer(self._maps[2], dtype=np.uint32, count=self.n_chunks)
+        self.checked = np.zeros(self.n_chunks, dtype=bool)  # chunks this process found intact
         self._data = None
 
     @property
@@ -186,19 +194,44 @@ class ObjectChunks:
         of the node sees the written bytes through the page cache at once; no fsync, because a
         folder written in an earlier boot is emptied on open (:meth:`ChunkCache.__init__`)."""
         start, _ = self.chunk_span(c0, c1)
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
             done += os.pwrite(self.data_fd, view[done:], start + done)
+        for c in range(c0, c1):
+            lo, hi = self.chunk_span(c, c + 1)
+            self.crc[c] = zlib.crc32(view[lo - start: hi - start])
         self.atime[c0:c1] = now_ns()
         self.present[c0:c1] = 1
         self.used.add(self._span_bytes(c0, c1))
+
+    def intact(self, chunks: np.ndarray) -> bool:
+        """Whether the present chunks of ``chunks`` (any shape) pass their CRC-32, checking those this
+        process has not checked yet (under :meth:`reading`); each that fails -- damaged on the local
+        disk -- is dropped, for the caller to fetch again."""
+        todo = chunks[~self.checked[chunks]]
+        if not todo.size:
+            return True
+        todo = np.unique(todo)
+        todo = todo[self.present[todo] == 1]
+        data = self.data
+        bad = []
+        for c in todo.tolist():
+            start, end = self.chunk_span(c, c + 1)
+            if zlib.crc32(data[start:end]) == int(self.crc[c]):
+                self.checked[c] = True
+            else:
+                bad.append(c)
+        for c in bad:
+            self.drop(c, c + 1)
+        return not bad
 
     def drop(self, c0: int, c1: int) -> None:
         """Mark chunks ``c0..c1-1`` missing (a corrupt copy: the next read fetches them again)."""
         with self.used.locked():
             present = np.flatnonzero(self.present[c0:c1]) + c0
             self.present[present] = 0
+            self.checked[c0:c1] = False
             self.used.value[0] -= sum(self._span_bytes(int(c), int(c) + 1) for c in present)
 
     def _span_bytes(self, c0: int, c1: int) -> int:
@@ -256,7 +289,7 @@ class ChunkCache:
                     return
             for path in glob.glob(os.path.join(self.directory, "*.present")):
                 os.unlink(path)  # the marker first: the rest of the set is then unreachable
-                for suffix in (".data", ".atime", ".claims"):
+                for suffix in (".data", ".atime", ".claims", ".crc32"):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(path[: -len(".present")] + suffix)
             with open(stamp + ".tmp", "w") as fh:
@@ -294,18 +327,32 @@ class ChunkCache:
         key = hashlib.sha256(f"{identity}\0{size}\0{self.chunk_bytes}".encode()).hexdigest()[:32]
         if key not in self._objects:
             base = os.path.join(self.directory, key)
-            if not os.path.exists(base + ".present"):
+            if not self._whole(base, size):
                 self._create(base, size)
             self._objects[key] = ObjectChunks(base, size, self.chunk_bytes, self.used)
         return self._objects[key]
 
-    def _create(self, base: str, size: int) -> None:
+    def _sizes(self, size: int) -> dict[str, int]:
+        """The size each file of an object's set has (``.present``, the mark of a whole set, last)."""
         n_chunks = max(1, -(-int(size) // self.chunk_bytes))
+        return {".data": int(size), ".atime": 8 * n_chunks, ".crc32": 4 * n_chunks, ".claims": 0, ".present": n_chunks}
+
+    def _whole(self, base: str, size: int) -> bool:
+        """Whether the object's set exists with every file of its size (not truncated, not of an older layout)."""
+        try:
+            return all(os.path.getsize(base + suffix) == n for suffix, n in self._sizes(size).items())
+        except OSError:
+            return False
+
+    def _create(self, base: str, size: int) -> None:
+        """Make the object's set, empty; a damaged one (see :meth:`_whole`) is made again."""
         fd = self._global_lock(fcntl.LOCK_EX)
         try:
-            if os.path.exists(base + ".present"):
+            if self._whole(base, size):
                 return
-            for suffix, n_bytes in ((".data", size), (".atime", 8 * n_chunks), (".claims", 0), (".present", n_chunks)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(base + ".present")  # unmarked first: no process takes the rest for a whole set
+            for suffix, n_bytes in self._sizes(size).items():
                 with open(base + suffix + ".tmp", "wb") as fh:
                     fh.truncate(n_bytes)
                 os.replace(base + suffix + ".tmp", base + suffix)  # .present last: it marks the set complete
@@ -322,8 +369,14 @@ class ChunkCache:
         for path in glob.glob(os.path.join(self.directory, "*.present")):
             key = os.path.basename(path)[: -len(".present")]
             if key not in self._objects:
-                size = os.path.getsize(path[: -len(".present")] + ".data")
-                self._objects[key] = ObjectChunks(path[: -len(".present")], size, self.chunk_bytes, self.used)
+                base = path[: -len(".present")]
+                try:
+                    size = os.path.getsize(base + ".data")
+                except OSError:
+                    continue
+                if not self._whole(base, size):  # damaged: the next reader of that object makes it again
+                    continue
+                self._objects[key] = ObjectChunks(base, size, self.chunk_bytes, self.used)
             found.append(self._objects[key])
         return found
 

@@ -36,10 +36,18 @@ def open_store(spec: tuple):
     return obstore.store.from_url(url, config=config or None, client_options=client or None, retry_config=retry or None)
 
 
-async def get_range(store, name: str, start: int, end: int):
+UNVERSIONED = "modified:"  # a version that is an mtime, not an ETag: no request can be conditioned on it
+
+
+async def get_range(store, name: str, start: int, end: int, version: str | None = None):
+    """Bytes ``[start, end)`` of ``name``; with an ETag ``version``, only of that version (``If-Match``:
+    a replaced object raises ``PreconditionError`` instead of answering with the new bytes)."""
     import obstore
 
-    return await obstore.get_range_async(store, name, start=int(start), end=int(end))
+    if version is None or version.startswith(UNVERSIONED):
+        return await obstore.get_range_async(store, name, start=int(start), end=int(end))
+    result = await obstore.get_async(store, name, options={"range": (int(start), int(end)), "if_match": version})
+    return await result.bytes_async()
 
 
 def get(store, name: str) -> bytes:
@@ -49,11 +57,11 @@ def get(store, name: str) -> bytes:
 
 
 def head(store, name: str) -> tuple[int, str]:
-    """``(size, version)``: the version is the ETag, else the mtime."""
+    """``(size, version)``: the version is the ETag, else the mtime (marked :data:`UNVERSIONED`)."""
     import obstore
 
     meta = obstore.head(store, name)
-    return int(meta["size"]), str(meta.get("e_tag") or meta.get("last_modified"))
+    return int(meta["size"]), str(meta.get("e_tag") or f"{UNVERSIONED}{meta.get('last_modified')}")
 
 
 def list_names(store) -> list[str]:
@@ -69,18 +77,23 @@ def put_file(store, name: str, path: str, multipart: bool) -> None:
         obstore.put(store, name, fh, use_multipart=multipart)
 
 
-def download(store, name: str, path: str) -> int:
-    """Stream the object ``name`` into the new file ``path`` and fsync it; returns the bytes written."""
+def download(store, name: str, path: str) -> tuple[int, str, str]:
+    """Stream the object ``name`` into the new file ``path`` and fsync it; returns the bytes written,
+    their MD5 (hex) and the ETag the answer came with."""
+    import hashlib
+
     import obstore
 
-    written = 0
+    written, md5 = 0, hashlib.md5(usedforsecurity=False)
+    result = obstore.get(store, name)
     with open(path, "wb") as fh:
-        for part in obstore.get(store, name).stream(min_chunk_size=8 << 20):
+        for part in result.stream(min_chunk_size=8 << 20):
             fh.write(part)
+            md5.update(part)
             written += len(part)
         fh.flush()
         os.fsync(fh.fileno())
-    return written
+    return written, md5.hexdigest(), str(result.meta.get("e_tag") or "")
 
 
 def delete(store, name: str) -> None:
@@ -98,12 +111,19 @@ def is_not_found(exc: BaseException) -> bool:
     return isinstance(exc, (obstore.exceptions.NotFoundError, FileNotFoundError))
 
 
+def is_replaced(exc: BaseException) -> bool:
+    """A conditional request whose version is gone (``If-Match`` failed: the object was replaced)."""
+    import obstore.exceptions
+
+    return isinstance(exc, obstore.exceptions.PreconditionError)
+
+
 class HelperError(Exception):
     """A call the helper made failed (``kind``: the client's exception type), or the helper died."""
 
-    def __init__(self, kind: str, not_found: bool, message: str):
+    def __init__(self, kind: str, not_found: bool, message: str, replaced: bool = False):
         super().__init__(f"{kind}: {message}")
-        self.kind, self.not_found = kind, not_found
+        self.kind, self.not_found, self.replaced = kind, not_found, replaced
 
 
 # this file as a script, without its folder on sys.path (an `import errors` would find ours) and without
@@ -193,7 +213,7 @@ def serve(request_fd: int, reply_fd: int) -> None:
                 value = await asyncio.to_thread(SYNC_CALLS[op], stores[key], *args)
             replies.send((msg_id, True, value))
         except Exception as exc:  # every failure goes back to the caller, who names the object
-            replies.send((msg_id, False, (type(exc).__name__, is_not_found(exc), str(exc))))
+            replies.send((msg_id, False, (type(exc).__name__, is_not_found(exc), str(exc), is_replaced(exc))))
 
     def read_requests():
         try:

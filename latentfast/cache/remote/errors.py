@@ -15,3 +15,8 @@ class RemoteNotFoundError(RemoteReadError, FileNotFoundError):
 class RemoteCorruptError(CacheCorruptError):
     """Fetched bytes failed their expected CRC-32 on every attempt."""
 
+
+
+class RemoteReplacedError(CacheCorruptError):
+    """The object changed after the reader opened it (a push replaced the cache): its bytes now are
+    another generation's, which the reader's index does not describe. Open the cache again."""

@@ -18,10 +18,14 @@ cache's latents have block checksums only: ``verify_rows=True`` checks them (onc
 process), as on a local cache.
 
 A generation is the remote meta's bytes: a push that replaces the cache publishes a new meta
-(written last), and readers opened after it get a new folder. A reader open while the objects
-under it are replaced is not protected (their CRCs catch it for items that have one). Each open
-reader holds a shared lock on its generation's folder; the folders of older generations of the
-same cache that no reader holds are deleted when a new one is mirrored.
+(written last), and readers opened after it get a new folder. The mirror pins each data object's
+version (its ETag, headed while the meta was unchanged: the meta is fetched again after the heads)
+and every ranged GET asks for that version only (``If-Match``): a reader open while a push replaces
+the objects under it reads what its node already holds of its generation, and
+:class:`.RemoteReplacedError` ("replaced since this reader opened it") for the rest -- never the new
+bytes, which are never stored under the old generation's chunks. Each open reader holds a shared
+lock on its generation's folder; the folders of older generations of the same cache that no reader
+holds are deleted when a new one is mirrored.
 
 A sharded cache in object storage (a distributed build's folder, or a ``cache merge --copy``,
 pushed) is its manifest and order file (:func:`mirror_manifest`, fetched whole into a folder of
@@ -43,7 +47,7 @@ import numpy as np
 from ...errors import InvalidArgumentError
 from ..store import format as fmt
 from .chunks import now_ns
-from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
+from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError, RemoteReplacedError
 from .reader import RemoteReader, coalesce
 from .storage import ObjectFolder
 
@@ -60,8 +64,13 @@ class RemoteFiles:
         self.url, self.split = str(url).rstrip("/"), split
         self.reader = RemoteReader(self.url, storage_options, local_cache=os.fspath(local_cache),
                                    local_cache_bytes=local_cache_bytes, **reader_options)
-        for _ in range(3):  # (a newer generation's cleanup may take an older one away as we open it)
-            self.mirror = self._mirror()
+        for attempt in range(3):  # (a newer generation's cleanup may take an older one away as we open it)
+            try:
+                self.mirror = self._mirror()
+            except RemoteReplacedError:  # a push replaced the cache while we mirrored it: mirror the new one
+                if attempt == 2:
+                    raise
+                continue
             self._generation_lock = hold_generation(self.mirror)
             if self._generation_lock is not None:
                 break
@@ -87,25 +96,41 @@ class RemoteFiles:
                 f"no latent cache for split {self.split!r} at {self.url}: {self.reader.folder.where(meta_name)} does not "
                 f"exist (nothing pushed there, or its push did not finish: push writes the meta last)") from None
 
+        listing = {}
+
+        def objects() -> tuple[list, dict]:
+            """The cache's other objects and its data objects' ``(size, version)`` (listed once)."""
+            if not listing:
+                names = [n for n in self.reader.folder.list() if "/" not in n and n.startswith(self.split + ".") and n != meta_name]
+                listing["names"], listing["heads"] = names, {n: self.reader.folder.head(n) for n in names if n.endswith(".dat")}
+            return listing["names"], listing["heads"]
+
+        key = meta
+        if not _names_its_content(meta):  # (checksum-less, written by other code): the data's versions tell
+            key += json.dumps(objects()[1], sort_keys=True).encode()  # its generations apart
+
         def fill(tmp: str) -> None:
-            heads = {}
-            for name in self.reader.folder.list():
-                if "/" in name or not name.startswith(self.split + ".") or name == meta_name:
-                    continue
-                if name.endswith(".dat"):  # data: a link to its sparse local copy, filled by holds
-                    heads[name] = self.reader.folder.head(name)
-                    self.reader.pinned_heads = heads
-                    self.reader._fresh()
+            names, heads = objects()
+            self.reader.pinned_heads = heads
+            self.reader._fresh()
+            for name in names:
+                if name in heads:  # data: a link to its sparse local copy, filled by holds
                     os.symlink(self.reader._chunks(name).base + ".data", os.path.join(tmp, name))
                 else:  # index files are small: whole GETs (the reader checks them against the meta's CRCs)
                     with open(os.path.join(tmp, name), "wb") as fh:
                         fh.write(self.reader.folder.get(name))
+            try:
+                again = self.reader.folder.get(meta_name)
+            except RemoteNotFoundError:
+                again = None
+            if again != meta:  # (a push deletes the meta before it replaces an object, and writes it last)
+                raise RemoteReplacedError(f"{self.reader.folder.where(meta_name)} changed while its cache was mirrored (a push replacing it)")
             with open(os.path.join(tmp, meta_name), "wb") as fh:
                 fh.write(meta)
             with open(os.path.join(tmp, _HEADS), "w") as fh:
                 json.dump(heads, fh)
 
-        return generation_folder(self.reader.cache.directory, self.url, self.split, meta, fill)
+        return generation_folder(self.reader.cache.directory, self.url, self.split, key, fill)
 
     def object_name(self, path: str) -> str:
         """The object behind a mirror path (``.../train.latents.f16.dat`` -> ``train.latents.f16.dat``)."""
@@ -226,6 +251,15 @@ class RemoteFiles:
                                  f"{self.reader.read_attempts} fetches")
 
 
+def _names_its_content(meta: bytes) -> bool:
+    """Whether a meta's bytes change with its cache's content: ours record their index files' CRC-32s
+    (the checksums file among them covers the data); a meta of another writer may not."""
+    try:
+        return isinstance(json.loads(meta).get("files"), dict)
+    except (ValueError, AttributeError):
+        return False
+
+
 def _check_local_cache(url, local_cache, local_cache_bytes) -> None:
     if local_cache is None or local_cache_bytes is None:
         raise InvalidArgumentError(
@@ -279,9 +313,9 @@ def generation_folder(root_dir: str, url: str, split: str, key: bytes, fill) -> 
             with open(os.path.join(tmp, _HEADS), "w") as fh:
                 json.dump({}, fh)
         os.rename(tmp, final)
-    except OSError:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.exists(os.path.join(final, _HEADS)):  # not another process's rename winning
+        if not isinstance(exc, OSError) or not os.path.exists(os.path.join(final, _HEADS)):  # not another process's rename winning
             raise
         return final
     _delete_older_generations(root, generation, url, split)
@@ -378,14 +412,15 @@ def holding_many(requests):
 @contextlib.contextmanager
 def _holding(holds):
     """Hold every :class:`_Hold`: under each object's reader lock (the evictor waits) check its chunks
-    are all there; if some are not, let go, fetch them (all holds' fetches at once) and look again,
-    up to ``_HOLD_ATTEMPTS`` rounds."""
+    are all there and intact (see :meth:`.ObjectChunks.intact`); if some are not, let go, fetch them
+    (all holds' fetches at once) and look again, up to ``_HOLD_ATTEMPTS`` rounds."""
     holds = [h for h in holds if h is not None]
     for attempt in range(_HOLD_ATTEMPTS + 1):  # (the first look is before any fetch)
         with contextlib.ExitStack() as stack:
             for h in holds:
                 stack.enter_context(h.obj.reading())
-            missing = [h for h in holds if not h.obj.present[h.chunks].all()]
+            # (intact: a chunk damaged on the local disk is dropped here, and fetched again below)
+            missing = [h for h in holds if not h.obj.present[h.chunks].all() or not h.obj.intact(h.chunks)]
             if not missing:
                 now = now_ns()
                 for h in holds:

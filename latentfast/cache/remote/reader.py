@@ -28,7 +28,7 @@ import numpy as np
 
 from ...errors import InvalidArgumentError
 from .chunks import CHUNK_BYTES, ChunkCache, ObjectChunks, chunk_indices, now_ns
-from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
+from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError, RemoteReplacedError
 from .storage import ObjectFolder
 
 COALESCE_BYTES = 64 << 10  # a GET costs a round trip; 64 KiB more bytes cost less than one more request
@@ -129,6 +129,7 @@ class RemoteReader:
 
     def __getstate__(self):
         state = self.__dict__.copy()
+        state["pinned_heads"] = {**self._heads, **self.pinned_heads}  # a worker reads the versions this reader read
         for k in ("_heads", "_inflight", "_sem", "_pid", "stats"):
             state.pop(k)
         return state
@@ -240,17 +241,20 @@ class RemoteReader:
     # ---- fetching -----------------------------------------------------------------------------
 
     async def _fetch(self, name: str, start: int, end: int):
-        """Bytes ``[start, end)`` of ``name`` from the network: complete, or an error naming them."""
+        """Bytes ``[start, end)`` of ``name`` from the network: complete, of the version this reader
+        first saw (``If-Match`` on its ETag: :class:`RemoteReplacedError` once a push replaced it), or
+        an error naming them."""
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_concurrency)
+        version = self._head(name)[1]
         last = None
         for attempt in range(self.read_attempts):
             if attempt:  # exponential backoff with full jitter
                 await asyncio.sleep(self.retry_backoff * (2 ** attempt) * random.random())
             try:
                 async with self._sem:
-                    data = await self.folder.get_range(name, start, end)
-            except RemoteNotFoundError:
+                    data = await self.folder.get_range(name, start, end, version)
+            except (RemoteNotFoundError, RemoteReplacedError):
                 raise
             except RemoteReadError as exc:
                 last = exc
@@ -323,6 +327,8 @@ class RemoteReader:
         dst = np.frombuffer(out, dtype=np.uint8)
         with obj.reading():  # the evictor waits until we are done
             have = obj.present[grid].all(axis=1)
+            if have.any() and not obj.intact(grid[have]):  # damaged local chunks were dropped: fetched again
+                have = obj.present[grid].all(axis=1)
             data = obj.data
             for s, e, d in zip(starts[have].tolist(), ends[have].tolist(), dests[have].tolist()):
                 dst[d: d + e - s] = data[s: e]

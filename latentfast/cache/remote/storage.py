@@ -22,6 +22,9 @@ Keys: ``endpoint_url`` (or ``endpoint``), ``key``/``access_key_id``, ``secret``/
 ``region``, ``token``, any other ``object_store`` S3 config key, plus the client's ``timeout`` and
 ``connect_timeout`` (seconds) and retries: ``max_retries`` (default 10), ``retry_backoff`` (first
 wait, seconds, default 0.1), ``retry_max_backoff`` (default 15), ``retry_timeout`` (default 180).
+``timeout`` bounds one request (the client's default: 30 s) and ``retry_timeout`` the retries after
+it, so an endpoint that accepts connections and never answers fails after about their sum: pass
+both (``{"timeout": 10, "retry_timeout": 10}``) to fail fast; the CLI's ``--timeout`` sets both.
 ``http://`` endpoints are allowed (loopback MinIO, moto, s3rver).
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ import datetime
 import os
 
 from ...errors import InvalidArgumentError
-from .errors import RemoteNotFoundError, RemoteReadError
+from .errors import RemoteNotFoundError, RemoteReadError, RemoteReplacedError
 
 _ALIASES = {"endpoint_url": "endpoint", "key": "access_key_id", "aws_access_key_id": "access_key_id",
             "secret": "secret_access_key", "aws_secret_access_key": "secret_access_key",
@@ -143,11 +146,20 @@ class ObjectFolder:
         place = f"{self.url}/{name}"
         return place if start is None else f"{place} bytes [{start}, {end})"
 
-    def _error(self, exc: Exception, name: str, start=None, end=None) -> RemoteReadError:
+    def _error(self, exc: Exception, name: str, start=None, end=None, version=None):
         from . import client
 
-        not_found = exc.not_found if isinstance(exc, client.HelperError) else client.is_not_found(exc)
-        cls = RemoteNotFoundError if not_found else RemoteReadError
+        helped = isinstance(exc, client.HelperError)
+        if exc.replaced if helped else client.is_replaced(exc):
+            return RemoteReplacedError(
+                f"{self.where(name, start, end)}: replaced since this reader opened it (its version {version} is gone: a "
+                f"push replaced the cache); open the cache again to read the new one")
+        cls = RemoteNotFoundError if (exc.not_found if helped else client.is_not_found(exc)) else RemoteReadError
+        if "TimedOut" in str(exc):  # (the client's message is a page of debug output)
+            bounds = ", ".join(f"{k}={self.storage_options[k]} s" if k in self.storage_options else f"{k} the client's default"
+                               for k in ("timeout", "retry_timeout"))
+            return cls(f"{self.where(name, start, end)}: the endpoint timed out: no answer within {bounds} "
+                       f"(storage_options; the CLI's --timeout sets both)")
         return cls(f"{self.where(name, start, end)}: {type(exc).__name__}: {exc}")
 
     def _call(self, op: str, name: str, *args):
@@ -163,18 +175,19 @@ class ObjectFolder:
         except Exception as exc:
             raise self._error(exc, name) from exc
 
-    async def get_range(self, name: str, start: int, end: int):
-        """The bytes ``[start, end)`` of ``name`` (a buffer); short answers are the caller's to check."""
+    async def get_range(self, name: str, start: int, end: int, version: str | None = None):
+        """The bytes ``[start, end)`` of ``name`` (a buffer); short answers are the caller's to check.
+        ``version`` (from :meth:`head`): of that version only, else :class:`RemoteReplacedError`."""
         from . import client
 
         try:
             if _forked_after_use():
-                return await asyncio.wrap_future(client.helper().submit(self._spec, "get_range", name, int(start), int(end)))
-            return await client.get_range(self.store, name, start, end)
+                return await asyncio.wrap_future(client.helper().submit(self._spec, "get_range", name, int(start), int(end), version))
+            return await client.get_range(self.store, name, start, end, version)
         except InvalidArgumentError:
             raise
         except Exception as exc:
-            raise self._error(exc, name, start, end) from exc
+            raise self._error(exc, name, start, end, version) from exc
 
     def get(self, name: str) -> bytes:
         """The whole of a (small) object."""
@@ -192,8 +205,9 @@ class ObjectFolder:
         """Upload the local file ``path`` as ``name``; multipart above :data:`MULTIPART_BYTES`."""
         self._call("put_file", name, name, path, os.path.getsize(path) > MULTIPART_BYTES)  # read at call time: tests lower it
 
-    def download(self, name: str, path: str) -> int:
-        """Stream ``name`` into the new local file ``path`` (fsynced); returns the bytes written."""
+    def download(self, name: str, path: str) -> tuple[int, str, str]:
+        """Stream ``name`` into the new local file ``path`` (fsynced); returns the bytes written, their
+        MD5 (hex) and the object's ETag."""
         return self._call("download", name, name, path)
 
     def delete(self, name: str) -> None:

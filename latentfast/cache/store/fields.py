@@ -263,7 +263,7 @@ class FieldItems:
     ``[N]`` of an optional field, None where every item has one), and (per process) the map and
     checks done."""
 
-    def __init__(self, cache, name: str, spans: np.ndarray, crc: np.ndarray, present: np.ndarray | None = None):
+    def __init__(self, cache, name: str, spans: np.ndarray, crc: np.ndarray, present: np.ndarray | None, files):
         self.cache_dir, self.split, self.name = cache.cache_dir, cache.split, name
         self.path = field_path(cache.cache_dir, cache.split, name, "data")
         self.dtype = DTYPES[cache.meta["fields"][name]["dtype"]]
@@ -274,17 +274,22 @@ class FieldItems:
         self.row_ends = self.row_starts + (self.nbytes + 1) // 2
         self.crc, self.present = crc, present
         self.remote = getattr(cache, "remote", None)  # a cache in object storage (layout.holding)
+        self.files = files  # the cache's data files as this process reads them (layout.CacheFiles)
         self._source = None
         self._verified: set[int] = set()
+
+    def fd(self) -> int:
+        """This process's descriptor of the field's data file: every read of the field goes through it."""
+        return self.files.fd(self.path)
 
     def source(self):
         """``(data, unit offsets, unit counts, pitch 0)`` for the compiled gathers."""
         if self._source is None:
-            end = int(self.row_ends.max(initial=0))
+            from .layout import map_units
+
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                data = torch.from_numpy(np.memmap(self.path, dtype=np.float16, mode="r", shape=(end,)).view(np.ndarray)) \
-                    if end else torch.zeros(0, dtype=torch.float16)
+                data = torch.from_numpy(map_units(self.fd(), int(self.row_ends.max(initial=0))))
             units = self.row_ends - self.row_starts
             if units.size and units.max() > np.iinfo(np.int32).max:
                 raise InvalidArgumentError(f"field {self.name!r}: a value of {int(units.max())} units is too large for the batch gather")
@@ -315,13 +320,13 @@ class FieldItems:
         """Whether item ``i`` has a value of this field."""
         return self.present is None or bool(self.present[i])
 
-    def value(self, fd: int, i: int) -> torch.Tensor:
+    def value(self, i: int) -> torch.Tensor:
         """Item ``i``'s value, read with one pread (an item without one: :class:`AbsentValueError`)."""
         if not self.has(i):
             raise AbsentValueError(f"latent cache {self.cache_dir} (split {self.split!r}): item {i} has no value of the "
                                    f"optional field {self.name!r}")
         start, nbytes = int(self.row_starts[i]) * 2, int(self.nbytes[i])
-        raw = os.pread(fd, nbytes, start)
+        raw = os.pread(self.fd(), nbytes, start)
         if len(raw) != nbytes:
             raise CacheCorruptError(f"latent cache field {self.name!r} ({self.path}): item {i} reads short")
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if nbytes else torch.zeros(0, dtype=torch.uint8)

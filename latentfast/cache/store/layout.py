@@ -21,6 +21,7 @@ that table and none goes back to the cache object for geometry.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import warnings
 import zlib
@@ -57,10 +58,11 @@ class Items:
     Built by :class:`~latentfast.cache.LatentCache` when it opens a cache (and again in each process
     that unpickles it); the cache's own reads (``cache[i]``, verify) share its map and descriptor."""
 
-    def __init__(self, cache, source=None):
+    def __init__(self, cache, source=None, files: CacheFiles | None = None):
         self._source = source  # a wrapper's own gather_source(), else None: this object maps the file
         self.cache_dir, self.split, self.meta = cache.cache_dir, cache.split, cache.meta
         self.path = fmt.cache_path(cache.cache_dir, cache.split, "data")
+        self.files = files or CacheFiles(self.cache_dir, self.split, self.meta, [self.path], getattr(cache, "_data_identity", None))
         self.n, self.shaped, self.verify_rows = len(cache), cache.shaped, cache.verify_rows
         self.channels, self.latent_h, self.w_max = cache.channels, cache.latent_h, cache.w_max
         self.widths, self.row_starts, self.white = cache.widths, cache.row_starts, cache.white_column
@@ -77,42 +79,19 @@ class Items:
         self._stamp = (-1, -1)  # (size, mtime_ns) of the data file when this process opened it
 
     def fd(self) -> int:
-        """This process's descriptor of the data file (what reads and the size check use). Opened
-        lazily, in each process: the meta must still be the one the cache was opened with, or the
-        file is another generation's (a rebuild published since) and the index would misread it."""
+        """This process's descriptor of the data file: what every read of it goes through (``cache[i]``'s
+        preads and the batch gathers' map alike). Opened lazily, in each process, with the cache's
+        other data files (see :class:`CacheFiles`)."""
         if self._fd is None:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                self._check_generation()
-                st = os.fstat(fd)
-            except BaseException:
-                os.close(fd)
-                raise
+            fd = self.files.fd(self.path)
+            st = os.fstat(fd)
             self._fd, self._stamp = fd, (st.st_size, st.st_mtime_ns)
         return self._fd
-
-    def _check_generation(self) -> None:
-        meta_path = fmt.cache_path(self.cache_dir, self.split, "meta")
-        try:
-            current = fmt.read_meta(meta_path)
-        except (OSError, CacheCorruptError):
-            current = None
-        if current != self.meta:
-            raise CacheCorruptError(
-                f"latent cache {self.cache_dir} (split {self.split!r}) was rebuilt after this reader opened it "
-                f"(its meta {meta_path} changed or is gone): its index does not describe the data file now; "
-                f"open the cache again"
-            )
 
     def memmap(self) -> np.ndarray:
         """The whole data file as a flat read-only array of 2-byte units (numpy float16), opened once per process."""
         if self._mm is None:
-            self.fd()
-            end = int(self.row_starts[-1])
-            if end == 0:
-                self._mm = np.zeros(0, dtype=np.float16)
-            else:  # plain-array slicing is cheaper; the view keeps the map open
-                self._mm = np.memmap(self.path, dtype=np.float16, mode="r", shape=(end,)).view(np.ndarray)
+            self._mm = map_units(self.fd(), int(self.row_starts[-1]))
         return self._mm
 
     def check_unchanged(self) -> None:
@@ -175,10 +154,63 @@ class Items:
         state.pop("_widths_t", None)
         return state
 
+
+class CacheFiles:
+    """One opened cache's data files (the latents' and each field's) as this process reads them: opened
+    together on the first read of any, under one check that the cache is still the generation it was
+    opened as -- its meta unchanged and (``identity``: ``(st_dev, st_ino)`` of the latents' file when
+    the index was checked) the same file -- and read through these descriptors only. So every read
+    path of a reader reads the one generation, even after the folder is deleted or rebuilt, or (a
+    process that opens them after that) every one raises."""
+
+    def __init__(self, cache_dir: str, split: str, meta: dict, paths: list[str], identity=None):
+        self.cache_dir, self.split, self.meta, self.paths, self.identity = cache_dir, split, meta, list(paths), identity
+        self._fds: dict[str, int] | None = None
+
+    def fd(self, path: str) -> int:
+        if self._fds is None:
+            self._fds = self._open()
+        return self._fds[path]
+
+    def _open(self) -> dict[str, int]:
+        meta_path = fmt.cache_path(self.cache_dir, self.split, "meta")
+        fds: dict[str, int] = {}
+        try:
+            for path in self.paths:
+                with contextlib.suppress(FileNotFoundError):
+                    fds[path] = os.open(path, os.O_RDONLY)
+            try:
+                current = fmt.read_meta(meta_path)
+            except (OSError, CacheCorruptError):
+                current = None
+            first = os.fstat(fds[self.paths[0]]) if self.paths[0] in fds else None
+            if current != self.meta or len(fds) != len(self.paths) or (
+                    self.identity is not None and (first.st_dev, first.st_ino) != tuple(self.identity)):
+                raise CacheCorruptError(
+                    f"latent cache {self.cache_dir} (split {self.split!r}) was rebuilt after this reader opened it (its "
+                    f"meta {meta_path} or a data file was replaced or is gone): its index does not describe the files "
+                    f"now; open the cache again")
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        return fds
+
+    def __getstate__(self) -> dict:  # each process opens the files for itself
+        return {**self.__dict__, "_fds": None}
+
     def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (getattr(self, "_fds", None) or {}).values():
+            os.close(fd)
+        self._fds = None
+
+
+def map_units(fd: int, units: int) -> np.ndarray:
+    """The first ``units`` 2-byte units of the open file ``fd``, memory-mapped read-only (numpy float16):
+    mapped through the descriptor, never the path, which may name another file by now."""
+    if units == 0:
+        return np.zeros(0, dtype=np.float16)
+    return np.frombuffer(mmap.mmap(fd, 2 * units, prot=mmap.PROT_READ), dtype=np.float16, count=units)
 
 
 # ---- the span table ---------------------------------------------------------------------------------

@@ -120,8 +120,11 @@ class LatentCache:
 
     def _reset_process_state(self) -> None:
         """What each process opens for itself: the map, its file descriptor, the tensor views."""
-        self.items = layout.Items(self)  # what the read path reads: geometry and this process's map
-        self.field_items = {name: fieldstore.FieldItems(self, name, *index) for name, index in self._field_index.items()}
+        paths = [fmt.cache_path(self.cache_dir, self.split, "data")]
+        paths += [fieldstore.field_path(self.cache_dir, self.split, name, "data") for name in self._field_index]
+        files = layout.CacheFiles(self.cache_dir, self.split, self.meta, paths, self._data_identity)  # opened together
+        self.items = layout.Items(self, files=files)  # what the read path reads: geometry and this process's map
+        self.field_items = {name: fieldstore.FieldItems(self, name, *index, files) for name, index in self._field_index.items()}
         self._keys: list[str] | None = None
         self._key_index: dict[str, int] | None = None
         self._row_shape = (self.channels, self.latent_h, self.w_max)
@@ -143,9 +146,10 @@ class LatentCache:
             self._load_widths()
         expected_bytes = int(self.row_starts[-1]) * 2
         try:
-            actual = os.path.getsize(self._data_path)
+            st = os.stat(self._data_path)
         except OSError:
             raise FileNotFoundError(f"latent cache data file {self._data_path} does not exist") from None
+        actual, self._data_identity = st.st_size, (st.st_dev, st.st_ino)  # the file this index describes
         if actual != expected_bytes:
             what = "shorter" if actual < expected_bytes else "longer"
             m = self.meta
@@ -290,18 +294,8 @@ class LatentCache:
             if self.verify_rows:
                 items.check(np.asarray([i]))
             with layout.holding_items(items, [i]):
-                record[name] = items.value(self._field_fd(name), i)
+                record[name] = items.value(i)
         return record
-
-    def _field_fd(self, name: str) -> int:
-        fds = self.__dict__.setdefault("_field_fds", {})
-        if name not in fds:
-            fds[name] = os.open(self.field_items[name].path, os.O_RDONLY)
-        return fds[name]
-
-    def __del__(self) -> None:
-        for fd in self.__dict__.get("_field_fds", {}).values():
-            os.close(fd)
 
     def index(self, key: str) -> int:
         """The item whose key is ``key`` (see :attr:`keys`); :class:`~latentfast.errors.UnknownKeyError`
@@ -445,7 +439,7 @@ class LatentCache:
     # -- pickling: paths, meta and the small index only -------------------------------------
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("items", "field_items", "_field_fds", "row_starts", "_keys", "_info", "_key_index"):
+        for key in ("items", "field_items", "row_starts", "_keys", "_info", "_key_index"):
             state.pop(key, None)  # row_starts: recomputed from the index (validated equal on open)
         return state
 

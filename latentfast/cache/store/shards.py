@@ -181,6 +181,39 @@ def check_joinable(parts: list[LatentCache], split: str) -> None:
         seen[folder] = part.cache_dir
 
 
+def references_path(shard_dir, split: str) -> str:
+    """The file in a shard's folder listing the manifests outside it that refer to it (hidden: not one of
+    the cache's files, so push and ``merge --copy`` leave it)."""
+    return os.path.join(os.fspath(shard_dir), f".{split}.referenced-by")
+
+
+def note_references(shard_dirs: list[str], split: str, manifest: str) -> None:
+    """Record in each of ``shard_dirs`` that ``manifest`` (a ``cache merge`` without ``--copy``) refers to
+    it, so that a distributed build cleaning up the folder it lies in keeps it (see
+    :func:`latentfast.cache.builders.distributed.remove_other_worlds`)."""
+    for folder in shard_dirs:
+        with open(references_path(folder, split), "a", encoding="utf-8") as fh:
+            fh.write(os.path.realpath(manifest) + "\n")
+
+
+def referenced_by(shard_dir, split: str) -> list[str]:
+    """The manifests recorded by :func:`note_references` that exist and still name ``shard_dir``."""
+    try:
+        with open(references_path(shard_dir, split), encoding="utf-8") as fh:
+            paths = list(dict.fromkeys(fh.read().splitlines()))
+    except FileNotFoundError:
+        return []
+    here, live = os.path.realpath(shard_dir), []
+    for path in paths:
+        try:
+            entries = load_manifest(path)["shards"]
+        except (OSError, CacheCorruptError):
+            continue  # gone or damaged: it refers to nothing
+        if any(os.path.realpath(os.path.join(os.path.dirname(path), e["path"])) == here for e in entries):
+            live.append(path)
+    return live
+
+
 def _file_crc(path: str) -> int:
     with open(path, "rb") as fh:
         return zlib.crc32(fh.read())
@@ -571,8 +604,9 @@ def inspect_sharded(cache_dir, split: str = "train", bins: int = 10, **remote) -
 
 def merge_caches(sources: list, out_dir, split: str = "train", *, copy: bool = False) -> str:
     """Join complete caches of one stamp into the sharded cache ``out_dir`` (the sources' items in
-    order); the data stays where it is (the manifest refers to the sources), or with ``copy`` each
-    source's files are copied into ``out_dir/shards/`` first. Returns the manifest's path. Sources of
+    order); the data stays where it is (the manifest refers to the sources, and each source's folder
+    records that it does: a distributed build that would delete it as another world size's shard keeps
+    it), or with ``copy`` each source's files are copied into ``out_dir/shards/`` first. Returns the manifest's path. Sources of
     different encoders, geometry or fields are refused, naming what differs. A sharded source
     contributes its shards (in its order). Sources of other latent conventions (a raw and a scaled
     import), one source twice, or a key in two sources are refused too (:func:`check_joinable`)."""
@@ -606,7 +640,10 @@ def merge_caches(sources: list, out_dir, split: str = "train", *, copy: bool = F
             _copy_durably(fmt.cache_path(folder, split, "meta"), fmt.cache_path(target, split, "meta"))  # the meta last
             copied.append(target)
         dirs = copied
-    return write_manifest(out_dir, split, dirs, np.concatenate(orders))
+    path = write_manifest(out_dir, split, dirs, np.concatenate(orders))
+    if not copy:  # the sources' folders are the data now: a build cleaning up where they lie must keep them
+        note_references(dirs, split, path)
+    return path
 
 
 __all__ = ["ShardedCache", "is_sharded", "merge_caches", "write_manifest", "verify_sharded", "inspect_sharded"]
