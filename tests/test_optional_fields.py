@@ -186,7 +186,7 @@ def test_a_draw_reading_a_value_an_item_lacks_names_the_key_and_field(tmp_path):
     with pytest.raises(AbsentValueError, match=r"'latent_std' of indices\[1\] = 2 \(key 'item2'\)"):
         cache.read_batch([0, 2], fields=["latent"], sample=True, seed=0)
     with pytest.raises(AbsentValueError, match="item 2 has no value of the optional field 'latent_std'"):
-        cache.field_items["latent_std"].value(cache._field_fd("latent_std"), 2)
+        cache.field_items["latent_std"].value(2)
 
 
 def test_a_sharded_cache_joins_its_shards_presence(tmp_path):

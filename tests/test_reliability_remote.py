@@ -61,14 +61,14 @@ def test_a_folder_deleted_and_rebuilt_under_a_reader_reads_one_generation(tmp_pa
 def test_a_merged_cache_over_rebuilt_folders_reads_one_generation(tmp_path):
     parts = [str(tmp_path / p) for p in ("a", "b")]
     for p in parts:
-        write_records(p, 1)
+        write_records(p, 1, keys=os.path.basename(p))  # (a key in two parts is refused)
     shardstore.merge_caches(parts, str(tmp_path / "m"))
     merged = LatentCache(str(tmp_path / "m"))
     merged[0]
     read_batch(merged, [len(merged) - 1])  # both shards' files opened and mapped
     for p in parts:
         shutil.rmtree(p)
-        write_records(p, 2)
+        write_records(p, 2, keys=os.path.basename(p))
     for i in range(len(merged)):
         seen = generations_seen(merged, i, row=i % 6)
         assert seen in ({1}, {"raised"}), f"item {i} read as {seen}"
