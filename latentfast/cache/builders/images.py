@@ -107,9 +107,10 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     on). ``jpeg_draft`` (the resize convention, on by default): a JPEG that its bucket shrinks at
     least 2x is decoded at the largest DCT scale (1/2, 1/4, 1/8) that stays at least the resized size
     (Pillow's ``Image.draft``), then resized with LANCZOS as any image: several times faster to
-    decode, and within a few levels of decoding fully (tests/test_cache_build_pipeline.py states how
-    close). The convention is part of such an item's source hash, so a rebuild with the other one
-    re-encodes exactly the drafted items; the meta's ``jpeg_draft`` says it was on.
+    decode, a few levels of 255 from decoding fully on average (the DCT scaling filters differently;
+    tests/test_cache_build_pipeline.py states how far). The convention is part of such an item's
+    source hash, so a rebuild with the other one re-encodes exactly the drafted items; the meta's
+    ``jpeg_draft`` says it was on.
     ``stats`` (a dict) receives counts and timings: each stage's busy seconds (``decode_s``, summed
     over the decode workers; ``feed_s``, planning batches and issuing the copies to the device;
     ``h2d_s``, the copies on the device; ``encode_s``, normalizing and encoding; ``write_s``),

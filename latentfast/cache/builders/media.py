@@ -260,11 +260,14 @@ def upright_rgb(image, turn: int | None = None):
 
 
 def orientation(image) -> int:
-    """An opened image's EXIF orientation (1-8; 1 when it has none), read without decoding its pixels:
+    """An opened image's EXIF orientation still to apply once Pillow has decoded it (1-8; 1 when it has
+    none), read without decoding its pixels:
     Pillow decodes a whole PNG to find an eXIf or text chunk after IDAT, so a PNG's chunks are walked
     here (headers only; IDAT is skipped, never inflated)."""
     from PIL import Image
 
+    if image.format == "TIFF" and hasattr(image, "_tile_size"):
+        return 1  # this Pillow turns a TIFF upright itself as it decodes it (its size is the upright one already)
     if image.format == "PNG" and "exif" not in image.info and getattr(image, "fp", None) is not None:
         image.info.update(_png_exif_chunks(image.fp, image.info))
         return Image.Image.getexif(image).get(0x0112, 1)  # the base reading, not PNG's decoding one
@@ -273,22 +276,28 @@ def orientation(image) -> int:
 
 def _png_exif_chunks(fp, info: dict) -> dict:
     """``{"exif": ...}`` and the text chunks of ``_PNG_EXIF_KEYS`` of a PNG, as Pillow's ``info``
-    holds them after decoding; read from chunk headers and those chunks alone. ``fp``'s position is
-    kept (Pillow reads IDAT from there)."""
+    holds them after decoding; read from chunk headers and those chunks alone. A chunk that runs past
+    the end of the file, or no IEND, raises (a truncated file). ``fp``'s position is kept (Pillow reads
+    IDAT from there)."""
     import struct
 
     here, found = fp.tell(), {}
     try:
-        fp.seek(8)  # past the signature
-        while len(head := fp.read(8)) == 8:
+        size = fp.seek(0, os.SEEK_END)
+        position = fp.seek(8)  # past the signature
+        while True:
+            head = fp.read(8)
+            if len(head) < 8:
+                raise ValueError("truncated PNG: it ends before its IEND chunk")
             length, kind = struct.unpack(">I4s", head)
             if kind == b"IEND":
                 break
+            position += 12 + length  # length, type, data, CRC
+            if position > size:
+                raise ValueError(f"truncated PNG: its {kind.decode('latin-1')} chunk runs past the end of the file")
             if kind in (b"eXIf", b"tEXt", b"zTXt", b"iTXt"):
                 _png_exif_chunk(kind, fp.read(length), found, info)
-                fp.seek(4, os.SEEK_CUR)  # the CRC
-            else:
-                fp.seek(length + 4, os.SEEK_CUR)
+            fp.seek(position)
     finally:
         fp.seek(here)
     return found
