@@ -211,17 +211,27 @@ def test_draft_is_stamped_and_a_rebuild_without_it_reencodes_the_drafted_items_o
     assert stats["unchanged"]
 
 
-def test_batches_go_to_the_device_as_uint8_in_recycled_buffers(tmp_path, monkeypatch):
-    """Every batch reaches the fused normalize as uint8 (channels last, as decoded), from one of a
-    few buffers allocated once, and the cache is bit-equal to encoding x / 127.5 - 1 by hand."""
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batches_go_to_the_device_as_uint8_in_recycled_buffers(tmp_path, monkeypatch, channels_last):
+    """Every batch reaches the fused normalize as uint8 [B, 3, h, w] (planar as the CPU build writes
+    it, or channels last as a CUDA build sends it, read through strides), from one of a few buffers
+    allocated once, and the cache is bit-equal to encoding x / 127.5 - 1 by hand."""
     images = str(tmp_path / "imgs")
     make_images(images, n=24)
     calls, normalize = [], ops.normalize_uint8
 
     def spy(x, **kw):
         calls.append((x.dtype, x.shape[1], x.untyped_storage().data_ptr(), kw["dtype"]))
+        assert x.is_contiguous() != channels_last
         return normalize(x, **kw)
 
+    init = encode_module.BatchBuffers.__init__
+
+    def layout(self, *args):
+        init(self, *args)
+        self.channels_last = channels_last
+
+    monkeypatch.setattr(encode_module.BatchBuffers, "__init__", layout)
     monkeypatch.setattr(encode_module.ops, "normalize_uint8", spy)
     monkeypatch.setattr("latentfast.cache.builders.images._Runner.lookahead", 1)
     vae = ToyVAE(seed=1)

@@ -2,7 +2,7 @@
 the latents back as float32 on the CPU; and the parts of an overlapped build that feed it.
 
 A build runs in stages beside each other (:class:`Stages`): decode workers write uint8 pixels straight into
-a recycled host batch buffer (:class:`BatchBuffers`; pinned when the device is CUDA), one thread copies a
+their slots of a recycled host batch buffer (:class:`BatchBuffers`; pinned when the device is CUDA), one thread copies a
 finished batch to the device on a CUDA stream of its own, the caller's thread normalizes it there to the
 encoder's dtype with the fused :func:`latentfast.ops.normalize_uint8` and encodes it, and a writer thread
 stores the latents. Only uint8 pixels cross to the device (a quarter of the bytes of float32 ones).
@@ -130,11 +130,25 @@ class BatchBuffers:
 
     def __init__(self, count: int, nbytes: int, device: torch.device, stages: Stages):
         self.device, self.stages, self.cuda = device, stages, device.type == "cuda"
+        # a GPU reads channels-last bytes through strides at full speed, so the decoders' [h, w, 3] go as
+        # they are; the CPU kernel is ~4x faster on planar input, so there the decoders write [3, h, w]
+        self.channels_last = self.cuda
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_s = 0.0  # seconds the copies took on the device
         self.free: queue.Queue = queue.Queue()
         for _ in range(count):
             self.free.put(_Buffer(nbytes, device))
+
+    def shape(self, batch: int, size: tuple) -> tuple:
+        """The layout of a batch of ``batch`` items of ``size`` ((h, w) or (T, h, w)) in a buffer."""
+        return (batch, *size, 3) if self.channels_last else (batch, 3, *size)
+
+    def place(self, slot: torch.Tensor, pixels) -> None:
+        """Copy one item's decoded uint8 ``[..., 3]`` pixels into its ``slot`` of a buffer (numpy
+        releases the GIL for the copy, so decode workers do this beside each other)."""
+        import numpy as np
+
+        np.copyto(slot.numpy(), pixels if self.channels_last else np.moveaxis(pixels, -1, 0))
 
     def acquire(self) -> _Buffer:
         """A free buffer whose host bytes may be written (the last copy out of them is done)."""
@@ -166,12 +180,12 @@ class BatchBuffers:
         return buf.device[:nbytes].view(shape)
 
     def normalize(self, buf: _Buffer, pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """uint8 ``[B, ..., 3]`` (channels last, as decoded) -> ``[B, 3, ...]`` in [-1, 1] of ``dtype``,
-        contiguous, on the device (the fused op reads the channels-last bytes through strides); the
+        """A batch of uint8 pixels in the buffer's layout -> ``[B, 3, ...]`` in [-1, 1] of ``dtype``,
+        contiguous, on the device (the fused op reads channels-last bytes through strides); the
         buffer is handed back for reuse."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(buf.copied)
-        out = ops.normalize_uint8(pixels.movedim(-1, 1), dtype=dtype)
+        out = ops.normalize_uint8(pixels.movedim(-1, 1) if self.channels_last else pixels, dtype=dtype)
         if self.cuda:
             buf.consumed.record(torch.cuda.current_stream(self.device))
         self.free.put(buf)

@@ -114,8 +114,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     ``stats`` (a dict) receives counts and timings: each stage's busy seconds (``decode_s``, summed
     over the decode workers; ``feed_s``, planning batches and issuing the copies to the device;
     ``h2d_s``, the copies on the device; ``encode_s``, normalizing and encoding; ``write_s``),
-    ``encode_wait_s`` (the encoder waiting for pixels) and ``bound``, the stage that bounds the build
-    (the most busy seconds per thread). ``latent_dtype``
+    ``encode_wait_s`` (the encoder waiting for pixels), ``bound``, the stage that bounds the build
+    (the most busy seconds per thread), and ``plan_s`` (listing, probing and hashing, before them). ``latent_dtype``
     (``"float16"``, ``"bfloat16"`` or ``"float32"``): the stored dtype of the latent and the fields
     beside it that share its meaning (``latent_std``, ``latent_flipped``); a rebuild with another one
     re-encodes. ``group`` (a
@@ -272,10 +272,12 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
     encoder, device = prepare(encoder, device, batch_size)
     wall = time.perf_counter()
     out_dir = os.fspath(out_dir)
-    counts = {**dict.fromkeys(_STAGE_SECONDS, 0.0), "encode_wait_s": 0.0, "encoded": 0, "copied": 0, "resumed": 0}
+    counts = {**dict.fromkeys(_STAGE_SECONDS, 0.0), "encode_wait_s": 0.0, "plan_s": 0.0, "encoded": 0, "copied": 0,
+              "resumed": 0}
     workers = _decode_workers(num_workers)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         items, skipped = _plan(job, source, pool, skip_bad)
+        counts["plan_s"] = time.perf_counter() - wall
         share = distributed.current_share()
         if share is not None:  # a distributed build: this rank's whole batches, costed pixels x frames
             batches = _batches(items, batch_size)
@@ -489,15 +491,16 @@ class _Runner:
         if not to_encode:
             return batch, copies, to_encode, None, []
         buf = buffers.acquire()
-        shape = (len(to_encode), *to_encode[0].bucket, 3)
+        shape = buffers.shape(len(to_encode), to_encode[0].bucket)
         slots = buf.host[: math.prod(shape)].view(shape)
-        return batch, copies, to_encode, buf, [self.pool.submit(self._load_into, item, slots[j]) for j, item in enumerate(to_encode)]
+        return batch, copies, to_encode, buf, [self.pool.submit(self._load_into, item, buffers, slots[j])
+                                               for j, item in enumerate(to_encode)]
 
-    def _load_into(self, item, slot: torch.Tensor):
+    def _load_into(self, item, buffers, slot: torch.Tensor):
         """Decode one item straight into its slot of the batch buffer; ``(info, seconds)``."""
         t0 = time.perf_counter()
         pixels, info = self.job.load(item)
-        np.copyto(slot.numpy(), pixels)  # (numpy releases the GIL for the copy)
+        buffers.place(slot, pixels)
         return info, time.perf_counter() - t0
 
     def _finish(self, plan, buffers, stages):
@@ -508,7 +511,7 @@ class _Runner:
         pixels = None
         if to_encode:
             with timed(self.counts, "feed_s"):
-                pixels = buffers.to_device(buf, (len(to_encode), *to_encode[0].bucket, 3))
+                pixels = buffers.to_device(buf, buffers.shape(len(to_encode), to_encode[0].bucket))
         return batch, copies, to_encode, [info for info, _ in loads], buf, pixels
 
     # -- the caller's thread: normalize and encode -------------------------------------------------

@@ -1,0 +1,207 @@
+"""Image build benchmark: does the builder's data side keep up with a plain decode loop? (issue 36)
+
+Data side -- ``build_image_cache`` with a near-free encoder (zeros of the latent's shape: only decoding,
+resizing, batching, the normalize, the copies and writing are timed, planning and hashing included),
+against the ceiling: a plain PIL loop on a thread pool of the same size (open -> ``draft`` -> RGB ->
+LANCZOS cover resize -> centre crop -> uint8 array; nothing kept), over the same files, page cache
+warm. Photo-like sources (1/f noise) of 2560x1920 (1280x960 in --quick), one 4:3 bucket of 896x1152
+(448x576) that shrinks them a little over 2x, so the JPEGs decode at 1/2 scale in both; JPEG (quality
+90) and PNG. Each side runs ``--runs`` times (>= 3) alternately; median and range of images/s, and
+the ratio of the medians; also the build's rate after its plan (listing, probing and hashing every
+file, which the ceiling does not do; ``stats["plan_s"]``). The builder's ``stats`` say which stage
+bounds it.
+
+Main-thread host time -- the caller thread's busy seconds per image outside the encoder (taking the
+batch, the normalize, splitting the latents), per 1024x1024 image; on a CPU build the normalize is
+the device's step and runs there, so its own time (``ops.normalize_uint8`` of one 1024^2 image,
+channels last, to float32) is printed beside it.
+
+Run:  python -m latentfast.bench.bench_build [--quick] [--runs N] [--workers N]
+      pytest latentfast/bench/bench_build.py --benchmark-enable (pytest-benchmark: one build, one ceiling pass)
+``latentfast bench`` calls ``run_report(quick)``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from latentfast import ops
+from latentfast.bench.common import format_table, machine_summary, median_seconds
+from latentfast.cache.builders import media
+from latentfast.cache.builders.images import build_image_cache
+
+
+class FreeEncoder:
+    """A near-free encoder: zeros of the latent's shape; it keeps the seconds it took."""
+
+    spatial_downscale = 8
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        B, _, H, W = images.shape
+        z = torch.zeros(B, 4, H // 8, W // 8)
+        self.seconds += time.perf_counter() - t0
+        return z
+
+    def identity(self) -> dict:
+        return {"pretrained": "bench.FreeEncoder", "latent_channels": 4, "downscale_factor": 8}
+
+
+def photo(rng, w: int, h: int) -> np.ndarray:
+    """uint8 ``[h, w, 3]``: 1/f noise per channel (a natural image's spectrum)."""
+    fy, fx = np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None, :]
+    f = np.hypot(fx, fy)
+    f[0, 0] = 1
+    channels = []
+    for _ in range(3):
+        x = np.fft.irfft2((rng.standard_normal(f.shape) + 1j * rng.standard_normal(f.shape)) / f, s=(h, w))
+        channels.append(np.clip(128 + 40 * (x - x.mean()) / x.std(), 0, 255).astype(np.uint8))
+    return np.stack(channels, -1)
+
+
+def write_sources(folder: str, n: int, size: tuple[int, int], fmt: str) -> list[str]:
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    rng, paths = np.random.default_rng(0), []
+    base = [photo(rng, *size) for _ in range(min(n, 4))]  # a few distinct images, each file its own bytes
+    for i in range(n):
+        array = np.roll(base[i % len(base)], i, axis=1)
+        path = os.path.join(folder, f"im{i:04d}.{'jpg' if fmt == 'JPEG' else 'png'}")
+        if fmt == "JPEG":
+            Image.fromarray(array).save(path, quality=90)
+        else:
+            Image.fromarray(array).save(path, compress_level=6)
+        paths.append(path)
+    return paths
+
+
+def ceiling_pass(paths: list[str], bucket: tuple[int, int], workers: int) -> float:
+    """Seconds for the plain PIL loop over ``paths`` on ``workers`` threads."""
+    from PIL import Image
+
+    bh, bw = bucket
+
+    def one(path):
+        with Image.open(path) as im:
+            rw, rh = media.cover_size(im.width, im.height, bucket)
+            im.draft("RGB", (rw, rh))
+            image = im.convert("RGB").resize((rw, rh), Image.LANCZOS)
+        top, left = (rh - bh) // 2, (rw - bw) // 2
+        return np.asarray(image.crop((left, top, left + bw, top + bh)), dtype=np.uint8).shape
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, paths))
+    return time.perf_counter() - t0
+
+
+def build_pass(folder: str, out: str, bucket: tuple[int, int], workers: int, batch_size: int) -> tuple[float, dict, float]:
+    """``(seconds, stats, the encoder's own seconds)`` of one fresh build of ``folder``."""
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    encoder, stats = FreeEncoder(), {}
+    t0 = time.perf_counter()
+    build_image_cache(encoder, folder, out, buckets=[bucket], batch_size=batch_size, num_workers=workers, quiet=True,
+                      stats=stats)
+    return time.perf_counter() - t0, stats, encoder.seconds
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -> dict:
+    runs = max(3, runs)
+    workers = workers or len(os.sched_getaffinity(0))
+    size, bucket = ((1280, 960), (448, 576)) if quick else ((2560, 1920), (896, 1152))
+    n, batch_size = (16, 4) if quick else (32, 8)
+    result = {"machine": machine_summary(), "workers": workers, "images": n, "source_size": list(size),
+              "bucket": list(bucket), "batch_size": batch_size, "runs": runs, "formats": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in ("JPEG", "PNG"):
+            folder = os.path.join(tmp, fmt)
+            paths = write_sources(folder, n, size, fmt)
+            ceiling_pass(paths, bucket, workers)  # warm the page cache and the decoders
+            ceiling, build, phase, host, stats = [], [], [], [], None
+            for _ in range(runs):
+                ceiling.append(n / ceiling_pass(paths, bucket, workers))
+                seconds, stats, encoder_s = build_pass(folder, os.path.join(tmp, "out"), bucket, workers, batch_size)
+                build.append(n / seconds)
+                phase.append(n / (seconds - stats["plan_s"]))
+                host.append((stats["encode_s"] - encoder_s) / n / (bucket[0] * bucket[1] / 2**20))
+            result["formats"][fmt] = {
+                "ceiling_images_s": _spread(ceiling), "build_images_s": _spread(build),
+                "ratio": statistics.median(build) / statistics.median(ceiling),
+                "after_plan_images_s": _spread(phase), "after_plan_ratio": statistics.median(phase) / statistics.median(ceiling),
+                "main_thread_ms_per_1024sq": 1000 * statistics.median(host),
+                "last_stats": {k: v for k, v in stats.items() if k.endswith("_s") or k in ("bound", "decode_workers")},
+                "file_mib": sum(os.path.getsize(p) for p in paths) / n / 2**20,
+            }
+    one = torch.randint(0, 256, (1, 1024, 1024, 3), dtype=torch.uint8)
+    result["cpu_normalize_ms_per_1024sq"] = 1000 * median_seconds(
+        lambda: ops.normalize_uint8(one.movedim(-1, 1)), repeat=7, warmup=2)
+    result["load_average"] = os.getloadavg()
+    print_report(result)
+    return result
+
+
+def print_report(result: dict) -> None:
+    rows = []
+    for fmt, r in result["formats"].items():
+        c, b, p, s = r["ceiling_images_s"], r["build_images_s"], r["after_plan_images_s"], r["last_stats"]
+        rows.append([fmt, f"{r['file_mib']:.1f}", f"{c['median']:.1f} [{c['min']:.1f}-{c['max']:.1f}]",
+                     f"{b['median']:.1f} [{b['min']:.1f}-{b['max']:.1f}]", f"{r['ratio']:.2f}",
+                     f"{p['median']:.1f} [{p['min']:.1f}-{p['max']:.1f}]", f"{r['after_plan_ratio']:.2f}",
+                     f"{r['main_thread_ms_per_1024sq']:.2f}", s["bound"],
+                     " ".join(f"{k.removesuffix('_s')} {s[k]:.2f}" for k in ("plan_s", "decode_s", "feed_s", "encode_s",
+                                                                            "write_s", "encode_wait_s"))])
+    w, h = result["source_size"]
+    print(format_table(
+        f"image build, near-free encoder, {result['images']} images {w}x{h} -> bucket {result['bucket']}, batch "
+        f"{result['batch_size']}, {result['workers']} decode workers; images/s median [min-max] of {result['runs']} runs",
+        ["format", "MiB/file", "PIL+draft ceiling", "build_image_cache", "build/ceiling", "build after its plan",
+         "after plan/ceiling", "main-thread ms/1024^2",
+         "bound", "last run's stage seconds"], rows))
+    load = ", ".join(f"{x:.1f}" for x in result["load_average"])
+    print(f"(the CPU normalize of one 1024^2 image, part of the main thread's time on a CPU build: "
+          f"{result['cpu_normalize_ms_per_1024sq']:.2f} ms; load average {load})")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("build"))
+    return root, {fmt: write_sources(os.path.join(root, fmt), 8, (1280, 960), fmt) for fmt in ("JPEG", "PNG")}
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_build(benchmark, sources, fmt):
+    root, _ = sources
+    benchmark(build_pass, os.path.join(root, fmt), os.path.join(root, "out"), (448, 576), 2, 4)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_ceiling(benchmark, sources, fmt):
+    benchmark(ceiling_pass, sources[1][fmt], (448, 576), 2)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=None, help="decode threads on both sides (default: the cores available)")
+    args = parser.parse_args(sys.argv[1:])
+    run_report(quick=args.quick, runs=args.runs, workers=args.workers)
