@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -326,3 +327,66 @@ def test_a_decode_failure_is_raised_naming_the_item(tmp_path):
     write_png(os.path.join(images, "im99.png"), _stored(np.random.default_rng(7)), corrupt_idat=True)
     with pytest.raises(ImageError, match="im99"):
         build_image_cache(ToyVAE(), images, str(tmp_path / "out"), buckets=BUCKETS, batch_size=3, quiet=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_build_sends_uint8_over_its_copy_stream_bit_equal(tmp_path, monkeypatch):
+    """On CUDA: pinned buffers, channels-last uint8 copied on the copy stream, normalized on the device
+    by the Triton kernel; the latents equal encoding x / 127.5 - 1 on the device by hand."""
+    images = str(tmp_path / "imgs")
+    make_images(images, n=12)
+    seen, normalize = [], ops.normalize_uint8
+
+    def spy(x, **kw):
+        seen.append((x.device.type, x.dtype, x.is_contiguous()))
+        return normalize(x, **kw)
+
+    monkeypatch.setattr(encode_module.ops, "normalize_uint8", spy)
+    vae, stats = ToyVAE(seed=1), {}
+    build_image_cache(vae, images, str(tmp_path / "out"), buckets=BUCKETS, batch_size=3, device="cuda", quiet=True,
+                      stats=stats)
+    assert seen and all(s == ("cuda", torch.uint8, False) for s in seen) and stats["h2d_s"] > 0
+    cache = LatentCache(str(tmp_path / "out"))
+    for i, key in enumerate(cache.keys):
+        pixels, _ = by_hand(os.path.join(images, key + ".png"), tuple(cache.info(i)["bucket"]))
+        assert torch.equal(cache[i], vae.encode(pixels[None].cuda())[0].half().cpu()), key
+
+
+def test_latents_that_are_views_of_the_reused_pixels_are_kept_as_they_were(tmp_path, monkeypatch):
+    """A CPU build normalizes every batch into one reused tensor; an encoder returning a view of its
+    input must not see its latents overwritten by the next batch before they are written (the writer
+    here waits for the next batch's normalize first)."""
+    class ViewEncoder(ToyVAE):
+        def encode(self, images):
+            return images[:, :, ::8, ::8]  # a view of the pixels: [B, 3, h, w]
+
+    images = str(tmp_path / "imgs")
+    make_images(images, n=8)
+    normalized, changed = [0], threading.Condition()
+    normalize = encode_module.BatchBuffers.normalize
+
+    def counting(self, *args):
+        out = normalize(self, *args)
+        with changed:
+            normalized[0] += 1
+            changed.notify_all()
+        return out
+
+    from latentfast.cache.builders.images import _Runner
+
+    write = _Runner._write_batch
+
+    def late(self, batch, *args):
+        with changed:  # batch k (of 2 items) waits until batch k + 1 is normalized (or there is none)
+            changed.wait_for(lambda: normalized[0] > self.counts["encoded"] // 2 or normalized[0] == 4)
+        return write(self, batch, *args)
+
+    monkeypatch.setattr(encode_module.BatchBuffers, "normalize", counting)
+    monkeypatch.setattr(_Runner, "_write_batch", late)
+    out = str(tmp_path / "out")
+    build_image_cache(ViewEncoder(), images, out, buckets=[(32, 32)], batch_size=2, quiet=True)
+    cache = LatentCache(out)
+    for i, key in enumerate(cache.keys):
+        pixels, _ = by_hand(os.path.join(images, key + ".png"), (32, 32))
+        assert torch.equal(cache[i], pixels[:, ::8, ::8].half()), key

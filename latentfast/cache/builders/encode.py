@@ -135,6 +135,9 @@ class BatchBuffers:
         self.channels_last = self.cuda
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_s = 0.0  # seconds the copies took on the device
+        # on the CPU the normalized batch is host memory too: one output reused (a new 100 MB tensor per
+        # batch costs more in page faults than the normalize itself); CUDA's caching allocator reuses its own
+        self.nbytes, self.out = nbytes, None
         self.free: queue.Queue = queue.Queue()
         for _ in range(count):
             self.free.put(_Buffer(nbytes, device))
@@ -182,10 +185,17 @@ class BatchBuffers:
     def normalize(self, buf: _Buffer, pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A batch of uint8 pixels in the buffer's layout -> ``[B, 3, ...]`` in [-1, 1] of ``dtype``,
         contiguous, on the device (the fused op reads channels-last bytes through strides); the
-        buffer is handed back for reuse."""
+        buffer is handed back for reuse. On the CPU the result is one tensor overwritten by the next
+        batch: see :func:`owned`."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(buf.copied)
-        out = ops.normalize_uint8(pixels.movedim(-1, 1) if self.channels_last else pixels, dtype=dtype)
+        x = pixels.movedim(-1, 1) if self.channels_last else pixels
+        if self.cuda:
+            out = ops.normalize_uint8(x, dtype=dtype)
+        else:
+            if self.out is None or self.out.dtype != dtype:
+                self.out = torch.empty(self.nbytes, dtype=dtype)
+            out = ops.normalize_uint8(x, dtype=dtype, out=self.out[: x.numel()].view(x.shape))
         if self.cuda:
             buf.consumed.record(torch.cuda.current_stream(self.device))
         self.free.put(buf)
@@ -197,6 +207,14 @@ class BatchBuffers:
             self.stream.synchronize()
             while not self.free.empty():
                 self._count_copy(self.free.get())
+
+
+def owned(t: torch.Tensor | None, pixels: torch.Tensor) -> torch.Tensor | None:
+    """``t``, copied if it shares memory with ``pixels`` (an encoder may return a view of its input,
+    which on the CPU the next batch's normalize overwrites)."""
+    if t is not None and t.untyped_storage().data_ptr() == pixels.untyped_storage().data_ptr():
+        return t.clone()
+    return t
 
 
 def timed(counts: dict, key: str):

@@ -33,7 +33,7 @@ from ...errors import ArgumentTypeError, CacheError, ImageError, InvalidArgument
 from ..store import format as fmt
 from ..store import fields as fieldstore
 from . import distributed, media
-from .encode import BatchBuffers, Stages, Stopped, encode, pixel_dtype, prepare, timed
+from .encode import BatchBuffers, Stages, Stopped, encode, owned, pixel_dtype, prepare, timed
 from ..store.durable import BuildLock
 from ..store.writer import encoder_identity, open_for_sources
 
@@ -596,7 +596,7 @@ class _Runner:
         if self.job.store_std:
             kwargs["with_std"] = True
         z = encode(self.job.encode, batch, self.device, self.autocast_dtype, **kwargs)
-        z, std = z if self.job.store_std else (z, None)
+        z, std = (owned(t, batch) for t in (z if self.job.store_std else (z, None)))
         if z.shape[0] != len(items):
             raise InvalidArgumentError(f"the encoder returned {z.shape[0]} latents for a batch of {len(items)}")
         plain = std is None and name == "latent" and not self.job.flip and self.job.text_encoder is None

@@ -288,13 +288,13 @@ def _png_exif_chunks(fp, info: dict) -> dict:
         while True:
             head = fp.read(8)
             if len(head) < 8:
-                raise ValueError("truncated PNG: it ends before its IEND chunk")
+                raise ValueError("truncated PNG (it ends before its IEND chunk)")
             length, kind = struct.unpack(">I4s", head)
             if kind == b"IEND":
                 break
             position += 12 + length  # length, type, data, CRC
             if position > size:
-                raise ValueError(f"truncated PNG: its {kind.decode('latin-1')} chunk runs past the end of the file")
+                raise ValueError(f"truncated PNG ({kind.decode('latin-1')} runs past the end of the file)")
             if kind in (b"eXIf", b"tEXt", b"zTXt", b"iTXt"):
                 _png_exif_chunk(kind, fp.read(length), found, info)
             fp.seek(position)
