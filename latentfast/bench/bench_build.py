@@ -16,6 +16,9 @@ batch, the normalize, splitting the latents), per 1024x1024 image; on a CPU buil
 the device's step and runs there (on the native kernel's threads too), so its own wall time
 (``ops.normalize_uint8`` of one planar 1024^2 image to float32) is printed beside it.
 
+With CUDA -- an SDXL-class VAE (random weights, bfloat16): ``build_image_cache`` images/s against the
+encoder alone on batches already on the device (``vae_report``; bench/gpu_check.sh runs it).
+
 Run:  python -m latentfast.bench.bench_build [--quick] [--runs N] [--workers N]
       pytest latentfast/bench/bench_build.py --benchmark-enable (pytest-benchmark: one build, one ceiling pass)
 ``latentfast bench`` calls ``run_report(quick)``.
@@ -177,10 +180,66 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
                 "last_stats": {k: v for k, v in stats.items() if k.endswith("_s") or k in ("bound", "decode_workers")},
                 "file_mib": sum(os.path.getsize(p) for p in paths) / n / 2**20,
             }
+    if torch.cuda.is_available():
+        result["vae"] = vae_report("cuda", quick)
     one = torch.randint(0, 256, (1, 3, 1024, 1024), dtype=torch.uint8)
     result["cpu_normalize_ms_per_1024sq"] = 1000 * median_seconds(lambda: ops.normalize_uint8(one), repeat=7, warmup=2)
     result["load_average"] = os.getloadavg()
+    result["summary"] = {f"{fmt.lower()}_build_over_ceiling": round(r["ratio"], 3) for fmt, r in result["formats"].items()}
+    result["summary"].update({f"{fmt.lower()}_after_plan_over_ceiling": round(r["after_plan_ratio"], 3)
+                              for fmt, r in result["formats"].items()})
+    result["summary"]["main_thread_cpu_ms_per_1024sq"] = round(result["formats"]["JPEG"]["main_thread_ms_per_1024sq"], 3)
+    if "vae" in result:
+        result["summary"]["vae_build_over_encoder_alone"] = round(result["vae"]["ratio"], 3)
     print_report(result)
+    return result
+
+
+def sdxl_class_vae(tiny: bool = False):
+    """An SDXL-sized diffusers AutoencoderKL, random weights (the encode cost is the architecture's);
+    ``tiny``: a small one, to try the measurement on a CPU."""
+    import diffusers
+
+    blocks = (8, 16) if tiny else (128, 256, 512, 512)
+    torch.manual_seed(0)
+    return diffusers.AutoencoderKL(block_out_channels=blocks, down_block_types=("DownEncoderBlock2D",) * len(blocks),
+                                   up_block_types=("UpDecoderBlock2D",) * len(blocks), latent_channels=4,
+                                   norm_num_groups=4 if tiny else 32, layers_per_block=1 if tiny else 2)
+
+
+def vae_report(device: str, quick: bool = False, tiny: bool = False) -> dict:
+    """A real-size VAE (bfloat16) on ``device``: images/s of ``build_image_cache`` against the encoder
+    alone on batches already on the device (the target: the build >= 0.9x of it)."""
+    from latentfast.encoders import DiffusersVAE
+
+    size, bucket = ((2560, 1920), (896, 1152)) if not tiny else ((256, 192), (64, 96))
+    n, batch_size = (32, 8) if quick else (96, 8)
+    vae = DiffusersVAE(sdxl_class_vae(tiny).to(device=device, dtype=torch.bfloat16))
+    pixels = torch.rand(batch_size, 3, *bucket, device=device).mul_(2).sub_(1).to(torch.bfloat16)
+    encode_alone = median_seconds(lambda: vae.encode(pixels), repeat=3, warmup=1, device=device)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_sources(os.path.join(tmp, "src"), n, size, "JPEG")
+        out, stats = os.path.join(tmp, "out"), {}
+        build_image_cache(vae, os.path.join(tmp, "src"), out, buckets=[bucket], batch_size=batch_size, device=device,
+                          quiet=True)  # warm: kernels compiled, files in the page cache
+        import shutil
+
+        shutil.rmtree(out)
+        t0 = time.perf_counter()
+        build_image_cache(vae, os.path.join(tmp, "src"), out, buckets=[bucket], batch_size=batch_size, device=device,
+                          quiet=True, stats=stats)
+        seconds = time.perf_counter() - t0
+    result = {"device": str(device), "images": n, "bucket": list(bucket), "batch_size": batch_size,
+              "encoder_alone_images_s": batch_size / encode_alone, "build_images_s": n / seconds,
+              "build_after_plan_images_s": n / (seconds - stats["plan_s"]),
+              "stats": {k: v for k, v in stats.items() if k.endswith("_s") or k in ("bound", "decode_workers")}}
+    result["ratio"] = result["build_images_s"] / result["encoder_alone_images_s"]
+    result["after_plan_ratio"] = result["build_after_plan_images_s"] / result["encoder_alone_images_s"]
+    print(f"vae-build: SDXL-class VAE (bf16, random weights) on {device}, {n} JPEGs {size[0]}x{size[1]} -> "
+          f"{bucket}, batch {batch_size}: encoder alone {result['encoder_alone_images_s']:.1f} images/s, build "
+          f"{result['build_images_s']:.1f} ({result['ratio']:.2f}x; after its plan {result['after_plan_ratio']:.2f}x), "
+          f"bound by {stats['bound']}; stage seconds " +
+          " ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in result["stats"].items() if k.endswith("_s")))
     return result
 
 

@@ -4,9 +4,10 @@ Steps: list the source and probe every item in threads (size, frame count, conte
 bytes); give each item its bucket; plan batches of one bucket (buckets in the order given, keys
 sorted within a bucket); then per batch either copy an item's latents from the cache already in
 the folder (same encoder and settings, same content hash, checksum intact) or decode it (Pillow /
-PyAV on a thread pool, two batches ahead) and encode it. Everything goes through
-:class:`~latentfast.cache.LatentCacheWriter`, and each batch is made durable before the
-next, so a build is crash-safe (a crash loses at most the batch in flight) and resumable (rerun
+PyAV on a thread pool, batches ahead, uint8 into recycled buffers) and encode it, the stages
+overlapped (see :class:`_Runner`). Everything goes through
+:class:`~latentfast.cache.LatentCacheWriter`, and each batch is made durable in order, so a build
+is crash-safe (a crash loses at most the batches in flight) and resumable (rerun
 the same call), and a rerun after editing images re-encodes only the edited ones. A rerun over a
 complete, intact cache with unchanged sources writes nothing; one over a damaged cache re-encodes
 the damaged items.
