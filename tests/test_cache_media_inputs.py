@@ -17,9 +17,11 @@ from latentfast.toy import ToyVAE
 
 
 def _load(path: str, bucket) -> torch.Tensor:
+    """The builder's pixels of one image in [-1, 1] (it decodes to uint8 [h, w, 3])."""
     with Image.open(path) as im:
         width, height = im.size
-    return load_image(Item("x", path, width, height, bucket=bucket))[0]
+    pixels = load_image(Item("x", path, width, height, bucket=bucket))[0]
+    return torch.from_numpy(pixels.copy()).permute(2, 0, 1).float() / 127.5 - 1
 
 
 def test_16_bit_grey_png_is_scaled_not_clipped(tmp_path):

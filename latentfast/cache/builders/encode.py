@@ -1,12 +1,26 @@
-"""Running a builder's encoder: its device and batch size checked once, no autograd, under autocast when asked, the latents back as float32 on the CPU."""
+"""Running a builder's encoder: its device and batch size checked once, no autograd, under autocast when asked,
+the latents back as float32 on the CPU; and the parts of an overlapped build that feed it.
+
+A build runs in stages beside each other (:class:`Stages`): decode workers write uint8 pixels straight into
+their slots of a recycled host batch buffer (:class:`BatchBuffers`; pinned when the device is CUDA), one thread copies a
+finished batch to the device on a CUDA stream of its own, the caller's thread normalizes it there to the
+encoder's dtype with the fused :func:`latentfast.ops.normalize_uint8` and encodes it, and a writer thread
+stores the latents. Only uint8 pixels cross to the device (a quarter of the bytes of float32 ones).
+"""
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
+import time
 
 import torch
 
+from ... import ops
 from ...devices import as_device
 from ...errors import InvalidArgumentError
+
+_POLL_S = 0.05  # how often a blocked stage looks whether another one failed
 
 
 def encode(fn, pixels: torch.Tensor, device: torch.device, autocast_dtype: torch.dtype | None, **kwargs) -> torch.Tensor:
@@ -27,3 +41,191 @@ def prepare(encoder, device, batch_size):
         raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     device = as_device(device)
     return (encoder.to(device) if hasattr(encoder, "to") else encoder), device
+
+
+def pixel_dtype(encoder) -> torch.dtype:
+    """The dtype the encoder is handed its [-1, 1] pixels in: a :class:`~latentfast.encoders.DiffusersVAE`'s
+    weights' dtype (its first step casts the pixels to it, so rounding them there once is the same),
+    float32 for any other encoder (what it has always been given)."""
+    from ...encoders import DiffusersVAE
+
+    return encoder.dtype if isinstance(encoder, DiffusersVAE) else torch.float32
+
+
+class Stopped(Exception):
+    """A stage gave up waiting because another one failed (the failure is :attr:`Stages.error`)."""
+
+
+class Stages:
+    """Threads running a build's stages beside the caller's, joined by small bounded queues.
+
+    The first exception of any stage is kept in :attr:`error` and sets :attr:`stop`; every blocking wait
+    of the other stages (:meth:`get`, :meth:`put`, :meth:`result`) looks at it every ``_POLL_S`` and
+    raises :class:`Stopped`, so a failure anywhere ends the build promptly instead of hanging it.
+    """
+
+    def __init__(self):
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str, fn, *args) -> threading.Thread:
+        def run():
+            try:
+                fn(*args)
+            except Stopped:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                self.fail(exc)
+
+        thread = threading.Thread(target=run, name=f"latentfast-build-{name}", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return thread
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.stop.set()
+
+    def _wait(self, attempt):
+        while True:
+            if self.stop.is_set():
+                raise Stopped
+            with contextlib.suppress(queue.Empty, queue.Full, TimeoutError):
+                return attempt()
+
+    def get(self, q: queue.Queue):
+        return self._wait(lambda: q.get(timeout=_POLL_S))
+
+    def put(self, q: queue.Queue, item) -> None:
+        self._wait(lambda: q.put(item, timeout=_POLL_S))
+
+    def result(self, future):
+        return self._wait(lambda: future.result(timeout=_POLL_S))
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Buffer:
+    """One recycled batch buffer: host bytes (pinned on CUDA), their device twin, and the CUDA events
+    that say when the copy from the host is done and when the device bytes were last read."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        self.device = torch.empty(nbytes, dtype=torch.uint8, device=device) if cuda else None
+        self.copy_start = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.copied = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.consumed = torch.cuda.Event() if cuda else None
+        self.timed = False  # copy_start/copied hold a copy whose time is not counted yet
+
+
+class BatchBuffers:
+    """``count`` uint8 batch buffers of ``nbytes`` each, allocated once and recycled (no per-batch
+    allocation), and the host -> device step: one copy of the uint8 bytes on a stream of its own,
+    then the fused normalize on the encoder's stream."""
+
+    def __init__(self, count: int, nbytes: int, device: torch.device, stages: Stages):
+        self.device, self.stages, self.cuda = device, stages, device.type == "cuda"
+        # a GPU reads channels-last bytes through strides at full speed, so the decoders' [h, w, 3] go as
+        # they are; the CPU kernel is ~4x faster on planar input, so there the decoders write [3, h, w]
+        self.channels_last = self.cuda
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d_s = 0.0  # seconds the copies took on the device
+        # on the CPU the normalized batch is host memory too: one output reused (a new 100 MB tensor per
+        # batch costs more in page faults than the normalize itself); CUDA's caching allocator reuses its own
+        self.nbytes, self.out = nbytes, None
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self.free.put(_Buffer(nbytes, device))
+
+    def shape(self, batch: int, size: tuple) -> tuple:
+        """The layout of a batch of ``batch`` items of ``size`` ((h, w) or (T, h, w)) in a buffer."""
+        return (batch, *size, 3) if self.channels_last else (batch, 3, *size)
+
+    def place(self, slot: torch.Tensor, pixels) -> None:
+        """Copy one item's decoded uint8 ``[..., 3]`` pixels into its ``slot`` of a buffer (numpy
+        releases the GIL for the copy, so decode workers do this beside each other)."""
+        import numpy as np
+
+        np.copyto(slot.numpy(), pixels if self.channels_last else np.moveaxis(pixels, -1, 0))
+
+    def acquire(self) -> _Buffer:
+        """A free buffer whose host bytes may be written (the last copy out of them is done)."""
+        buf = self.stages.get(self.free)
+        if self.cuda:
+            buf.copied.synchronize()
+            self._count_copy(buf)
+        return buf
+
+    def _count_copy(self, buf: _Buffer) -> None:
+        if buf.timed:
+            self.h2d_s += buf.copy_start.elapsed_time(buf.copied) / 1000
+            buf.timed = False
+
+    def to_device(self, buf: _Buffer, shape: tuple) -> torch.Tensor:
+        """The buffer's first ``prod(shape)`` bytes as a uint8 tensor of ``shape`` on the device: copied
+        there asynchronously on the copy stream (CUDA), or the host bytes themselves (CPU)."""
+        nbytes = 1
+        for side in shape:
+            nbytes *= side
+        if not self.cuda:
+            return buf.host[:nbytes].view(shape)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(buf.consumed)  # the last normalize out of these device bytes is done
+            buf.copy_start.record(self.stream)
+            buf.device[:nbytes].copy_(buf.host[:nbytes], non_blocking=True)
+            buf.copied.record(self.stream)
+            buf.timed = True
+        return buf.device[:nbytes].view(shape)
+
+    def normalize(self, buf: _Buffer, pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A batch of uint8 pixels in the buffer's layout -> ``[B, 3, ...]`` in [-1, 1] of ``dtype``,
+        contiguous, on the device (the fused op reads channels-last bytes through strides); the
+        buffer is handed back for reuse. On the CPU the result is one tensor overwritten by the next
+        batch: see :func:`owned`."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(buf.copied)
+        x = pixels.movedim(-1, 1) if self.channels_last else pixels
+        if self.cuda:
+            out = ops.normalize_uint8(x, dtype=dtype)
+        else:
+            if self.out is None or self.out.dtype != dtype:
+                self.out = torch.empty(self.nbytes, dtype=dtype)
+            out = ops.normalize_uint8(x, dtype=dtype, out=self.out[: x.numel()].view(x.shape))
+        if self.cuda:
+            buf.consumed.record(torch.cuda.current_stream(self.device))
+        self.free.put(buf)
+        return out
+
+    def close(self) -> None:
+        """Wait for the copies in flight and count their time."""
+        if self.cuda:
+            self.stream.synchronize()
+            while not self.free.empty():
+                self._count_copy(self.free.get())
+
+
+def owned(t: torch.Tensor | None, pixels: torch.Tensor) -> torch.Tensor | None:
+    """``t``, copied if it shares memory with ``pixels`` (an encoder may return a view of its input,
+    which on the CPU the next batch's normalize overwrites)."""
+    if t is not None and t.untyped_storage().data_ptr() == pixels.untyped_storage().data_ptr():
+        return t.clone()
+    return t
+
+
+def timed(counts: dict, key: str):
+    """A context manager adding the seconds its body takes to ``counts[key]``."""
+
+    @contextlib.contextmanager
+    def section():
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            counts[key] += time.perf_counter() - t0
+
+    return section()

@@ -4,9 +4,10 @@ Steps: list the source and probe every item in threads (size, frame count, conte
 bytes); give each item its bucket; plan batches of one bucket (buckets in the order given, keys
 sorted within a bucket); then per batch either copy an item's latents from the cache already in
 the folder (same encoder and settings, same content hash, checksum intact) or decode it (Pillow /
-PyAV on a thread pool, two batches ahead) and encode it. Everything goes through
-:class:`~latentfast.cache.LatentCacheWriter`, and each batch is made durable before the
-next, so a build is crash-safe (a crash loses at most the batch in flight) and resumable (rerun
+PyAV on a thread pool, batches ahead, uint8 into recycled buffers) and encode it, the stages
+overlapped (see :class:`_Runner`). Everything goes through
+:class:`~latentfast.cache.LatentCacheWriter`, and each batch is made durable in order, so a build
+is crash-safe (a crash loses at most the batches in flight) and resumable (rerun
 the same call), and a rerun after editing images re-encodes only the edited ones. A rerun over a
 complete, intact cache with unchanged sources writes nothing; one over a damaged cache re-encodes
 the damaged items.
@@ -18,6 +19,7 @@ import hashlib
 import inspect
 import math
 import os
+import queue
 import time
 import zlib
 from collections import deque
@@ -32,9 +34,22 @@ from ...errors import ArgumentTypeError, CacheError, ImageError, InvalidArgument
 from ..store import format as fmt
 from ..store import fields as fieldstore
 from . import distributed, media
-from .encode import encode, prepare
+from .encode import BatchBuffers, Stages, Stopped, encode, owned, pixel_dtype, prepare, timed
 from ..store.durable import BuildLock
 from ..store.writer import encoder_identity, open_for_sources
+
+
+_QUEUE = 2  # batches waiting between two stages
+_DONE = object()  # the end of a stage's batches
+
+
+def _offer(q: queue.Queue, item) -> bool:
+    """Put ``item`` unless ``q`` stays full for a moment (its consumer may have died)."""
+    try:
+        q.put(item, timeout=0.05)
+        return True
+    except queue.Full:
+        return False
 
 
 @dataclass
@@ -50,6 +65,7 @@ class _Job:
     text_encoder: Any = None  # captions -> fields text [L_i, D] and text_pooled [P]
     captions: Any = None  # (key, path) -> caption, with text_encoder
     latent_dtype: torch.dtype = torch.float16  # latent_dtype=: the latent fields' stored dtype
+    jpeg_draft: bool = False  # jpeg_draft=: JPEGs shrunk >= 2x decode at a reduced DCT scale
 
 
 # the dtypes a builder can store the latent in (and the fields beside it that share its meaning:
@@ -68,11 +84,11 @@ def _latent_dtype(value) -> torch.dtype:
 
 
 def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, buckets, batch_size: int = 8,
-                      device="cpu", autocast_dtype: torch.dtype | None = None, num_workers: int = 4,
+                      device="cpu", autocast_dtype: torch.dtype | None = None, num_workers: int | None = None,
                       skip_bad_images: bool = False, no_upscale: bool = False, bucket_step: int = 64,
                       quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
                       flip: bool = False, text_encoder: Any = None, captions: Any = None,
-                      latent_dtype="float16", group=None) -> str:
+                      latent_dtype="float16", jpeg_draft: bool = True, group=None) -> str:
     """Encode every image of ``source`` (a folder, walked recursively, or a JSONL manifest of
     ``{"image": path, "key": optional}``) into a shaped cache in ``out_dir``; returns the data path.
 
@@ -88,7 +104,19 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     and by how much at most. ``skip_bad_images`` leaves out unreadable or truncated images (decoded
     fully while planning; listed in the meta's ``skipped`` and named in the summary) instead of
     raising :class:`~latentfast.errors.ImageError`. ``lock_timeout``: seconds to wait for another
-    build of this split. ``stats`` (a dict) receives counts and timings. ``latent_dtype``
+    build of this split. ``num_workers``: decode threads (default: the cores this process may run
+    on). ``jpeg_draft`` (the resize convention, on by default): a JPEG that its bucket shrinks at
+    least 2x is decoded at the largest DCT scale (1/2, 1/4, 1/8) that stays at least the resized size
+    (Pillow's ``Image.draft``), then resized with LANCZOS as any image: several times faster to
+    decode, a few levels of 255 from decoding fully on average (the DCT scaling filters differently;
+    tests/test_cache_build_pipeline.py states how far). The convention is part of such an item's
+    source hash, so a rebuild with the other one re-encodes exactly the drafted items; the meta's
+    ``jpeg_draft`` says it was on.
+    ``stats`` (a dict) receives counts and timings: each stage's busy seconds (``decode_s``, summed
+    over the decode workers; ``feed_s``, planning batches and issuing the copies to the device;
+    ``h2d_s``, the copies on the device; ``encode_s``, normalizing and encoding; ``write_s``),
+    ``encode_wait_s`` (the encoder waiting for pixels), ``bound``, the stage that bounds the build
+    (the most busy seconds per thread), and ``plan_s`` (listing, probing and hashing, before them). ``latent_dtype``
     (``"float16"``, ``"bfloat16"`` or ``"float32"``): the stored dtype of the latent and the fields
     beside it that share its meaning (``latent_std``, ``latent_flipped``); a rebuild with another one
     re-encodes. ``group`` (a
@@ -116,9 +144,14 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     bucket_of = _image_bucket_rule(bucket_list, no_upscale, bucket_step, factor)
     if not isinstance(flip, bool):
         raise ArgumentTypeError(f"flip must be a bool, got {type(flip).__name__} ({flip!r})")
-    job = _Job("image", bucket_of, media.load_image, encoder.encode, flip=flip, latent_dtype=_latent_dtype(latent_dtype))
+    if not isinstance(jpeg_draft, bool):
+        raise ArgumentTypeError(f"jpeg_draft must be a bool, got {type(jpeg_draft).__name__} ({jpeg_draft!r})")
+    job = _Job("image", bucket_of, media.load_image, encoder.encode, flip=flip, latent_dtype=_latent_dtype(latent_dtype),
+               jpeg_draft=jpeg_draft)
     settings = {"buckets": [list(b) for b in bucket_list], "resize": "lanczos-cover-center-crop",
                 "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
+    if jpeg_draft:
+        settings["jpeg_draft"] = True
     if no_upscale:
         settings.update(no_upscale=True, bucket_step=bucket_step)
     settings.update(_record_settings(job, encoder, source, text_encoder, captions))
@@ -129,7 +162,7 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
 
 def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, buckets, frame_stride: int = 1,
                       batch_size: int = 1, device="cpu", autocast_dtype: torch.dtype | None = None,
-                      num_workers: int = 4, skip_bad_clips: bool = False, quiet: bool = False,
+                      num_workers: int | None = None, skip_bad_clips: bool = False, quiet: bool = False,
                       lock_timeout: float = 0.0, stats: dict | None = None, latent_dtype="float16",
                       group=None) -> str:
     """Encode every clip of ``source`` into a shaped cache of ``[C, T', h, w]`` latents; returns the data path.
@@ -240,9 +273,12 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
     encoder, device = prepare(encoder, device, batch_size)
     wall = time.perf_counter()
     out_dir = os.fspath(out_dir)
-    counts = {"decode_s": 0.0, "encode_s": 0.0, "write_s": 0.0, "encoded": 0, "copied": 0, "resumed": 0}
-    with ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
+    counts = {**dict.fromkeys(_STAGE_SECONDS, 0.0), "encode_wait_s": 0.0, "plan_s": 0.0, "encoded": 0, "copied": 0,
+              "resumed": 0}
+    workers = _decode_workers(num_workers)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         items, skipped = _plan(job, source, pool, skip_bad)
+        counts["plan_s"] = time.perf_counter() - wall
         share = distributed.current_share()
         if share is not None:  # a distributed build: this rank's whole batches, costed pixels x frames
             batches = _batches(items, batch_size)
@@ -264,16 +300,30 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
             lock.release()
             raise
         with writer:
-            runner = _Runner(job, encoder, writer, previous, pool, device, autocast_dtype, counts)
+            runner = _Runner(job, encoder, writer, previous, pool, device, autocast_dtype, counts, workers)
             runner.run(_batches(items, batch_size), quiet=quiet)
     factors = [media.upscale_factor(item, item.bucket) for item in items]
-    counts.update(upscaled=sum(f > 1.0 for f in factors), max_upscale=max(factors))
+    counts.update(upscaled=sum(f > 1.0 for f in factors), max_upscale=max(factors), decode_workers=workers,
+                  bound=max(_STAGE_SECONDS, key=lambda k: counts[k] / (workers if k == "decode_s" else 1)).removesuffix("_s"))
     if stats is not None:
         stats.update(counts, items=len(items), skipped=len(skipped), skipped_keys=[s["key"] for s in skipped],
                      unchanged=False, wall_s=time.perf_counter() - wall)
     if not quiet:
         print(_summary(job.kind, counts, len(items), skipped))
     return fmt.cache_path(out_dir, split, "data")
+
+
+# each stage's busy seconds in stats (see build_image_cache)
+_STAGE_SECONDS = ("decode_s", "feed_s", "h2d_s", "encode_s", "write_s")
+
+
+def _decode_workers(num_workers) -> int:
+    """``num_workers``, or by default the cores this process may run on."""
+    if num_workers is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise InvalidArgumentError(f"num_workers must be a positive int (or None: the cores available), got {num_workers!r}")
+    return num_workers
 
 
 def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], list[dict]]:
@@ -289,6 +339,9 @@ def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], li
         try:
             item = future.result()
             item.bucket = tuple(job.bucket_of(item))
+            item.draft = job.jpeg_draft and media.plan_draft(item)
+            if item.draft:  # the resize convention is part of the source: a rebuild without it re-encodes the item
+                item.digest = hashlib.blake2b(item.digest + b"\0jpeg-draft", digest_size=16).digest()
             if job.captions is not None:  # the caption is part of the source: an edited one re-encodes the item
                 item.caption = job.captions(key, path)
                 item.digest = hashlib.blake2b(item.digest + item.caption.encode(), digest_size=16).digest()
@@ -347,91 +400,179 @@ def _unchanged(cache, items: list[media.Item]) -> bool:
 
 
 class _Runner:
-    """Runs the planned batches: skip what the writer has, copy what the old cache holds, encode the rest."""
+    """Runs the planned batches: skip what the writer has, copy what the old cache holds, encode the rest.
 
-    lookahead = 2  # batches decoding ahead of the encoder
+    Stages, overlapped (see :mod:`.encode`): a feed thread plans each batch (old latents read and
+    checked for copying), has the decode pool write its images into a recycled uint8 buffer, and copies
+    the finished buffer to the device; the caller's thread normalizes and encodes; a writer thread
+    appends and makes each batch durable, in order. Queues of ``_QUEUE`` batches join them, and
+    ``ahead`` batches decode in advance (enough to keep every decode worker busy).
+    """
 
-    def __init__(self, job, encoder, writer, previous, pool, device, autocast_dtype, counts):
+    lookahead = 2  # batches decoding ahead of the encoder, at least
+
+    def __init__(self, job, encoder, writer, previous, pool, device, autocast_dtype, counts, workers):
         self.job, self.encoder, self.writer, self.pool = job, encoder, writer, pool
-        self.device, self.autocast_dtype, self.counts = device, autocast_dtype, counts
+        self.device, self.autocast_dtype, self.counts, self.workers = device, autocast_dtype, counts, workers
         self.previous = previous
         self.old_rows = {} if previous is None else _old_rows(previous)
         self.seeded = getattr(encoder, "sample", "mode") == "sample" and _accepts_seeds(job.encode)
+        self.dtype = pixel_dtype(encoder)
 
     def run(self, batches, *, quiet: bool) -> None:
         from ...progress import progress_bar as tqdm  # a bar on a terminal, a line every ~10 s in a log
 
         total = sum(len(b) for b in batches)
-        work = [[item for item in batch if item.key not in self.writer] for batch in batches]
+        work = [b for b in ([item for item in batch if item.key not in self.writer] for batch in batches) if b]
         self.counts["resumed"] = total - sum(len(w) for w in work)
+        if not work:
+            return
         bar = tqdm(total=total, initial=self.counts["resumed"], unit=self.job.kind + "s", desc="latent cache",
                    disable=True if quiet else None)
+        biggest = max(len(batch) for batch in work)
+        ahead = max(self.lookahead, -(-2 * self.workers // biggest))
+        stages = Stages()
+        buffers = BatchBuffers(ahead + 2, max(len(b) * math.prod(b[0].bucket) * 3 for b in work), self.device, stages)
+        encoded, written = queue.Queue(_QUEUE), queue.Queue(_QUEUE)
+        stages.start("feed", self._feed, work, ahead, buffers, stages, encoded)
+        writer = stages.start("write", self._write, written, bar)
         try:
-            plans = [self._split(batch) for batch in work if batch]
-            pending = deque(self._submit(to_encode) for _, to_encode in plans[: self.lookahead])
-            for k, (batch, to_encode) in enumerate(plans):
-                loads = [f.result() for f in pending.popleft()]
-                if k + self.lookahead < len(plans):
-                    pending.append(self._submit(plans[k + self.lookahead][1]))
-                self._write_batch(batch, to_encode, loads)
-                bar.update(len(batch))
-        finally:
+            while (batch := self._take(stages, encoded)) is not None:
+                stages.put(written, self._encode_batch(buffers, *batch))
+        except Stopped:
+            pass
+        except BaseException as exc:
+            stages.fail(exc)
+        finally:  # the batches encoded so far are written and durable, unless the writer itself failed
+            with contextlib.suppress(Stopped):
+                while writer.is_alive() and not _offer(written, _DONE):
+                    pass
+            writer.join()
+            stages.stop.set()
+            for thread in stages.threads:
+                thread.join()
+            buffers.close()
             bar.close()
+            self.counts["h2d_s"] += buffers.h2d_s
+        stages.raise_error()
 
-    def _split(self, batch):
-        """``(batch, items to encode)``: items whose old latents can be copied are not encoded."""
-        return batch, [item for item in batch if not self._copyable(item)]
+    def _take(self, stages, encoded):
+        """The next batch from the feed, None at its end; the time waited is the encoder starved."""
+        t0 = time.perf_counter()
+        batch = stages.get(encoded)
+        self.counts["encode_wait_s"] += time.perf_counter() - t0
+        return None if batch is _DONE else batch
+
+    # -- the feed thread ---------------------------------------------------------------------------
+    def _feed(self, work, ahead, buffers, stages, encoded) -> None:
+        pending: deque = deque()
+        try:
+            for batch in work:
+                pending.append(self._start(batch, buffers))
+                if len(pending) > ahead:
+                    stages.put(encoded, self._finish(pending.popleft(), buffers, stages))
+            while pending:
+                stages.put(encoded, self._finish(pending.popleft(), buffers, stages))
+            stages.put(encoded, _DONE)
+        finally:
+            for _, _, _, _, futures in pending:
+                for future in futures:
+                    future.cancel()
+
+    def _start(self, batch, buffers):
+        """``(batch, copies, items to encode, buffer, decode futures)``: the old latents that can be
+        copied (read and checked now; an item whose bytes fail their checksum is encoded instead), and
+        the decodes of the rest started, each into its slot of a free buffer."""
+        with timed(self.counts, "feed_s"):
+            copies = {}
+            for item in batch:
+                if self._copyable(item) and (record := self._read_copy(item)) is not None:
+                    copies[item.key] = record
+            to_encode = [item for item in batch if item.key not in copies]
+        if not to_encode:
+            return batch, copies, to_encode, None, []
+        buf = buffers.acquire()
+        shape = buffers.shape(len(to_encode), to_encode[0].bucket)
+        slots = buf.host[: math.prod(shape)].view(shape)
+        return batch, copies, to_encode, buf, [self.pool.submit(self._load_into, item, buffers, slots[j])
+                                               for j, item in enumerate(to_encode)]
+
+    def _load_into(self, item, buffers, slot: torch.Tensor):
+        """Decode one item straight into its slot of the batch buffer; ``(info, seconds)``."""
+        t0 = time.perf_counter()
+        pixels, info = self.job.load(item)
+        buffers.place(slot, pixels)
+        return info, time.perf_counter() - t0
+
+    def _finish(self, plan, buffers, stages):
+        """The batch's decodes waited for, its buffer copied to the device."""
+        batch, copies, to_encode, buf, futures = plan
+        loads = [stages.result(future) for future in futures]
+        self.counts["decode_s"] += sum(seconds for _, seconds in loads)
+        pixels = None
+        if to_encode:
+            with timed(self.counts, "feed_s"):
+                pixels = buffers.to_device(buf, buffers.shape(len(to_encode), to_encode[0].bucket))
+        return batch, copies, to_encode, [info for info, _ in loads], buf, pixels
+
+    # -- the caller's thread: normalize and encode -------------------------------------------------
+    def _encode_batch(self, buffers, batch, copies, to_encode, infos, buf, pixels):
+        records = None
+        if to_encode:
+            with timed(self.counts, "encode_s"):
+                records = self._encode(to_encode, buffers.normalize(buf, pixels, self.dtype))
+        return batch, copies, to_encode, records, infos
+
+    # -- the writer thread -------------------------------------------------------------------------
+    def _write(self, written, bar) -> None:
+        while (batch := written.get()) is not _DONE:
+            with timed(self.counts, "write_s"):
+                self._write_batch(*batch)
+            bar.update(len(batch[0]))
+
+    def _write_batch(self, batch, copies, to_encode, records, infos) -> None:
+        position = {item.key: j for j, item in enumerate(to_encode)}
+        for item in batch:
+            if item.key in copies:
+                self._append_copy(item, copies[item.key])
+                continue
+            j = position[item.key]
+            self.writer.append(item.key, records[j], source_hash=item.digest, info={**infos[j], "bucket": list(item.bucket)})
+            self.counts["encoded"] += 1
+        self.writer.flush()  # durable per batch: a crash loses at most the batches in flight, as in the line builder
 
     def _copyable(self, item) -> bool:
         old = self.old_rows.get(item.key)
         return old is not None and old[1] == item.digest and tuple(self.previous.info(old[0]).get("bucket", ())) == item.bucket
 
-    def _submit(self, items):
-        return [self.pool.submit(self._timed_load, item) for item in items]
-
-    def _timed_load(self, item):
-        t0 = time.perf_counter()
-        pixels, info = self.job.load(item)
-        return pixels, info, time.perf_counter() - t0
-
-    def _write_batch(self, batch, to_encode, loads) -> None:
-        self.counts["decode_s"] += sum(seconds for _, _, seconds in loads)
-        records = self._encode(to_encode, [pixels for pixels, _, _ in loads]) if to_encode else None
-        t0 = time.perf_counter()
-        position = {item.key: j for j, item in enumerate(to_encode)}
-        for item in batch:
-            j = position.get(item.key)
-            if j is None and self._copy(item):
-                continue
-            if j is None:  # the old bytes failed their checksum: encode this one now
-                pixels, info = self.job.load(item)
-                record = self._encode([item], [pixels])[0]
-            else:
-                record, info = records[j], loads[j][1]
-            self.writer.append(item.key, record, source_hash=item.digest, info={**info, "bucket": list(item.bucket)})
-            self.counts["encoded"] += 1
-        self.writer.flush()  # durable per batch: a crash loses at most the batch in flight, as in the line builder
-        self.counts["write_s"] += time.perf_counter() - t0
-
-    def _copy(self, item) -> bool:
+    def _read_copy(self, item):
+        """The old cache's record of ``item``, every stored value checked against its CRC: ``(record,
+        info)`` (a cache with fields) or ``(shape, payload, crc, info)``; None if a check fails."""
         index = self.old_rows[item.key][0]
-        start, end = int(self.previous.row_starts[index]), int(self.previous.row_starts[index + 1])
-        payload = self.previous._memmap()[start:end].tobytes()
+        info = self.previous.info(index)
         crc = int(self.previous_sums[index])
         with contextlib.suppress(CacheError):
-            if self.previous.field_items:  # a record: every field value checked against its CRC, then copied
+            if self.previous.field_items:  # a record: every field value checked against its CRC
                 for items in self.previous.field_items.values():
                     items.check(np.asarray([index]))
                 record = self.previous.record(index)
                 if zlib.crc32(record["latent"].reshape(-1).view(torch.uint8).numpy()) != crc:  # (bytes: any latent dtype)
                     raise CacheError(f"item {item.key!r}: its bytes fail their CRC-32 checksum")
-                self.writer.append(item.key, record, source_hash=item.digest, info=self.previous.info(index))
-            else:
-                self.writer.append_bytes(item.key, self.previous.shapes[index], payload, crc, source_hash=item.digest,
-                                         info=self.previous.info(index))
-            self.counts["copied"] += 1
-            return True
-        return False
+                return record, info
+            start, end = int(self.previous.row_starts[index]), int(self.previous.row_starts[index + 1])
+            payload = self.previous._memmap()[start:end].tobytes()
+            if zlib.crc32(payload) != crc:  # (the writer checks again before it writes)
+                raise CacheError(f"item {item.key!r}: its bytes fail their CRC-32 checksum")
+            return self.previous.shapes[index], payload, crc, info
+        return None
+
+    def _append_copy(self, item, copy) -> None:
+        if len(copy) == 2:
+            self.writer.append(item.key, copy[0], source_hash=item.digest, info=copy[1])
+        else:
+            shape, payload, crc, info = copy
+            self.writer.append_bytes(item.key, shape, payload, crc, source_hash=item.digest, info=info)
+        self.counts["copied"] += 1
 
     @property
     def previous_sums(self):
@@ -439,16 +580,14 @@ class _Runner:
             self._sums = _stored_checksums(self.previous)
         return self._sums
 
-    def _encode(self, items, pixels) -> list:
-        """One record per item: the latent tensor alone, or a dict of the job's fields."""
-        t0 = time.perf_counter()
-        batch = torch.stack(pixels).to(self.device)
+    def _encode(self, items, batch) -> list:
+        """One record per item (``batch``: their pixels on the device, in [-1, 1]): the latent tensor
+        alone, or a dict of the job's fields."""
         fields = self._latent_fields(items, batch, "latent")
         if self.job.flip:  # the mirror of the resized, cropped image, encoded on its own (kohya's latents_flipped)
             fields.update(self._latent_fields(items, torch.flip(batch, dims=[-1]), "latent_flipped"))
         if self.job.text_encoder is not None:
             fields.update(self._text_fields([item.caption for item in items]))
-        self.counts["encode_s"] += time.perf_counter() - t0
         if len(fields) == 1 and self.job.latent_dtype == torch.float16:
             return list(fields["latent"])  # plain float16 latents: the single-tensor append, as always
         return [{name: values[b] for name, values in fields.items()} for b in range(len(items))]
@@ -458,7 +597,7 @@ class _Runner:
         if self.job.store_std:
             kwargs["with_std"] = True
         z = encode(self.job.encode, batch, self.device, self.autocast_dtype, **kwargs)
-        z, std = z if self.job.store_std else (z, None)
+        z, std = (owned(t, batch) for t in (z if self.job.store_std else (z, None)))
         if z.shape[0] != len(items):
             raise InvalidArgumentError(f"the encoder returned {z.shape[0]} latents for a batch of {len(items)}")
         plain = std is None and name == "latent" and not self.job.flip and self.job.text_encoder is None

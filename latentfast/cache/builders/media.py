@@ -38,6 +38,9 @@ class Item:
     frame_paths: list = field(default_factory=list)  # a folder clip's frames, in order
     bucket: tuple = ()  # (h, w) or (frames, h, w) once planned
     caption: str | None = None  # with a text encoder: the item's caption, once planned
+    orientation: int = 1  # EXIF orientation (1: displayed as stored), read from the header while probing
+    jpeg: bool = False  # a JPEG file: decodable at 1/2, 1/4 or 1/8 scale (DCT scaling, ``Image.draft``)
+    draft: bool = False  # once planned: decoded at a reduced DCT scale, its bucket shrinks it >= 2x
 
 
 def _key_of(rel: str, is_dir: bool) -> str:
@@ -103,10 +106,12 @@ def probe(key: str, path: str, decode: bool = False) -> Item:
         from PIL import Image
 
         with Image.open(path) as im:
-            width, height = upright_size(im)
+            turn = orientation(im)
+            width, height = upright_size(im, turn)
+            jpeg = im.format == "JPEG"
             if decode:
                 im.load()
-        return Item(key, path, width, height, 1, content_hash(path))
+        return Item(key, path, width, height, 1, content_hash(path), orientation=turn, jpeg=jpeg)
     except ImageError:
         raise
     except Exception as exc:  # noqa: BLE001 - any reader failure is reported with its key
@@ -214,39 +219,116 @@ def check_buckets(buckets, *, video: bool, factor: int | None) -> list[tuple[int
     return sorted(set(out), key=out.index)
 
 
-def fit(image, bucket_hw: tuple[int, int]):
-    """``(image resized to cover the bucket and centre-cropped to it, info)``."""
+def fit(image, bucket_hw: tuple[int, int], size: tuple[int, int] | None = None):
+    """``(image resized to cover the bucket and centre-cropped to it, info)``. ``size``: the
+    ``(width, height)`` the resize is reckoned from when ``image`` was decoded smaller (a JPEG draft):
+    the same output size and crop as from the full image."""
     from PIL import Image
 
     bh, bw = bucket_hw
-    w, h = image.size
-    scale = max(bw / w, bh / h)
-    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
-    if (rw, rh) != (w, h):
+    w, h = size or image.size
+    rw, rh = cover_size(w, h, bucket_hw)
+    if (rw, rh) != image.size:
         image = image.resize((rw, rh), Image.LANCZOS)
     top, left = (rh - bh) // 2, (rw - bw) // 2
     image = image.crop((left, top, left + bw, top + bh))
     return image, {"original_size": [h, w], "crop_top_left": [top, left]}
 
 
-def upright_rgb(image):
-    """An opened PIL image as 8-bit RGB the way it displays: EXIF orientation applied (as the
-    trainers do), 16-bit grey (which Pillow opens as ``I;16`` or ``I``) scaled to 8 bits rather
-    than clipped (``convert("RGB")`` clips 16-bit values to 255: nearly white)."""
-    from PIL import Image, ImageOps
+# ImageOps.exif_transpose's mapping: EXIF orientation -> the transpose that displays the image upright
+_TRANSPOSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
+              7: "TRANSVERSE", 8: "ROTATE_90"}
+# PNG chunks that Pillow reads only when it decodes the pixels if they come after IDAT (as eXIf may):
+# the ones that can hold the orientation
+_PNG_EXIF_KEYS = ("Raw profile type exif", "XML:com.adobe.xmp")
 
-    image = ImageOps.exif_transpose(image)
+
+def upright_rgb(image, turn: int | None = None):
+    """An opened PIL image as 8-bit RGB the way it displays: EXIF orientation ``turn`` (read from the
+    image when None) applied (as the trainers do), 16-bit grey (which Pillow opens as ``I;16`` or
+    ``I``) scaled to 8 bits rather than clipped (``convert("RGB")`` clips 16-bit values to 255:
+    nearly white). No copy is made that the result does not need (an RGB image shown as stored is
+    returned decoded, as it is)."""
+    from PIL import Image
+
+    image.load()
+    method = _TRANSPOSE.get(orientation(image) if turn is None else turn)
+    if method is not None:
+        image = image.transpose(getattr(Image.Transpose, method))
     if image.mode.startswith("I;16") or image.mode == "I":
         grey = np.asarray(image, dtype=np.float64)
         grey = np.clip(np.rint(grey * (255.0 / 65535.0)), 0, 255).astype(np.uint8)  # 16-bit range in both modes
         image = Image.fromarray(grey, "L")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def upright_size(image) -> tuple[int, int]:
+def orientation(image) -> int:
+    """An opened image's EXIF orientation still to apply once Pillow has decoded it (1-8; 1 when it has
+    none), read without decoding its pixels:
+    Pillow decodes a whole PNG to find an eXIf or text chunk after IDAT, so a PNG's chunks are walked
+    here (headers only; IDAT is skipped, never inflated)."""
+    from PIL import Image
+
+    if image.format == "TIFF" and hasattr(image, "_tile_size"):
+        return 1  # this Pillow turns a TIFF upright itself as it decodes it (its size is the upright one already)
+    if image.format == "PNG" and "exif" not in image.info and getattr(image, "fp", None) is not None:
+        image.info.update(_png_exif_chunks(image.fp, image.info))
+        return Image.Image.getexif(image).get(0x0112, 1)  # the base reading, not PNG's decoding one
+    return image.getexif().get(0x0112, 1)
+
+
+def _png_exif_chunks(fp, info: dict) -> dict:
+    """``{"exif": ...}`` and the text chunks of ``_PNG_EXIF_KEYS`` of a PNG, as Pillow's ``info``
+    holds them after decoding; read from chunk headers and those chunks alone. A chunk that runs past
+    the end of the file, or no IEND, raises (a truncated file). ``fp``'s position is kept (Pillow reads
+    IDAT from there)."""
+    import struct
+
+    here, found = fp.tell(), {}
+    try:
+        size = fp.seek(0, os.SEEK_END)
+        position = fp.seek(8)  # past the signature
+        while True:
+            head = fp.read(8)
+            if len(head) < 8:
+                raise ValueError("truncated PNG (it ends before its IEND chunk)")
+            length, kind = struct.unpack(">I4s", head)
+            if kind == b"IEND":
+                break
+            position += 12 + length  # length, type, data, CRC
+            if position > size:
+                raise ValueError(f"truncated PNG ({kind.decode('latin-1')} runs past the end of the file)")
+            if kind in (b"eXIf", b"tEXt", b"zTXt", b"iTXt"):
+                _png_exif_chunk(kind, fp.read(length), found, info)
+            fp.seek(position)
+    finally:
+        fp.seek(here)
+    return found
+
+
+def _png_exif_chunk(kind: bytes, data: bytes, found: dict, info: dict) -> None:
+    import zlib
+
+    if kind == b"eXIf":
+        found["exif"] = b"Exif\x00\x00" + data  # what Pillow's info holds for it
+        return
+    keyword, _, rest = data.partition(b"\0")
+    keyword = keyword.decode("latin-1")
+    if keyword not in _PNG_EXIF_KEYS or keyword in info:  # one before IDAT: Pillow read it already
+        return
+    if kind == b"tEXt":
+        found[keyword] = rest.decode("latin-1", "replace")
+    elif kind == b"zTXt":
+        found[keyword] = zlib.decompress(rest[1:]).decode("latin-1", "replace")
+    else:  # iTXt: compression flag, method, language\0, translated keyword\0, text (UTF-8)
+        text = rest[2:].split(b"\0", 2)[-1]
+        found[keyword] = (zlib.decompress(text) if rest[:1] == b"\x01" else text).decode("utf-8", "replace")
+
+
+def upright_size(image, turn: int | None = None) -> tuple[int, int]:
     """``(width, height)`` as displayed: sides swapped for EXIF orientations 5-8 (a quarter turn)."""
     width, height = image.size
-    return (height, width) if image.getexif().get(0x0112, 1) in (5, 6, 7, 8) else (width, height)
+    return (height, width) if (orientation(image) if turn is None else turn) in (5, 6, 7, 8) else (width, height)
 
 
 def to_pixels(image) -> torch.Tensor:
@@ -255,20 +337,48 @@ def to_pixels(image) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
 
 
-def load_image(item: Item) -> tuple[torch.Tensor, dict]:
+def to_uint8(image) -> np.ndarray:
+    """An RGB PIL image as uint8 ``[h, w, 3]`` (the builders normalize on the encoder's device)."""
+    return np.asarray(image if image.mode == "RGB" else image.convert("RGB"), dtype=np.uint8)
+
+
+def cover_size(width: int, height: int, bucket_hw) -> tuple[int, int]:
+    """``(w, h)`` an image of ``width x height`` is resized to so that it covers the bucket (aspect kept)."""
+    bh, bw = bucket_hw
+    scale = max(bw / width, bh / height)
+    return max(bw, round(width * scale)), max(bh, round(height * scale))
+
+
+def plan_draft(item: Item) -> bool:
+    """Whether a JPEG decodes at a reduced DCT scale: when its bucket shrinks it at least 2x in both
+    sides (Pillow's ``draft`` rule: the largest of 1/2, 1/4, 1/8 that stays >= the resized size)."""
+    if not item.jpeg:
+        return False
+    rw, rh = cover_size(item.width, item.height, item.bucket[-2:])
+    return min(item.width // rw, item.height // rh) >= 2
+
+
+def load_image(item: Item) -> tuple[np.ndarray, dict]:
+    """The item resized and cropped to its bucket, uint8 ``[h, w, 3]``, and its info. A planned draft
+    asks the JPEG decoder for the resized size (in the file's orientation), so it decodes at the
+    largest DCT scale that stays at least that big; the resize is reckoned from the full size."""
     from PIL import Image
 
     try:
         with Image.open(item.path) as im:
-            image = upright_rgb(im)
+            if item.draft:
+                rw, rh = cover_size(item.width, item.height, item.bucket)
+                im.draft("RGB", (rh, rw) if item.orientation in (5, 6, 7, 8) else (rw, rh))
+            image = upright_rgb(im, item.orientation)
     except Exception as exc:  # noqa: BLE001
         raise ImageError(f"item {item.key!r} ({item.path}): cannot decode: {exc}") from None
-    image, info = fit(image, item.bucket)
-    return to_pixels(image), info
+    image, info = fit(image, item.bucket, (item.width, item.height))
+    return to_uint8(image), info
 
 
-def load_clip(item: Item, frame_stride: int = 1) -> tuple[torch.Tensor, dict]:
-    """The clip's first ``bucket[0]`` frames (every ``frame_stride``-th) as ``[3, T, h, w]`` in [-1, 1]."""
+def load_clip(item: Item, frame_stride: int = 1) -> tuple[np.ndarray, dict]:
+    """The clip's first ``bucket[0]`` frames (every ``frame_stride``-th), each decoded once, resized
+    and cropped, as uint8 ``[T, h, w, 3]``."""
     count, hw = item.bucket[0], item.bucket[1:]
     try:
         images = list(_frames(item, count, frame_stride))
@@ -279,7 +389,7 @@ def load_clip(item: Item, frame_stride: int = 1) -> tuple[torch.Tensor, dict]:
     if len(images) < count:
         raise ImageError(f"item {item.key!r} ({item.path}): decoded {len(images)} frames, the bucket needs {count}")
     fitted = [fit(im, hw) for im in images]
-    clip = torch.stack([to_pixels(im) for im, _ in fitted], dim=1)
+    clip = np.stack([to_uint8(im) for im, _ in fitted])
     return clip, {**fitted[0][1], "frames": item.frames, "frame_stride": frame_stride}
 
 
