@@ -420,14 +420,14 @@ class _Runner:
         self.dtype = pixel_dtype(encoder)
 
     def run(self, batches, *, quiet: bool) -> None:
-        from ...progress import progress_bar as tqdm  # a bar on a terminal, a line every ~10 s in a log
+        from ...progress import progress_bar  # a bar on a terminal, a line every ~10 s in a log
 
         total = sum(len(b) for b in batches)
         work = [b for b in ([item for item in batch if item.key not in self.writer] for batch in batches) if b]
         self.counts["resumed"] = total - sum(len(w) for w in work)
         if not work:
             return
-        bar = tqdm(total=total, initial=self.counts["resumed"], unit=self.job.kind + "s", desc="latent cache",
+        bar = progress_bar(total=total, initial=self.counts["resumed"], unit=self.job.kind + "s", desc="latent cache",
                    disable=True if quiet else None)
         biggest = max(len(batch) for batch in work)
         ahead = max(self.lookahead, -(-2 * self.workers // biggest))

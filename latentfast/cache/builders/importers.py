@@ -171,7 +171,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         args = dict(locals())
         args.update(args.pop("options"))
         return distributed.build_sharded(import_latents, args, agree=lambda: _agreement(args))
-    from ...progress import progress_bar as tqdm  # a bar on a terminal, a line every ~10 s in a log
+    from ...progress import progress_bar  # a bar on a terminal, a line every ~10 s in a log
 
     if format in TRAINER_FORMATS:
         if key is not None:
@@ -217,7 +217,7 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         raise
     done, resumed = 0, len(writer)
     with writer:
-        for (name, path), digest in tqdm(list(zip(files, digests)), unit="files", desc="import", disable=True if quiet else None):
+        for (name, path), digest in progress_bar(list(zip(files, digests)), unit="files", desc="import", disable=True if quiet else None):
             if name in writer:
                 continue
             latent, info = read_latent_file(path, format, key, max_item_bytes)
@@ -358,7 +358,7 @@ def _latent_dtype(name) -> torch.dtype | None:
 
 def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
                     scaling_factor, shift_factor, required, latent_dtype, options) -> str:
-    from ...progress import progress_bar as tqdm  # a bar on a terminal, a line every ~10 s in a log
+    from ...progress import progress_bar  # a bar on a terminal, a line every ~10 s in a log
 
     if format == "simpletuner":  # its reader records the factors it was told (its files do not say)
         options = {"scaling_factor": scaling_factor, "shift_factor": shift_factor, **options}
@@ -400,7 +400,7 @@ def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_tim
         resumed = len(writer)
         while True:  # a second pass only when an item written by an interrupted run has changed since
             done, stale = 0, False
-            for record in tqdm(source, total=len(source), unit="items", desc="import", disable=True if quiet else None):
+            for record in progress_bar(source, total=len(source), unit="items", desc="import", disable=True if quiet else None):
                 fields, info = _as_stored(record, convert, convention, latent_dtype, source.root)
                 _check_required(record, fields, required, source.root)
                 digest = record_hash(fields, info)

@@ -518,11 +518,11 @@ def _batches_read_back_wrong(partial: str, plan: _Plan, progress: _Progress) -> 
 def _encode_batches(encoder, pool, plan: _Plan, todo, partial, progress, device, autocast_dtype, quiet, timings) -> None:
     """Decode (on the pool, ``lookahead`` batches ahead), encode and write each batch of ``todo``;
     each batch is durable (fdatasync) before the log records it."""
-    from ...progress import progress_bar as tqdm  # a bar on a terminal, a line every ~10 s in a log
+    from ...progress import progress_bar  # a bar on a terminal, a line every ~10 s in a log
 
     meta, lines, batches = plan.meta, plan.lines, plan.batches
     done_rows = len(lines) - sum(len(batches[b][0]) for b in todo)
-    bar = tqdm(total=len(lines), initial=done_rows, unit="rows", desc="latent cache", disable=True if quiet else None)
+    bar = progress_bar(total=len(lines), initial=done_rows, unit="rows", desc="latent cache", disable=True if quiet else None)
     pending: deque = deque()
     lookahead = 2  # batches decoding ahead of the encoder
 
