@@ -250,7 +250,7 @@ def _add_build(commands) -> None:
     build.add_argument("--device", default="auto", help="where the encoder runs: auto (cuda where torch sees a GPU, else "
                        "cpu), cpu, cuda, cuda:1")
     build.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none", help="encode under torch.autocast in this dtype")
-    build.add_argument("--workers", type=int, default=4, help="image decode threads")
+    build.add_argument("--workers", type=int, default=None, help="image decode threads (default: the cores available)")
     build.add_argument("--skip-bad-images", action="store_true", help="skip and report missing, corrupt or truncated "
                        "images (or clips) instead of failing")
     build.add_argument("--lock-timeout", type=float, default=0.0,

@@ -275,7 +275,7 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
     out_dir = os.fspath(out_dir)
     counts = {**dict.fromkeys(_STAGE_SECONDS, 0.0), "encode_wait_s": 0.0, "plan_s": 0.0, "encoded": 0, "copied": 0,
               "resumed": 0}
-    workers = _decode_workers(num_workers)
+    workers = media.decode_workers(num_workers)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         items, skipped = _plan(job, source, pool, skip_bad)
         counts["plan_s"] = time.perf_counter() - wall
@@ -315,15 +315,6 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
 
 # each stage's busy seconds in stats (see build_image_cache)
 _STAGE_SECONDS = ("decode_s", "feed_s", "h2d_s", "encode_s", "write_s")
-
-
-def _decode_workers(num_workers) -> int:
-    """``num_workers``, or by default the cores this process may run on."""
-    if num_workers is None:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise InvalidArgumentError(f"num_workers must be a positive int (or None: the cores available), got {num_workers!r}")
-    return num_workers
 
 
 def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], list[dict]]:

@@ -46,6 +46,7 @@ from ..store import format as fmt
 from ..store.durable import BuildLock, append_log, content_hash, file_size, publish, pwrite_all, read_log, rewrite_log
 from . import distributed, manifest
 from .encode import encode, prepare
+from .media import decode_workers
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -308,7 +309,7 @@ def build_latent_cache(
     device: str | torch.device = "cpu",
     autocast_dtype: torch.dtype | None = None,
     downscale_factor: int | None = None,
-    num_workers: int = 4,
+    num_workers: int | None = None,
     skip_bad_images: bool = False,
     quiet: bool = False,
     lock_timeout: float = 0.0,
@@ -340,7 +341,7 @@ def build_latent_cache(
     out_dir = os.fspath(out_dir)
     paths = {kind: fmt.cache_path(out_dir, split, kind) for kind in _FILES}
     timings = {"decode_s": 0.0, "encode_s": 0.0, "write_s": 0.0, "encoded_batches": 0}
-    with BuildLock(out_dir, split, lock_timeout), ThreadPoolExecutor(max_workers=max(1, num_workers)) as pool:
+    with BuildLock(out_dir, split, lock_timeout), ThreadPoolExecutor(max_workers=decode_workers(num_workers)) as pool:
         plan = _plan(encoder, source, pool, stamp, layout, batch_size, device, autocast_dtype, skip_bad_images)
         progress = _open_progress(paths, plan)  # None: finished, unchanged and intact
         resumed = progress is not None and progress.resumed

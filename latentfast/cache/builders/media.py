@@ -419,3 +419,12 @@ def clip_bucket(item: Item, buckets: list[tuple[int, int, int]], frame_stride: i
         shortest = min(b[0] for b in buckets if b[1:] == hw)
         raise ImageError(f"item {item.key!r} ({item.path}): {usable} usable frames, fewer than the shortest {hw[0]}x{hw[1]} bucket's {shortest}")
     return max(fitting, key=lambda b: b[0])
+
+
+def decode_workers(num_workers) -> int:
+    """``num_workers``, or by default the cores this process may run on."""
+    if num_workers is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise InvalidArgumentError(f"num_workers must be a positive int (or None: the cores available), got {num_workers!r}")
+    return num_workers
