@@ -104,6 +104,24 @@ def batches_of(cache, rng, n_batches=6):
     return [rng.choice(len(cache), size=7).tolist() for _ in range(n_batches)]
 
 
+def test_without_a_local_cache_argument_the_node_default_is_used(caches, tmp_path, monkeypatch):
+    # a folder under the user's cache dir (XDG_CACHE_HOME) with a 16 GiB budget, or the environment's
+    endpoint, folders = caches
+    monkeypatch.delenv("LATENTFAST_LOCAL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cache = LatentCache("s3://lfcache/records", storage_options=s3_options(endpoint))
+    assert cache.remote.reader.cache.capacity == 16 << 30
+    assert_same(cache.read_batch([0, 3]), LatentCache(folders["records"]).read_batch([0, 3]))
+    assert os.listdir(tmp_path / "xdg" / "latentfast" / "chunks")  # the index files and chunks live there
+    monkeypatch.setenv("LATENTFAST_LOCAL_CACHE", str(tmp_path / "env"))
+    monkeypatch.setenv("LATENTFAST_LOCAL_CACHE_BYTES", "1000000")
+    assert_same(LatentCache("s3://lfcache/padded", storage_options=s3_options(endpoint))[2], LatentCache(folders["padded"])[2])
+    assert os.listdir(tmp_path / "env")
+    monkeypatch.setenv("LATENTFAST_LOCAL_CACHE_BYTES", "lots")
+    with pytest.raises(InvalidArgumentError, match="LATENTFAST_LOCAL_CACHE_BYTES must be a number of bytes, got 'lots'"):
+        LatentCache("s3://lfcache/padded", storage_options=s3_options(endpoint))
+
+
 @pytest.mark.parametrize("kind", ["padded", "ragged", "shaped", "records", "optional"])
 def test_a_pushed_cache_reads_back_bit_equal(caches, tmp_path, kind):
     endpoint, folders = caches

@@ -60,7 +60,7 @@ class RemoteFiles:
     """The objects of one split of a cache at ``url``, mirrored under ``local_cache`` (see the module)."""
 
     def __init__(self, url: str, split: str, storage_options: dict | None, local_cache, local_cache_bytes, **reader_options):
-        _check_local_cache(url, local_cache, local_cache_bytes)
+        local_cache, local_cache_bytes = local_cache_or_default(local_cache, local_cache_bytes)
         self.url, self.split = str(url).rstrip("/"), split
         self.reader = RemoteReader(self.url, storage_options, local_cache=os.fspath(local_cache),
                                    local_cache_bytes=local_cache_bytes, **reader_options)
@@ -260,11 +260,25 @@ def _names_its_content(meta: bytes) -> bool:
         return False
 
 
-def _check_local_cache(url, local_cache, local_cache_bytes) -> None:
-    if local_cache is None or local_cache_bytes is None:
-        raise InvalidArgumentError(
-            f"LatentCache({url!r}) needs local_cache= (a folder on this node's disk) and local_cache_bytes= "
-            f"(its byte budget): the cache's index files and the fetched chunks of its data live there")
+LOCAL_CACHE_ENV, LOCAL_CACHE_BYTES_ENV = "LATENTFAST_LOCAL_CACHE", "LATENTFAST_LOCAL_CACHE_BYTES"
+DEFAULT_LOCAL_CACHE_BYTES = 16 << 30
+
+
+def local_cache_or_default(local_cache, local_cache_bytes) -> tuple[str, int]:
+    """The node-local chunk cache's folder and byte budget: the arguments, else ``$LATENTFAST_LOCAL_CACHE``
+    (default ``$XDG_CACHE_HOME/latentfast/chunks``, i.e. ``~/.cache/latentfast/chunks``) and
+    ``$LATENTFAST_LOCAL_CACHE_BYTES`` (default 16 GiB). Every process of a node resolves the same
+    folder, so they share its chunks (the index files and the fetched data of every cache opened)."""
+    if local_cache is None:
+        local_cache = os.environ.get(LOCAL_CACHE_ENV) or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "latentfast", "chunks")
+    if local_cache_bytes is None:
+        text = os.environ.get(LOCAL_CACHE_BYTES_ENV, "").strip()
+        try:
+            local_cache_bytes = int(text) if text else DEFAULT_LOCAL_CACHE_BYTES
+        except ValueError:
+            raise InvalidArgumentError(f"{LOCAL_CACHE_BYTES_ENV} must be a number of bytes, got {text!r}") from None
+    return os.fspath(local_cache), local_cache_bytes
 
 
 def _span_chunks(obj, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -358,7 +372,7 @@ def mirror_manifest(url: str, split: str, storage_options, local_cache, local_ca
     GETs) is fetched again with the manifest, then refused."""
     from ..store import shards
 
-    _check_local_cache(url, local_cache, local_cache_bytes)
+    local_cache, local_cache_bytes = local_cache_or_default(local_cache, local_cache_bytes)
     url = str(url).rstrip("/")
     folder = ObjectFolder(url, storage_options)
     names = os.path.basename(shards.manifest_path("", split)), os.path.basename(shards.order_path("", split))

@@ -42,8 +42,9 @@ class LatentCache:
 
     ``cache_dir`` may be an object-store URL (``s3://bucket/prefix``, a folder that ``latentfast cache
     push`` filled): ``storage_options`` (endpoint, keys, retries; the AWS environment variables
-    otherwise), ``local_cache`` (a folder on this node's disk) and ``local_cache_bytes`` (its budget)
-    then say how to reach it and where its fetched chunks live (see :mod:`latentfast.cache.remote.files`).
+    otherwise), ``local_cache`` (a folder on this node's disk) and ``local_cache_bytes`` (its budget;
+    both default to the node's, see :func:`latentfast.cache.remote.files.local_cache_or_default`) then say
+    how to reach it and where its fetched chunks live (see :mod:`latentfast.cache.remote.files`).
     """
 
     def __new__(cls, cache_dir=None, split: str = "train", *args, **kwargs):
