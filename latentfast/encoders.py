@@ -13,7 +13,7 @@ transformer sees them:
   CogVideoX; SD3 and Flux set it).
 
 :class:`TextEncoder` wraps a transformers ``CLIPTextModel`` / ``CLIPTextModelWithProjection`` /
-``T5EncoderModel`` / ``Gemma2Model`` and its tokenizer: ``encode(captions)`` gives each caption's prompt embedding
+``T5EncoderModel`` / ``UMT5EncoderModel`` (Wan) / ``Gemma2Model`` and its tokenizer: ``encode(captions)`` gives each caption's prompt embedding
 ``[L_i, D]`` (computed as the diffusers pipelines compute it, then cut to its attention mask) and the
 pooled embedding where the model has one.
 
@@ -257,7 +257,7 @@ def load_diffusers_vae(spec: str, *, sample: str = "mode", seed: int = 0, dtype:
 # -- text encoders ------------------------------------------------------------------------------------
 # transformers class -> the output field of its pooled embedding (None: the model has none)
 TEXT_MODELS = {"CLIPTextModel": "pooler_output", "CLIPTextModelWithProjection": "text_embeds", "T5EncoderModel": None,
-               "Gemma2Model": None}
+               "UMT5EncoderModel": None, "Gemma2Model": None}
 _TEXT_CONFIG_NOISE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
                       "_commit_hash")
 

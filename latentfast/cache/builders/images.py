@@ -102,7 +102,9 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     - ``flip=True`` also encodes each image's horizontal mirror (after the resize and crop) into
       ``latent_flipped`` (and ``latent_flipped_std``), as kohya's ``flip_aug`` does, for
       ``read_batch(..., flip=p)``;
-    - ``text_encoder`` (a :class:`~latentfast.encoders.TextEncoder`) encodes each image's caption
+    - ``text_encoder`` (a :class:`~latentfast.encoders.TextEncoder`, or a
+      :class:`~latentfast.text_presets.TextEncoders` such as ``text_preset("sdxl", pipe)``, whose named
+      fields are stored instead: ``text_clip_l``, ``text_t5``, ``text_pooled``, ...) encodes each image's caption
       (``captions``, a :class:`~latentfast.cache.captions.Captions`; default: the manifest's
       ``caption``, else ``<stem>.txt`` beside the image) into ``text`` ``[L_i, D]`` (cut to the mask,
       the model's dtype) and ``text_pooled`` ``[P]`` where the model has a pooled output. Equal
@@ -474,6 +476,8 @@ class _Runner:
         distinct = list(dict.fromkeys(captions))
         encoded = self.job.text_encoder.encode(distinct)
         where = {caption: k for k, caption in enumerate(distinct)}
+        if isinstance(encoded, dict):  # several encoders (latentfast.text_presets.TextEncoders): its named fields
+            return {name: [values[where[c]].detach().cpu() for c in captions] for name, values in encoded.items()}
         fields = {"text": [encoded.embeds[where[c]].detach().cpu() for c in captions]}
         if encoded.pooled is not None:
             fields["text_pooled"] = [encoded.pooled[where[c]].detach().cpu() for c in captions]
