@@ -229,29 +229,90 @@ def _normalization(vae):
             torch.as_tensor(std, dtype=torch.float32).detach().cpu().reshape(-1), scale, shift)
 
 
-def load_diffusers_vae(spec: str, *, sample: str = "mode", seed: int = 0, dtype: str | None = None) -> DiffusersVAE:
-    """A :class:`DiffusersVAE` from a folder saved with ``save_pretrained`` (``PATH``, its class read
-    from ``config.json``; a ``vae/`` subfolder is used when present) or ``CLASS:PATH``."""
-    import os
+def load_diffusers_vae(spec: str, *, sample: str = "mode", seed: int = 0, dtype: str | None = None,
+                       config: str | None = None) -> DiffusersVAE:
+    """A :class:`DiffusersVAE` from ``PATH`` or ``CLASS:PATH`` (never a download), where ``PATH`` is
 
-    import diffusers
+    - a folder saved with ``save_pretrained`` (its class read from ``config.json``; a ``vae/`` subfolder
+      is used when present);
+    - a single-file checkpoint (``.safetensors``, ``.ckpt``, ``.pt``, ``.pth``: kohya's ``sdxl_vae.safetensors``,
+      Flux's ``ae.safetensors``), loaded with ``CLASS.from_single_file`` (``AutoencoderKL`` by default),
+      which converts the original key layout; ``config``: a diffusers VAE folder (or a model folder with
+      ``vae/``, or a Hugging Face id in the local cache) giving its configuration, else the one
+      diffusers infers from the keys, from the local Hugging Face cache;
+    - a Hugging Face model id (``org/name``) already in the local Hugging Face cache."""
+    import os
 
     name, sep, path = spec.partition(":")
     if not sep or os.path.exists(spec):
         name, path = None, spec
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    if path.endswith(_SINGLE_FILE_SUFFIXES):
+        if not os.path.isfile(path):
+            raise InvalidArgumentError(f"VAE checkpoint file {path!r} does not exist")
+        cls = _vae_class(name or "AutoencoderKL")
+        kwargs = {} if config is None else _single_file_config(config)
+        try:
+            vae = cls.from_single_file(path, torch_dtype=torch_dtype, local_files_only=True, **kwargs)
+        except OSError as exc:  # the inferred config is not in the local cache: say how to give it
+            raise InvalidArgumentError(f"VAE checkpoint {path}: its diffusers config is not available offline ({exc}); "
+                                       "pass config= (--vae-config DIR: a diffusers VAE folder with a config.json)") from None
+        return DiffusersVAE(vae, sample=sample, seed=seed)
+    if not os.path.exists(path) and _looks_like_hub_id(path):
+        path = _hub_folder(path)
     if os.path.isfile(os.path.join(path, "vae", "config.json")):
         path = os.path.join(path, "vae")
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        raise InvalidArgumentError(f"--encoder diffusers:PATH needs a folder with a config.json (a diffusers save_pretrained folder), got {path!r}")
+        raise InvalidArgumentError(f"--encoder diffusers:PATH needs a folder with a config.json (a diffusers save_pretrained "
+                                   f"folder), a single-file checkpoint or a Hugging Face id in the local cache, got {path!r}")
     if name is None:
         with open(config_path, encoding="utf-8") as fh:
             name = json.load(fh).get("_class_name")
+    return DiffusersVAE(_vae_class(name).from_pretrained(path, torch_dtype=torch_dtype), sample=sample, seed=seed)
+
+
+_SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth")
+
+
+def _vae_class(name):
+    import diffusers
+
     cls = getattr(diffusers, str(name), None)
     if cls is None or str(name) not in IMAGE_VAES + VIDEO_VAES:
         raise InvalidArgumentError(f"diffusers VAE class must be one of {IMAGE_VAES + VIDEO_VAES}, got {name!r}")
-    torch_dtype = getattr(torch, dtype) if dtype else None
-    return DiffusersVAE(cls.from_pretrained(path, torch_dtype=torch_dtype), sample=sample, seed=seed)
+    return cls
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+
+
+def _hub_folder(repo_id: str) -> str:
+    """The local snapshot folder of a Hugging Face model id (the local cache only: HF_HOME / HF_HUB_CACHE)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise InvalidArgumentError(f"{repo_id!r} is neither a local path nor a model in the local Hugging Face cache "
+                                   "(download it first, e.g. huggingface-cli download, or give its folder)") from None
+
+
+def _single_file_config(config: str) -> dict:
+    """``from_single_file``'s ``config=`` (a folder holding the VAE's config.json) from a VAE folder,
+    a model folder with ``vae/`` or a Hugging Face id in the local cache."""
+    import os
+
+    folder = _hub_folder(config) if not os.path.exists(config) and _looks_like_hub_id(config) else config
+    if os.path.isfile(os.path.join(folder, "vae", "config.json")):
+        folder = os.path.join(folder, "vae")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise InvalidArgumentError(f"the VAE config must be a diffusers VAE folder with a config.json (or a model folder with "
+                                   f"vae/), got {config!r}")
+    return {"config": folder}
 
 
 # -- text encoders ------------------------------------------------------------------------------------
