@@ -68,7 +68,7 @@ def _one_line_errors(handler):
 
 def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
     cache = subparsers.add_parser("cache", help="build, import, inspect or verify an offline VAE latent cache")
-    commands = cache.add_subparsers(dest="cache_command", metavar="{build,import,inspect,verify,push,pull,merge}")
+    commands = cache.add_subparsers(dest="cache_command", metavar="{build,import,inspect,verify,push,pull,merge,export}")
     commands.required = True
     _add_build(commands)
     _add_import(commands)
@@ -87,7 +87,27 @@ def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
                          help="URLs: the local cache's budget, in bytes or with a K/M/G/T suffix")
         sub.set_defaults(func=_one_line_errors(handler))
     _add_push_pull(commands)
+    _add_export(commands)
     return cache
+
+
+def _add_export(commands) -> None:
+    text = ("write a cache imported from a trainer back as that trainer's own files (kohya .npz, musubi-tuner "
+            ".safetensors), which its loader reads as the same tensors")
+    sub = commands.add_parser("export", help=text, description=text, formatter_class=HelpFormatter)
+    sub.add_argument("cache_dir", help="folder holding the cache")
+    sub.add_argument("--format", required=True, choices=("kohya", "musubi-tuner"), help="the trainer's file format")
+    sub.add_argument("--out", required=True, help="folder to write the trainer's files into")
+    sub.add_argument("--split", default="train", help="which split of the folder")
+    sub.set_defaults(func=_one_line_errors(run_export))
+
+
+def run_export(args) -> int:
+    from .export import export_cache
+
+    counts = export_cache(args.cache_dir, args.out, args.format, args.split)
+    print(f"{counts['items']} items exported as {args.format}: {counts['files']} files in {args.out}")
+    return 0
 
 
 def _add_push_pull(commands) -> None:
