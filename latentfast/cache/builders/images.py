@@ -72,7 +72,7 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
                       skip_bad_images: bool = False, no_upscale: bool = False, bucket_step: int = 64,
                       quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
                       flip: bool = False, text_encoder: Any = None, captions: Any = None,
-                      latent_dtype="float16", group=None) -> str:
+                      latent_dtype="float16", group=None, bucket_rule=None) -> str:
     """Encode every image of ``source`` (a folder, walked recursively, or a JSONL manifest of
     ``{"image": path, "key": optional}``) into a shaped cache in ``out_dir``; returns the data path.
 
@@ -91,7 +91,9 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     build of this split. ``stats`` (a dict) receives counts and timings. ``latent_dtype``
     (``"float16"``, ``"bfloat16"`` or ``"float32"``): the stored dtype of the latent and the fields
     beside it that share its meaning (``latent_std``, ``latent_flipped``); a rebuild with another one
-    re-encodes. ``group`` (a
+    re-encodes. ``bucket_rule``: a callable ``(width, height) -> (height, width)`` that picks each image's
+    bucket instead (a trainer's own bucketing, e.g. :class:`latentfast.cache.dataset_config.KohyaBuckets`;
+    its ``name`` is stamped in the meta). ``group`` (a
     ``torch.distributed`` process group): a distributed build, see :mod:`latentfast.cache.builders.distributed`.
 
     Records beside the latent (each its own field, see ``cache.fields``):
@@ -116,6 +118,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     factor = getattr(encoder, "spatial_downscale", None)
     bucket_list = media.check_buckets(buckets, video=False, factor=factor)
     bucket_of = _image_bucket_rule(bucket_list, no_upscale, bucket_step, factor)
+    if bucket_rule is not None:  # the trainer's rule; each bucket it gives checked as the buckets= ones are
+        bucket_of = lambda item: media.check_buckets([bucket_rule(item.width, item.height)], video=False, factor=factor)[0]  # noqa: E731
     if not isinstance(flip, bool):
         raise ArgumentTypeError(f"flip must be a bool, got {type(flip).__name__} ({flip!r})")
     job = _Job("image", bucket_of, media.load_image, encoder.encode, flip=flip, latent_dtype=_latent_dtype(latent_dtype))
@@ -123,6 +127,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
                 "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
     if no_upscale:
         settings.update(no_upscale=True, bucket_step=bucket_step)
+    if bucket_rule is not None:
+        settings["bucket_rule"] = str(getattr(bucket_rule, "name", getattr(bucket_rule, "__qualname__", "custom")))
     settings.update(_record_settings(job, encoder, source, text_encoder, captions))
     return _build(job, encoder, source, out_dir, split, settings, batch_size=batch_size, device=device,
                   autocast_dtype=autocast_dtype, num_workers=num_workers, skip_bad=skip_bad_images, quiet=quiet,
