@@ -318,7 +318,7 @@ def _single_file_config(config: str) -> dict:
 # -- text encoders ------------------------------------------------------------------------------------
 # transformers class -> the output field of its pooled embedding (None: the model has none)
 TEXT_MODELS = {"CLIPTextModel": "pooler_output", "CLIPTextModelWithProjection": "text_embeds", "T5EncoderModel": None,
-               "UMT5EncoderModel": None, "Gemma2Model": None}
+               "UMT5EncoderModel": None, "Gemma2Model": None, "LlamaModel": None}
 _TEXT_CONFIG_NOISE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
                       "_commit_hash")
 
@@ -329,6 +329,7 @@ class TextEncoding(NamedTuple):
     embeds: list  # B tensors [L_i, D] in the model's dtype (L_i = the caption's tokens, or max_length uncut)
     pooled: torch.Tensor | None  # [B, P] where the model has a pooled output, else None
     lengths: list  # B ints: tokens of each caption in the attention mask (special tokens included)
+    masks: list | None = None  # B attention masks [L] (int64, as the tokenizer gives them) of the rows kept uncut
 
 
 class TextEncoder:
@@ -356,6 +357,9 @@ class TextEncoder:
         truncate: cut captions longer than ``max_length`` tokens (default, as the pipelines do, which
             only log a warning) or raise ``InvalidArgumentError`` naming the first such caption.
         prefix: text put before every caption (a pipeline's prompt template), part of the embedding.
+        template: a prompt template with ``{}`` where the caption goes (HunyuanVideo's), instead of ``prefix``.
+        crop_start: tokens dropped from the front after encoding (the template's tokens before the caption:
+            HunyuanVideo's ``crop_start``); ``max_length`` counts the tokens after them, as the pipeline does.
 
     The outputs are on the model's device; ``lengths`` counts each caption's tokens in the mask.
 
@@ -369,7 +373,8 @@ class TextEncoder:
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, hidden_state: int = -1, max_length: int | None = None,
-                 pass_attention_mask: bool = False, cut_to_mask: bool = True, truncate: bool = True, prefix: str = ""):
+                 pass_attention_mask: bool = False, cut_to_mask: bool = True, truncate: bool = True, prefix: str = "",
+                 template: str | None = None, crop_start: int = 0):
         name = type(model).__name__
         if name not in TEXT_MODELS:
             raise ArgumentTypeError(f"model must be a transformers {' / '.join(TEXT_MODELS)}, got {type(model).__qualname__}")
@@ -383,6 +388,11 @@ class TextEncoder:
         if not isinstance(prefix, str):
             raise ArgumentTypeError(f"prefix must be a str, got {type(prefix).__name__}")
         self.prefix = prefix
+        if template is not None and (not isinstance(template, str) or "{}" not in template or prefix):
+            raise InvalidArgumentError(f"template must be a str with '{{}}' where the caption goes (and no prefix), got {template!r:.80}")
+        if isinstance(crop_start, bool) or not isinstance(crop_start, int) or crop_start < 0:
+            raise InvalidArgumentError(f"crop_start must be an int >= 0, got {crop_start!r}")
+        self.template, self.crop_start = template, crop_start
         self._weights_hash: str | None = None
 
     def to(self, device) -> "TextEncoder":
@@ -400,25 +410,27 @@ class TextEncoder:
     @torch.no_grad()
     def encode(self, captions) -> TextEncoding:
         """B captions (str) -> per-caption ``[L_i, D]`` embeddings, the pooled ``[B, P]`` (or None), the lengths."""
-        tokens = self._tokenize([self.prefix + c for c in _check_captions(captions)])
+        texts = [self.template.format(c) if self.template else self.prefix + c for c in _check_captions(captions)]
+        tokens = self._tokenize(texts)
         ids, mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask if self.pass_attention_mask else None,
                          output_hidden_states=self.hidden_state != -1, return_dict=True)
         sequence = out.last_hidden_state if self.hidden_state == -1 else out.hidden_states[self.hidden_state]
+        sequence, mask = sequence[:, self.crop_start:], mask[:, self.crop_start:]  # the template's rows go
         keep = mask.bool()
         embeds = [row[m] if self.cut_to_mask else row.clone() for row, m in zip(sequence, keep)]
         pooled = None if self.pooled_field is None else getattr(out, self.pooled_field)
-        return TextEncoding(embeds, pooled, [int(n) for n in keep.sum(1).tolist()])
+        return TextEncoding(embeds, pooled, [int(n) for n in keep.sum(1).tolist()], list(mask.cpu()))
 
     def _tokenize(self, captions: list[str]):
         if not self.truncate:
             counts = [len(ids) for ids in self.tokenizer(captions)["input_ids"]]
-            long = [(i, n) for i, n in enumerate(counts) if n > self.max_length]
+            long = [(i, n) for i, n in enumerate(counts) if n > self.max_length + self.crop_start]
             if long:
                 i, n = long[0]
                 raise InvalidArgumentError(f"captions[{i}] is {n} tokens, more than max_length={self.max_length} ({len(long)} "
                                            f"such captions; truncate=True cuts them as the pipelines do): {captions[i][:120]!r}")
-        return self.tokenizer(captions, padding="max_length", max_length=self.max_length, truncation=True,
+        return self.tokenizer(captions, padding="max_length", max_length=self.max_length + self.crop_start, truncation=True,
                               return_tensors="pt")
 
     def identity(self) -> dict:
@@ -435,6 +447,7 @@ class TextEncoder:
             "cut_to_mask": self.cut_to_mask,
             "truncate": self.truncate,
             "prefix": self.prefix,
+            **({"template": self.template, "crop_start": self.crop_start} if self.template or self.crop_start else {}),
             "pooled": self.pooled_field,
         }
 

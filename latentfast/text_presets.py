@@ -18,6 +18,9 @@ preset        fields (per caption)
 ``flux``      ``text_t5`` [512, 4096] (no mask, all rows); ``text_pooled`` [768]: CLIP's ``pooler_output``
 ``wan``       ``text_t5`` [L_i, 4096]: UMT5 with the attention mask, cut to it (the pipeline pads zeros
               after), on the caption cleaned as the pipeline cleans it
+``hunyuan-``  ``text_llama`` [256, 4096]: Llama's third-last hidden state with the mask, of the caption in
+``video``     the prompt template, the template's ``crop_start`` rows dropped; ``text_llama_mask`` [256]
+              (the ``prompt_attention_mask``); ``text_pooled`` [768]: CLIP's ``pooler_output`` (77 tokens)
 ============  ==========================================================================================
 
 The stored tensors are the pipeline's bit for bit (same model, dtype and device); equal captions are
@@ -40,7 +43,8 @@ class TextEncoders:
     Args:
         encoders: ``{name: TextEncoder}``.
         fields: ``{field: ref}`` where ``ref`` is ``"name"`` (the encoder's per-caption prompt embedding),
-            ``"name.pooled"`` (its pooled embedding) or a list of refs concatenated along the last dimension.
+            ``"name.pooled"`` (its pooled embedding), ``"name.mask"`` (its attention mask over the rows kept)
+            or a list of refs concatenated along the last dimension.
         preset: the preset's name (stamped in the identity), or None for a combination made by hand.
         clean: a function applied to every caption first (a pipeline's prompt cleaning; stamped by name).
 
@@ -74,7 +78,8 @@ class TextEncoders:
         outputs = {name: encoder.encode(captions) for name, encoder in self.encoders.items()}
         fields = {}
         for field, refs in self.fields.items():
-            parts = [outputs[name].embeds if which == "embeds" else list(outputs[name].pooled) for name, which in refs]
+            parts = [outputs[name].embeds if which == "embeds" else outputs[name].masks if which == "mask"
+                     else list(outputs[name].pooled) for name, which in refs]
             fields[field] = [p[0] if len(p) == 1 else torch.cat(p, dim=-1) for p in zip(*parts)]
         return fields
 
@@ -82,7 +87,7 @@ class TextEncoders:
         return {"preset": self.preset,
                 "clean": None if self.clean is None else f"{self.clean.__module__}.{self.clean.__qualname__}",
                 "encoders": {name: encoder.identity() for name, encoder in self.encoders.items()},
-                "fields": {field: [name if which == "embeds" else f"{name}.pooled" for name, which in refs]
+                "fields": {field: [name if which == "embeds" else f"{name}.{which}" for name, which in refs]
                            for field, refs in self.fields.items()}}
 
     def pipeline_inputs(self, fields: dict) -> dict:
@@ -99,9 +104,9 @@ class TextEncoders:
 
 def _check_ref(field: str, ref: Any, encoders: dict) -> tuple[str, str]:
     name, _, which = ref.partition(".") if isinstance(ref, str) else (None, "", "")
-    if name not in encoders or which not in ("", "pooled"):
-        raise InvalidArgumentError(f"fields[{field!r}] must name an encoder of {sorted(encoders)} as 'name' or "
-                                   f"'name.pooled' (or a list of those), got {ref!r}")
+    if name not in encoders or which not in ("", "pooled", "mask"):
+        raise InvalidArgumentError(f"fields[{field!r}] must name an encoder of {sorted(encoders)} as 'name', "
+                                   f"'name.pooled' or 'name.mask' (or a list of those), got {ref!r}")
     if which == "pooled" and encoders[name].pooled_field is None:
         raise InvalidArgumentError(f"fields[{field!r}]: encoder {name!r} ({type(encoders[name].model).__name__}) has no pooled output")
     return name, which or "embeds"
@@ -146,6 +151,11 @@ def _wan(te, f):  # WanPipeline._get_t5_prompt_embeds: each caption's rows, then
     return {"prompt_embeds": torch.stack([torch.cat([u, u.new_zeros(length - u.shape[0], u.shape[1])]) for u in f["text_t5"]])}
 
 
+def _hunyuan_video(te, f):  # HunyuanVideoPipeline.encode_prompt: embeds, pooled, prompt_attention_mask
+    return {"prompt_embeds": _stack(f["text_llama"]), "pooled_prompt_embeds": _stack(f["text_pooled"]),
+            "prompt_attention_mask": _stack(f["text_llama_mask"])}
+
+
 def _wan_clean(text: str) -> str:
     """The Wan pipeline's own ``prompt_clean`` (ftfy where installed, HTML unescape, whitespace)."""
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
@@ -166,18 +176,27 @@ PRESETS = {
                     "text_pooled": ["clip_l.pooled", "clip_g.pooled"]}, _sd3),
     "flux": _Preset([_CLIP, _CLIP_2], {"clip_l": (0, {}), "t5": (1, {"max_length": 512, "cut_to_mask": False})},
                     {"text_t5": "t5", "text_pooled": "clip_l.pooled"}, _flux),
+    # the template and crop_start: the pipeline's DEFAULT_PROMPT_TEMPLATE unless text_preset(prompt_template=) says
+    "hunyuan-video": _Preset([_CLIP, _CLIP_2], {"llama": (0, {"hidden_state": -3, "max_length": 256, "pass_attention_mask": True,
+                                                        "cut_to_mask": False}),
+                                                "clip": (1, {"max_length": 77})},
+                             {"text_llama": "llama", "text_llama_mask": "llama.mask", "text_pooled": "clip.pooled"},
+                             _hunyuan_video),
     "wan": _Preset([_CLIP], {"t5": (0, {"max_length": 512, "pass_attention_mask": True})}, {"text_t5": "t5"}, _wan,
                    clean=_wan_clean),
 }
 
 
-def text_preset(name: str, pipeline: Any = None, *, max_length: int | None = None, **components) -> TextEncoders:
+def text_preset(name: str, pipeline: Any = None, *, max_length: int | None = None, prompt_template: dict | None = None,
+                **components) -> TextEncoders:
     """The :class:`TextEncoders` of a model family's pipeline (``sd15``, ``sdxl``, ``sd3``, ``flux``, ``wan``).
 
     The components come from ``pipeline`` (a diffusers pipeline object, or anything with those
     attributes) or as keywords named as the pipeline names them (``text_encoder=``, ``tokenizer=``,
     ``text_encoder_2=``, ...). ``max_length``: the T5 tokens per caption where the pipeline takes a
-    ``max_sequence_length`` (``sd3`` 256, ``flux`` 512, ``wan`` 512 by default, as their ``__call__``).
+    ``max_sequence_length`` (``sd3`` 256, ``flux`` 512, ``wan`` 512, ``hunyuan-video`` 256 by default, as
+    their ``__call__``). ``prompt_template`` (``hunyuan-video``): ``{"template": ..., "crop_start": N}``,
+    default the pipeline's ``DEFAULT_PROMPT_TEMPLATE``.
     """
     if name not in PRESETS:
         raise InvalidArgumentError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
@@ -195,12 +214,25 @@ def text_preset(name: str, pipeline: Any = None, *, max_length: int | None = Non
     for enc_name, (index, options) in preset.encoders.items():
         model_attr, tok_attr = preset.components[index]
         options = dict(options)
-        if "max_length" in options and max_length is not None:  # the pipeline's max_sequence_length
+        if enc_name in ("t5", "llama") and max_length is not None:  # the pipeline's max_sequence_length
             options["max_length"] = max_length
         if name == "sd3" and model_attr != "text_encoder_3":  # SD3 tokenizes both CLIPs to the first's length
             options["max_length"] = components["tokenizer"].model_max_length
+        if enc_name == "llama":
+            options.update(_hunyuan_template(prompt_template))
         encoders[enc_name] = TextEncoder(components[model_attr], components[tok_attr], **options)
     return TextEncoders(encoders, preset.fields, preset=name, clean=preset.clean)
+
+
+def _hunyuan_template(prompt_template) -> dict:
+    """``template`` / ``crop_start`` options: HunyuanVideo's ``DEFAULT_PROMPT_TEMPLATE`` or the one given."""
+    if prompt_template is None:
+        from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+        prompt_template = DEFAULT_PROMPT_TEMPLATE
+    if not isinstance(prompt_template, dict) or not isinstance(prompt_template.get("crop_start"), int):
+        raise InvalidArgumentError(f"prompt_template must be a dict with 'template' and an int 'crop_start', got {prompt_template!r:.80}")
+    return {"template": prompt_template["template"], "crop_start": prompt_template["crop_start"]}
 
 
 def load_text_preset(name: str, folders, *, dtype: str | None = None, max_length: int | None = None) -> TextEncoders:

@@ -168,6 +168,6 @@ def test_clear_errors(images, tmp_path, capsys):
     for extra, message in ((["--preset", "sdxl"], "--preset sdxl needs --text-encoder folders"),
                            (["--text-encoder", "a", "--text-encoder", "b"], "several --text-encoder folders need --preset"),
                            (["--video", "--buckets", "1x32x32", "--flip"], "--flip: image caches only, not with --video"),
-                           (["--preset", "nope", "--text-encoder", "a"], r"preset must be one of \['flux', 'sd15'")):
+                           (["--preset", "nope", "--text-encoder", "a"], r"preset must be one of \['flux', 'hunyuan-video', 'sd15'")):
         assert main(base + extra) != 0
         assert re.search(message, capsys.readouterr().err), extra

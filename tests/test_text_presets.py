@@ -34,6 +34,17 @@ def tiny_umt5(seed=0):
     return transformers.UMT5EncoderModel(config).eval()
 
 
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=37, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return transformers.LlamaModel(config).eval()
+
+
+# HunyuanVideo's template shape (a system part, the caption, an end), small; crop_start: the tokens before the caption
+HUNYUAN_TEMPLATE = {"template": "system describe the video user {} end", "crop_start": 26}
+
+
 def pipeline(name):
     """The diffusers pipeline of ``name`` with tiny text components (no VAE, denoiser or scheduler: encode_prompt needs none)."""
     clip, tok, none = tiny_clip(seed=0), clip_tokenizer(), dict(vae=None, scheduler=None)
@@ -50,6 +61,9 @@ def pipeline(name):
     if name == "flux":
         return diffusers.FluxPipeline(transformer=None, text_encoder=clip, tokenizer=tok, text_encoder_2=tiny_t5(),
                                       tokenizer_2=t5_tokenizer(), **none)
+    if name == "hunyuan-video":  # its CLIP always reads 77 tokens
+        return diffusers.HunyuanVideoPipeline(transformer=None, text_encoder=tiny_llama(), tokenizer=t5_tokenizer(),
+                                              text_encoder_2=tiny_clip(seed=4, positions=77), tokenizer_2=tok, **none)
     return diffusers.WanPipeline(transformer=None, text_encoder=tiny_umt5(), tokenizer=t5_tokenizer(), **none)
 
 
@@ -65,19 +79,24 @@ def pipeline_encode(name, pipe, captions):
     if name == "flux":
         embeds, pooled, _ = pipe.encode_prompt(captions, None, device="cpu", max_sequence_length=T5_LENGTH)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+    if name == "hunyuan-video":
+        embeds, pooled, mask = pipe.encode_prompt(captions, prompt_template=HUNYUAN_TEMPLATE, max_sequence_length=T5_LENGTH,
+                                                  device="cpu")
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "prompt_attention_mask": mask}
     return {"prompt_embeds": pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=T5_LENGTH,
                                                 device="cpu")[0]}
 
 
 FIELDS = {"sd15": ["text_clip_l"], "sdxl": ["text_clip_g", "text_clip_l", "text_pooled"],
-          "sd3": ["text_clip_g", "text_clip_l", "text_pooled", "text_t5"], "flux": ["text_pooled", "text_t5"], "wan": ["text_t5"]}
+          "sd3": ["text_clip_g", "text_clip_l", "text_pooled", "text_t5"], "flux": ["text_pooled", "text_t5"], "wan": ["text_t5"],
+          "hunyuan-video": ["text_llama", "text_llama_mask", "text_pooled"]}
 
 
 @pytest.mark.parametrize("name", sorted(FIELDS))
 def test_preset_fields_are_what_the_pipelines_encode_prompt_computes(name):
     pipe = pipeline(name)
     want = pipeline_encode(name, pipe, CAPTIONS)
-    preset = text_preset(name, pipe, max_length=T5_LENGTH)
+    preset = text_preset(name, pipe, max_length=T5_LENGTH, **({"prompt_template": HUNYUAN_TEMPLATE} if name == "hunyuan-video" else {}))
     fields = preset.encode(CAPTIONS)
     assert sorted(fields) == FIELDS[name] and all(len(v) == len(CAPTIONS) for v in fields.values())
     got = preset.pipeline_inputs(fields)

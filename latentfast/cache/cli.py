@@ -256,7 +256,7 @@ def _add_record_options(build) -> None:
                        "save_pretrained folder with its tokenizer; fields text, text_pooled); with --preset, one "
                        "folder per encoder of the pipeline in its order, or one diffusers pipeline folder")
     build.add_argument("--preset", default=None, metavar="NAME",
-                       help="images: encode captions as this model family's pipeline does: sd15, sdxl, sd3, flux or wan "
+                       help="images: encode captions as this model family's pipeline does: sd15, sdxl, sd3, flux, wan or hunyuan-video "
                        "(see latentfast.text_presets; fields text_clip_l, "
                        "text_clip_g, text_t5, text_pooled, ...); the encoders from --text-encoder, else from the "
                        "--encoder diffusers:FOLDER pipeline folder")
