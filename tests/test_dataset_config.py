@@ -1,7 +1,9 @@
-"""``cache build --from-config kohya FILE`` / ``build_from_kohya_config``: the splits a kohya dataset TOML describes,
-each image in the bucket kohya's own bucketing gives it (checked against kohya's ``BucketManager`` and
-``make_bucket_resolutions`` as written in kohya-ss/sd-scripts library/train_util.py and library/model_util.py,
-commit 0005867, transcribed below), flip_aug and caption_extension per subset, num_repeats in dataset.json."""
+"""``cache build --from-config kohya|musubi-tuner FILE`` / ``build_from_config``: the splits a kohya or musubi-tuner
+dataset TOML describes, each image in the bucket the trainer's own bucketing gives it (checked against kohya's
+``BucketManager`` and ``make_bucket_resolutions`` as written in kohya-ss/sd-scripts library/train_util.py and
+library/model_util.py, commit 0005867, and musubi-tuner's ``BucketSelector`` as written in
+src/musubi_tuner/dataset/bucket.py, transcribed below), flip_aug and caption_extension per subset, num_repeats
+in dataset.json."""
 from __future__ import annotations
 
 import json
@@ -12,7 +14,7 @@ import pytest
 from PIL import Image
 
 from latentfast.cache import LatentCache
-from latentfast.cache.dataset_config import KohyaBuckets, build_from_kohya_config
+from latentfast.cache.dataset_config import KohyaBuckets, MusubiBuckets, build_from_config
 from latentfast.cli import main
 from latentfast.errors import InvalidArgumentError
 from latentfast.toy import ToyVAE
@@ -164,7 +166,7 @@ def config(tmp_path):
 
 
 def test_a_config_build_has_kohyas_buckets_flip_and_repeats_per_subset(config, tmp_path):
-    splits = build_from_kohya_config(ToyVAE(), config, tmp_path / "out", quiet=True)
+    splits = build_from_config(ToyVAE(), "kohya", config, tmp_path / "out", quiet=True)
     assert [s["split"] for s in splits] == ["subset_0", "subset_1", "subset_2"]
     datasets = [dict(resolution=(128, 128), enable_bucket=True, bucket_no_upscale=False, min_bucket_reso=64, max_bucket_reso=256,
                      bucket_reso_steps=32)] * 2 + [dict(resolution=(128, 96), enable_bucket=True, bucket_no_upscale=True,
@@ -185,13 +187,105 @@ def test_a_config_build_has_kohyas_buckets_flip_and_repeats_per_subset(config, t
 def test_cli_from_config(config, tmp_path, capsys):
     assert main(["cache", "build", "--from-config", "kohya", str(config), "--out", str(tmp_path / "cli"), "--encoder", "toy",
                  "--quiet"]) == 0
-    build_from_kohya_config(ToyVAE(), config, tmp_path / "py", quiet=True)
+    build_from_config(ToyVAE(), "kohya", config, tmp_path / "py", quiet=True)
     for split in ("subset_0", "subset_1", "subset_2"):
         a, b = LatentCache(tmp_path / "cli", split), LatentCache(tmp_path / "py", split)
         assert a.keys == b.keys and all(a.info(i)["bucket"] == b.info(i)["bucket"] for i in range(len(a)))
-    assert main(["cache", "build", "--from-config", "musubi-tuner", str(config), "--out", str(tmp_path / "m"),
+    assert main(["cache", "build", "--from-config", "onetrainer", str(config), "--out", str(tmp_path / "m"),
                  "--encoder", "toy"]) != 0
-    assert "'musubi-tuner' is not supported" in capsys.readouterr().err
+    assert "FORMAT must be one of kohya, musubi-tuner, got 'onetrainer'" in capsys.readouterr().err
     (tmp_path / "bad.toml").write_text("[general]\nresolution = 64\n")
     with pytest.raises(InvalidArgumentError, match=r"expected \[\[datasets\]\] tables"):
-        build_from_kohya_config(ToyVAE(), tmp_path / "bad.toml", tmp_path / "o")
+        build_from_config(ToyVAE(), "kohya", tmp_path / "bad.toml", tmp_path / "o")
+
+
+def divisible_by(num: int, divisor: int) -> int:
+    """src/musubi_tuner/dataset/media_utils.py ``divisible_by``."""
+    return num - num % divisor
+
+
+class MusubiBucketSelector:
+    """src/musubi_tuner/dataset/bucket.py ``BucketSelector`` (its reso_steps: 16), as written."""
+
+    def __init__(self, resolution, enable_bucket=True, no_upscale=False, reso_steps=16):
+        self.resolution = resolution
+        self.bucket_area = resolution[0] * resolution[1]
+        self.reso_steps = reso_steps
+        if not enable_bucket:
+            self.bucket_resolutions = [resolution]
+            self.no_upscale = False
+        else:
+            self.no_upscale = no_upscale
+            sqrt_size = int(math.sqrt(self.bucket_area))
+            min_size = divisible_by(sqrt_size // 2, self.reso_steps)
+            self.bucket_resolutions = []
+            for w in range(min_size, sqrt_size + self.reso_steps, self.reso_steps):
+                h = divisible_by(self.bucket_area // w, self.reso_steps)
+                self.bucket_resolutions.append((w, h))
+                self.bucket_resolutions.append((h, w))
+            self.bucket_resolutions = list(set(self.bucket_resolutions))
+            self.bucket_resolutions.sort()
+        self.aspect_ratios = np.array([w / h for w, h in self.bucket_resolutions])
+
+    def get_bucket_resolution(self, image_size):
+        area = image_size[0] * image_size[1]
+        if self.no_upscale and area <= self.bucket_area:
+            w, h = image_size
+            w = divisible_by(w, self.reso_steps)
+            h = divisible_by(h, self.reso_steps)
+            return w, h
+        aspect_ratio = image_size[0] / image_size[1]
+        ar_errors = self.aspect_ratios - aspect_ratio
+        bucket_id = np.abs(ar_errors).argmin()
+        return self.bucket_resolutions[bucket_id]
+
+
+@pytest.mark.parametrize("resolution, enable, no_upscale", [((256, 256), True, False), ((320, 192), True, False),
+                                                              ((256, 256), True, True), ((160, 96), False, False)])
+def test_musubi_bucket_rule_is_musubis_for_every_size(resolution, enable, no_upscale):
+    rule, theirs = MusubiBuckets(resolution, enable_bucket=enable, no_upscale=no_upscale), MusubiBucketSelector(resolution, enable, no_upscale)
+    for w, h in SIZES + [tuple(r) for r in theirs.bucket_resolutions]:
+        bw, bh = theirs.get_bucket_resolution((w, h))
+        assert rule(w, h) == (bh, bw), (w, h)
+
+
+MUSUBI_CONFIG = """
+[general]
+resolution = [128, 96]
+caption_extension = ".txt"
+enable_bucket = true
+
+[[datasets]]
+image_directory = "a"
+cache_directory = "cache_a"
+num_repeats = 2
+
+[[datasets]]
+image_directory = "b"
+resolution = 96
+bucket_no_upscale = true
+"""
+
+
+def test_a_musubi_config_build_has_musubis_buckets_and_only_captioned_images(tmp_path):
+    rng = np.random.default_rng(1)
+    sizes = {"a": [(100, 60), (64, 64), (150, 90), (90, 200)], "b": [(90, 200), (64, 64), (128, 128), (300, 140)]}
+    for folder, shapes in sizes.items():
+        (tmp_path / folder).mkdir()
+        for i, (w, h) in enumerate(shapes):
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / folder / f"im{i}.png")
+            if i != 3:  # im3 has no caption: musubi-tuner leaves it out
+                (tmp_path / folder / f"im{i}.txt").write_text(f"caption {i}")
+    (tmp_path / "musubi.toml").write_text(MUSUBI_CONFIG)
+    splits = build_from_config(ToyVAE(), "musubi-tuner", tmp_path / "musubi.toml", tmp_path / "out", quiet=True)
+    assert [(s["split"], s["num_repeats"]) for s in splits] == [("dataset_0", 2), ("dataset_1", 1)]
+    for split, folder, selector in zip(splits, "ab", (MusubiBucketSelector((128, 96), True, False),
+                                                      MusubiBucketSelector((96, 96), True, True))):
+        cache = LatentCache(tmp_path / "out", split["split"])
+        assert sorted(cache.keys) == ["im0", "im1", "im2"] and "latent_flipped" not in cache.fields
+        for i, key in enumerate(cache.keys):
+            bw, bh = selector.get_bucket_resolution(sizes[folder][int(key[2:])])
+            assert cache.info(i)["bucket"] == [bh, bw]
+    (tmp_path / "video.toml").write_text('[[datasets]]\nvideo_directory = "a"\n')
+    with pytest.raises(InvalidArgumentError, match=r"datasets\[0\] has no image_directory .*\['video_directory'\]"):
+        build_from_config(ToyVAE(), "musubi-tuner", tmp_path / "video.toml", tmp_path / "o")

@@ -195,9 +195,9 @@ def _add_build(commands) -> None:
                      "--video; paths relative to its folder allowed; an optional \"key\")")
     src.add_argument("--images", help="folder of images (walked recursively, sorted by name), or with --video of clips "
                      "(sub-folders of frame images, video files)")
-    src.add_argument("--from-config", nargs=2, metavar=("kohya", "FILE"), help="a kohya sd-scripts dataset config (TOML): "
-                     "one split per subset, kohya's bucket shapes, flip_aug, caption_extension; dataset.json lists the "
-                     "splits' num_repeats")
+    src.add_argument("--from-config", nargs=2, metavar=("FORMAT", "FILE"), help="a kohya (sd-scripts) or musubi-tuner "
+                     "dataset config (TOML): one split per kohya subset / musubi image dataset, the trainer's bucket shapes, "
+                     "flip_aug, caption_extension; dataset.json lists the splits' num_repeats")
     build.add_argument("--out", required=True, help="output folder (a cache per split)")
     build.add_argument("--split", default="train", help="name of the split (the files' prefix)")
     build.add_argument("--encoder", default=None, help=f"required: the VAE, {_ENCODERS}")
@@ -417,20 +417,20 @@ def _build(args, encoder, group=None) -> str:
 
 
 def _build_from_config(args, encoder, common) -> str:
-    """``--from-config kohya FILE``: a split per subset of the config, as its trainer buckets them."""
+    """``--from-config kohya|musubi-tuner FILE``: the config's splits, as its trainer buckets them."""
+    from .dataset_config import CONFIG_KINDS, build_from_config
+
     kind, path = args.from_config
-    if kind != "kohya":
-        raise CliError(f"--from-config reads kohya dataset configs (--from-config kohya FILE); {kind!r} is not supported")
+    if kind not in CONFIG_KINDS:
+        raise CliError(f"--from-config FORMAT FILE: FORMAT must be one of {', '.join(CONFIG_KINDS)}, got {kind!r}")
     given = [flag for flag, on in (("--video", args.video), ("--lines", args.lines), ("--buckets", args.buckets),
                                    ("--no-upscale", args.no_upscale), ("--flip", args.flip)) if on]
     if given:
         raise CliError(f"{', '.join(given)}: --from-config takes the buckets and flip_aug from the config")
-    from .dataset_config import build_from_kohya_config
-
     options = _record_options(args)
     options.pop("captions", None)  # each subset's caption_extension / class_tokens
     options.pop("flip")  # each subset's flip_aug
-    splits = build_from_kohya_config(encoder, path, args.out, **options, **common)
+    splits = build_from_config(encoder, kind, path, args.out, **options, **common)
     return f"{os.path.join(args.out, 'dataset.json')} ({len(splits)} splits)"
 
 

@@ -1,6 +1,6 @@
-"""Build the caches a kohya-ss sd-scripts dataset config (TOML) describes, with kohya's own bucket shapes.
+"""Build the caches a kohya-ss sd-scripts or musubi-tuner dataset config (TOML) describes, with the trainer's bucket shapes.
 
-``build_from_kohya_config(encoder, toml_path, out_dir)`` reads the config as ``library/config_util.py``
+``build_from_config(encoder, "kohya", toml_path, out_dir)`` reads a kohya config as ``library/config_util.py``
 does (an option of a subset, else of its dataset, else of ``[general]``, else kohya's default) and builds
 one split per subset (``subset_0``, ``subset_1``, ... in config order over all datasets) of the images in
 its ``image_dir`` (not recursive, kohya's ``IMAGE_EXTENSIONS``, as ``glob_images`` lists them), with the
@@ -13,6 +13,14 @@ its own size rounded down to the steps with ``bucket_no_upscale``, one fixed ``r
 folder and options, for the loader's weights. Captions (with a text encoder): the subset's
 ``caption_extension`` file, else its ``class_tokens``, else empty. Not reproduced: an image with an EXIF
 rotation is bucketed by its upright size (kohya's ``imagesize`` reads the stored one).
+
+``build_from_config(encoder, "musubi-tuner", toml_path, out_dir)`` reads a musubi-tuner config
+(``src/musubi_tuner/dataset/config_utils.py``: a dataset's option, else ``[general]``'s, else the default)
+and builds one split per image dataset (``dataset_0``, ...) of its ``image_directory`` as
+``ImageDirectoryDatasource`` lists it (not recursive; with a ``caption_extension``, only the images that
+have a caption file), each image in the bucket ``BucketSelector.get_bucket_resolution`` gives it
+(``src/musubi_tuner/dataset/bucket.py``, at the 16-pixel steps of every architecture but HiDream-O1's).
+Video datasets and ``image_jsonl_file`` are refused, naming them.
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ import os
 import tomllib
 
 from ..errors import InvalidArgumentError
+
+CONFIG_KINDS = ("kohya", "musubi-tuner")
 
 # library/train_util.py IMAGE_EXTENSIONS (without the optional avif / jxl plug-ins)
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".PNG", ".JPG", ".JPEG", ".WEBP", ".BMP")
@@ -122,48 +132,58 @@ def read_kohya_config(path) -> list[dict]:
     return subsets
 
 
-def build_from_kohya_config(encoder, config_path, out_dir, **options) -> list[dict]:
-    """Build one split per subset of the kohya config (see the module's note); ``options`` go to
-    :func:`~latentfast.cache.builders.images.build_image_cache` (``batch_size``, ``device``,
-    ``text_encoder``, ``latent_dtype``, ...). Returns the splits as written to ``dataset.json``."""
+def build_from_config(encoder, kind: str, config_path, out_dir, **options) -> list[dict]:
+    """Build the splits of a ``kind`` (``"kohya"`` or ``"musubi-tuner"``) dataset config (see the module's
+    note); ``options`` go to :func:`~latentfast.cache.builders.images.build_image_cache` (``batch_size``,
+    ``device``, ``text_encoder``, ``latent_dtype``, ...). Returns the splits as written to ``dataset.json``."""
     from PIL import Image
 
     from .builders.images import build_image_cache
 
+    if kind not in CONFIG_KINDS:
+        raise InvalidArgumentError(f"kind must be one of {CONFIG_KINDS}, got {kind!r}")
+    plans = _kohya_plans(config_path) if kind == "kohya" else _musubi_plans(config_path)
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     splits = []
-    for n, subset in enumerate(read_kohya_config(config_path)):
-        folder = subset["image_dir"]
-        if not os.path.isdir(folder):
-            raise InvalidArgumentError(f"kohya dataset config {config_path}: image_dir {folder} is not a folder")
-        names = sorted(f for f in os.listdir(folder) if f.endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(folder, f)))
+    for plan in plans:
+        folder, names, rule = plan.pop("folder"), plan.pop("names"), plan.pop("rule")
+        captions, flip = plan.pop("captions"), plan.pop("flip")
         if not names:
-            raise InvalidArgumentError(f"kohya dataset config {config_path}: image_dir {folder} holds no images")
+            raise InvalidArgumentError(f"{kind} dataset config {config_path}: {folder} holds no images the trainer would use")
         sizes = []
         for name in names:
             with Image.open(os.path.join(folder, name)) as im:
                 sizes.append(im.size)
-        rule = KohyaBuckets(subset["resolution"], enable_bucket=subset["enable_bucket"],
-                                 no_upscale=subset["bucket_no_upscale"], min_size=subset["min_bucket_reso"],
-                                 max_size=subset["max_bucket_reso"], steps=subset["bucket_reso_steps"])
-        split = f"subset_{n}"
+        split = plan["split"]
         manifest = os.path.join(out_dir, f"{split}.images.jsonl")
         with open(manifest, "w", encoding="utf-8") as fh:
             for name in names:
                 fh.write(json.dumps({"image": os.path.join(folder, name), "key": os.path.splitext(name)[0]}) + "\n")
         kwargs = dict(options)
         if kwargs.get("text_encoder") is not None:
-            kwargs["captions"] = _kohya_captions(subset)
+            kwargs["captions"] = captions
         build_image_cache(encoder, manifest, out_dir, split, buckets=sorted({rule(*size) for size in sizes}),
-                          flip=bool(subset["flip_aug"]), bucket_rule=rule, **kwargs)
-        splits.append({"split": split, "image_dir": folder, "num_repeats": subset["num_repeats"],
-                       "flip_aug": bool(subset["flip_aug"]), "is_reg": bool(subset["is_reg"]),
-                       "caption_extension": subset["caption_extension"], "dataset": subset["dataset"],
-                       "subset": subset["subset"], "buckets": rule.name})
+                          flip=flip, bucket_rule=rule, **kwargs)
+        splits.append({**plan, "image_dir": folder, "flip_aug": flip, "buckets": rule.name})
     with open(os.path.join(out_dir, "dataset.json"), "w", encoding="utf-8") as fh:
-        json.dump({"format": "kohya", "config": os.path.abspath(os.fspath(config_path)), "splits": splits}, fh, indent=1)
+        json.dump({"format": kind, "config": os.path.abspath(os.fspath(config_path)), "splits": splits}, fh, indent=1)
     return splits
+
+
+def _kohya_plans(config_path) -> list[dict]:
+    plans = []
+    for n, subset in enumerate(read_kohya_config(config_path)):
+        folder = subset["image_dir"]
+        if not os.path.isdir(folder):
+            raise InvalidArgumentError(f"kohya dataset config {config_path}: image_dir {folder} is not a folder")
+        names = sorted(f for f in os.listdir(folder) if f.endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(folder, f)))
+        rule = KohyaBuckets(subset["resolution"], enable_bucket=subset["enable_bucket"], no_upscale=subset["bucket_no_upscale"],
+                            min_size=subset["min_bucket_reso"], max_size=subset["max_bucket_reso"], steps=subset["bucket_reso_steps"])
+        plans.append({"split": f"subset_{n}", "folder": folder, "names": names, "rule": rule, "flip": bool(subset["flip_aug"]),
+                      "captions": _kohya_captions(subset), "num_repeats": subset["num_repeats"], "is_reg": bool(subset["is_reg"]),
+                      "caption_extension": subset["caption_extension"], "dataset": subset["dataset"], "subset": subset["subset"]})
+    return plans
 
 
 def _kohya_captions(subset: dict):
@@ -176,4 +196,82 @@ def _kohya_captions(subset: dict):
         if os.path.isfile(caption_path(path, subset["caption_extension"])):
             return files(key, path)
         return subset["class_tokens"] or ""
+    return caption
+
+
+# -- musubi-tuner ----------------------------------------------------------------------------------------
+# src/musubi_tuner/dataset/media_utils.py IMAGE_EXTENSIONS (without the optional jxl plug-ins)
+MUSUBI_IMAGE_EXTENSIONS = IMAGE_EXTENSIONS + (".avif", ".AVIF")
+# src/musubi_tuner/dataset/config_utils.py BaseDatasetParams defaults
+MUSUBI_DEFAULTS = {"resolution": (960, 544), "enable_bucket": False, "bucket_no_upscale": False, "caption_extension": None,
+                   "num_repeats": 1}
+MUSUBI_RESOLUTION_STEPS = 16  # bucket.py BucketSelector: 16 for every architecture but HiDream-O1's 32
+
+
+class MusubiBuckets:
+    """``rule(width, height) -> (height, width)``: the bucket musubi-tuner's ``BucketSelector.get_bucket_resolution``
+    gives an image (src/musubi_tuner/dataset/bucket.py)."""
+
+    def __init__(self, resolution, *, enable_bucket=False, no_upscale=False, steps=MUSUBI_RESOLUTION_STEPS):
+        self.area, self.steps = resolution[0] * resolution[1], steps
+        self.no_upscale = bool(enable_bucket and no_upscale)
+        if not enable_bucket:
+            self.resos = [tuple(resolution)]
+        else:  # every width from half the square's side to the side, the height that keeps the area, both ways
+            side = int(math.sqrt(self.area))
+            low = side // 2 - side // 2 % steps
+            self.resos = sorted({r for w in range(low, side + steps, steps)
+                                 for r in ((w, self.area // w - self.area // w % steps), (self.area // w - self.area // w % steps, w))})
+        self.name = (f"musubi-tuner(resolution={list(resolution)}, enable_bucket={bool(enable_bucket)}, "
+                     f"no_upscale={self.no_upscale}, steps={steps})")
+
+    def __call__(self, width: int, height: int) -> tuple[int, int]:
+        if self.no_upscale and width * height <= self.area:  # its own size, rounded down to the steps
+            return height - height % self.steps, width - width % self.steps
+        errors = [abs(w / h - width / height) for w, h in self.resos]
+        w, h = self.resos[errors.index(min(errors))]  # numpy argmin: the first of equal errors
+        return h, w
+
+
+def _musubi_plans(config_path) -> list[dict]:
+    """One plan per image dataset of a musubi-tuner config (options: the dataset's, else ``[general]``'s)."""
+    path = os.fspath(config_path)
+    try:
+        with open(path, "rb") as fh:
+            config = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidArgumentError(f"musubi-tuner dataset config {path}: {exc}") from None
+    general, datasets = config.get("general", {}), config.get("datasets")
+    if not isinstance(datasets, list) or not datasets:
+        raise InvalidArgumentError(f"musubi-tuner dataset config {path}: expected [[datasets]] tables, found {sorted(config)}")
+    plans = []
+    for n, dataset in enumerate(datasets):
+        if "image_directory" not in dataset:
+            found = sorted(k for k in ("image_jsonl_file", "video_directory", "video_jsonl_file") if k in dataset)
+            raise InvalidArgumentError(f"musubi-tuner dataset config {path}: datasets[{n}] has no image_directory "
+                                       f"(only image folders are built from a config; it has {found})")
+        option = {name: dataset.get(name, general.get(name, default)) for name, default in MUSUBI_DEFAULTS.items()}
+        res = option["resolution"]
+        folder = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.expanduser(dataset["image_directory"]))
+        if not os.path.isdir(folder):
+            raise InvalidArgumentError(f"musubi-tuner dataset config {path}: image_directory {folder} is not a folder")
+        ext = option["caption_extension"]
+        # media_utils.glob_images(directory, caption_extension=...): with an extension, captioned images only
+        names = sorted(f for f in os.listdir(folder) if f.endswith(MUSUBI_IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(folder, f))
+                       and (ext is None or os.path.isfile(os.path.join(folder, os.path.splitext(f)[0] + ext))))
+        rule = MusubiBuckets((res, res) if isinstance(res, int) else tuple(res), enable_bucket=option["enable_bucket"],
+                             no_upscale=option["bucket_no_upscale"])
+        plans.append({"split": f"dataset_{n}", "folder": folder, "names": names, "rule": rule, "flip": False,
+                      "captions": _musubi_captions(ext, path), "num_repeats": option["num_repeats"], "caption_extension": ext,
+                      "dataset": n})
+    return plans
+
+
+def _musubi_captions(ext, config_path):
+    """``ImageDirectoryDatasource.get_caption``: the caption file's text, stripped (an extension is required)."""
+    def caption(key, image_path):
+        if ext is None:
+            raise InvalidArgumentError(f"musubi-tuner dataset config {config_path}: caption_extension is needed to encode captions")
+        with open(os.path.splitext(image_path)[0] + ext, encoding="utf-8") as fh:
+            return fh.read().strip()
     return caption
