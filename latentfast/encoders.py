@@ -13,7 +13,7 @@ transformer sees them:
   CogVideoX; SD3 and Flux set it).
 
 :class:`TextEncoder` wraps a transformers ``CLIPTextModel`` / ``CLIPTextModelWithProjection`` /
-``T5EncoderModel`` / ``Gemma2Model`` and its tokenizer: ``encode(captions)`` gives each caption's prompt embedding
+``T5EncoderModel`` / ``UMT5EncoderModel`` (Wan) / ``Gemma2Model`` and its tokenizer: ``encode(captions)`` gives each caption's prompt embedding
 ``[L_i, D]`` (computed as the diffusers pipelines compute it, then cut to its attention mask) and the
 pooled embedding where the model has one.
 
@@ -22,6 +22,7 @@ diffusers and transformers are optional dependencies (``pip install latentfast[d
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -230,35 +231,93 @@ def _normalization(vae):
             torch.as_tensor(std, dtype=torch.float32).detach().cpu().reshape(-1), scale, shift)
 
 
-def load_diffusers_vae(spec: str, *, sample: str = "mode", seed: int = 0, dtype: str | None = None) -> DiffusersVAE:
-    """A :class:`DiffusersVAE` from a folder saved with ``save_pretrained`` (``PATH``, its class read
-    from ``config.json``; a ``vae/`` subfolder is used when present) or ``CLASS:PATH``."""
-    import os
+def load_diffusers_vae(spec: str, *, sample: str = "mode", seed: int = 0, dtype: str | None = None,
+                       config: str | None = None) -> DiffusersVAE:
+    """A :class:`DiffusersVAE` from ``PATH`` or ``CLASS:PATH`` (never a download), where ``PATH`` is
 
-    import diffusers
+    - a folder saved with ``save_pretrained`` (its class read from ``config.json``; a ``vae/`` subfolder
+      is used when present);
+    - a single-file checkpoint (``.safetensors``, ``.ckpt``, ``.pt``, ``.pth``: kohya's ``sdxl_vae.safetensors``,
+      Flux's ``ae.safetensors``), loaded with ``CLASS.from_single_file`` (``AutoencoderKL`` by default),
+      which converts the original key layout; ``config``: a diffusers VAE folder (or a model folder with
+      ``vae/``, or a Hugging Face id in the local cache) giving its configuration, else the one
+      diffusers infers from the keys, from the local Hugging Face cache;
+    - a Hugging Face model id (``org/name``) already in the local Hugging Face cache."""
+    import os
 
     name, sep, path = spec.partition(":")
     if not sep or os.path.exists(spec):
         name, path = None, spec
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    if path.endswith(_SINGLE_FILE_SUFFIXES):
+        if not os.path.isfile(path):
+            raise InvalidArgumentError(f"VAE checkpoint file {path!r} does not exist")
+        cls = _vae_class(name or "AutoencoderKL")
+        kwargs = {} if config is None else _single_file_config(config)
+        try:
+            with _no_accelerate_warning():
+                vae = cls.from_single_file(path, torch_dtype=torch_dtype, local_files_only=True, **kwargs)
+        except OSError as exc:  # the inferred config is not in the local cache: say how to give it
+            raise InvalidArgumentError(f"VAE checkpoint {path}: its diffusers config is not available offline ({exc}); "
+                                       "pass config= (--vae-config DIR: a diffusers VAE folder with a config.json)") from None
+        return DiffusersVAE(vae, sample=sample, seed=seed)
+    if not os.path.exists(path) and _looks_like_hub_id(path):
+        path = _hub_folder(path)
     if os.path.isfile(os.path.join(path, "vae", "config.json")):
         path = os.path.join(path, "vae")
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        raise InvalidArgumentError(f"--encoder diffusers:PATH needs a folder with a config.json (a diffusers save_pretrained folder), got {path!r}")
+        raise InvalidArgumentError(f"--encoder diffusers:PATH needs a folder with a config.json (a diffusers save_pretrained "
+                                   f"folder), a single-file checkpoint or a Hugging Face id in the local cache, got {path!r}")
     if name is None:
         with open(config_path, encoding="utf-8") as fh:
             name = json.load(fh).get("_class_name")
+    with _no_accelerate_warning():
+        vae = _vae_class(name).from_pretrained(path, torch_dtype=torch_dtype)
+    return DiffusersVAE(vae, sample=sample, seed=seed)
+
+
+_SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth")
+
+
+def _vae_class(name):
+    import diffusers
+
     cls = getattr(diffusers, str(name), None)
     if cls is None or str(name) not in IMAGE_VAES + VIDEO_VAES:
         raise InvalidArgumentError(f"diffusers VAE class must be one of {IMAGE_VAES + VIDEO_VAES}, got {name!r}")
-    torch_dtype = getattr(torch, dtype) if dtype else None
-    logger, quiet = logging.getLogger("diffusers.models.modeling_utils"), NoAccelerateWarning()
-    logger.addFilter(quiet)
+    return cls
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+
+
+def _hub_folder(repo_id: str) -> str:
+    """The local snapshot folder of a Hugging Face model id (the local cache only: HF_HOME / HF_HUB_CACHE)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
     try:
-        vae = cls.from_pretrained(path, torch_dtype=torch_dtype)
-    finally:
-        logger.removeFilter(quiet)
-    return DiffusersVAE(vae, sample=sample, seed=seed)
+        return snapshot_download(repo_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise InvalidArgumentError(f"{repo_id!r} is neither a local path nor a model in the local Hugging Face cache "
+                                   "(download it first, e.g. huggingface-cli download, or give its folder)") from None
+
+
+def _single_file_config(config: str) -> dict:
+    """``from_single_file``'s ``config=`` (a folder holding the VAE's config.json) from a VAE folder,
+    a model folder with ``vae/`` or a Hugging Face id in the local cache."""
+    import os
+
+    folder = _hub_folder(config) if not os.path.exists(config) and _looks_like_hub_id(config) else config
+    if os.path.isfile(os.path.join(folder, "vae", "config.json")):
+        folder = os.path.join(folder, "vae")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise InvalidArgumentError(f"the VAE config must be a diffusers VAE folder with a config.json (or a model folder with "
+                                   f"vae/), got {config!r}")
+    return {"config": folder}
 
 
 class NoAccelerateWarning(logging.Filter):
@@ -273,7 +332,7 @@ class NoAccelerateWarning(logging.Filter):
 # -- text encoders ------------------------------------------------------------------------------------
 # transformers class -> the output field of its pooled embedding (None: the model has none)
 TEXT_MODELS = {"CLIPTextModel": "pooler_output", "CLIPTextModelWithProjection": "text_embeds", "T5EncoderModel": None,
-               "Gemma2Model": None}
+               "UMT5EncoderModel": None, "Gemma2Model": None, "LlamaModel": None}
 _TEXT_CONFIG_NOISE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
                       "_commit_hash")
 
@@ -284,6 +343,7 @@ class TextEncoding(NamedTuple):
     embeds: list  # B tensors [L_i, D] in the model's dtype (L_i = the caption's tokens, or max_length uncut)
     pooled: torch.Tensor | None  # [B, P] where the model has a pooled output, else None
     lengths: list  # B ints: tokens of each caption in the attention mask (special tokens included)
+    masks: list | None = None  # B attention masks [L] (int64, as the tokenizer gives them) of the rows kept uncut
 
 
 class TextEncoder:
@@ -311,6 +371,9 @@ class TextEncoder:
         truncate: cut captions longer than ``max_length`` tokens (default, as the pipelines do, which
             only log a warning) or raise ``InvalidArgumentError`` naming the first such caption.
         prefix: text put before every caption (a pipeline's prompt template), part of the embedding.
+        template: a prompt template with ``{}`` where the caption goes (HunyuanVideo's), instead of ``prefix``.
+        crop_start: tokens dropped from the front after encoding (the template's tokens before the caption:
+            HunyuanVideo's ``crop_start``); ``max_length`` counts the tokens after them, as the pipeline does.
 
     The outputs are on the model's device; ``lengths`` counts each caption's tokens in the mask.
 
@@ -324,7 +387,8 @@ class TextEncoder:
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, hidden_state: int = -1, max_length: int | None = None,
-                 pass_attention_mask: bool = False, cut_to_mask: bool = True, truncate: bool = True, prefix: str = ""):
+                 pass_attention_mask: bool = False, cut_to_mask: bool = True, truncate: bool = True, prefix: str = "",
+                 template: str | None = None, crop_start: int = 0):
         name = type(model).__name__
         if name not in TEXT_MODELS:
             raise ArgumentTypeError(f"model must be a transformers {' / '.join(TEXT_MODELS)}, got {type(model).__qualname__}")
@@ -338,6 +402,11 @@ class TextEncoder:
         if not isinstance(prefix, str):
             raise ArgumentTypeError(f"prefix must be a str, got {type(prefix).__name__}")
         self.prefix = prefix
+        if template is not None and (not isinstance(template, str) or "{}" not in template or prefix):
+            raise InvalidArgumentError(f"template must be a str with '{{}}' where the caption goes (and no prefix), got {template!r:.80}")
+        if isinstance(crop_start, bool) or not isinstance(crop_start, int) or crop_start < 0:
+            raise InvalidArgumentError(f"crop_start must be an int >= 0, got {crop_start!r}")
+        self.template, self.crop_start = template, crop_start
         self._weights_hash: str | None = None
 
     def to(self, device) -> "TextEncoder":
@@ -355,25 +424,27 @@ class TextEncoder:
     @torch.no_grad()
     def encode(self, captions) -> TextEncoding:
         """B captions (str) -> per-caption ``[L_i, D]`` embeddings, the pooled ``[B, P]`` (or None), the lengths."""
-        tokens = self._tokenize([self.prefix + c for c in _check_captions(captions)])
+        texts = [self.template.format(c) if self.template else self.prefix + c for c in _check_captions(captions)]
+        tokens = self._tokenize(texts)
         ids, mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask if self.pass_attention_mask else None,
                          output_hidden_states=self.hidden_state != -1, return_dict=True)
         sequence = out.last_hidden_state if self.hidden_state == -1 else out.hidden_states[self.hidden_state]
+        sequence, mask = sequence[:, self.crop_start:], mask[:, self.crop_start:]  # the template's rows go
         keep = mask.bool()
         embeds = [row[m] if self.cut_to_mask else row.clone() for row, m in zip(sequence, keep)]
         pooled = None if self.pooled_field is None else getattr(out, self.pooled_field)
-        return TextEncoding(embeds, pooled, [int(n) for n in keep.sum(1).tolist()])
+        return TextEncoding(embeds, pooled, [int(n) for n in keep.sum(1).tolist()], list(mask.cpu()))
 
     def _tokenize(self, captions: list[str]):
         if not self.truncate:
             counts = [len(ids) for ids in self.tokenizer(captions)["input_ids"]]
-            long = [(i, n) for i, n in enumerate(counts) if n > self.max_length]
+            long = [(i, n) for i, n in enumerate(counts) if n > self.max_length + self.crop_start]
             if long:
                 i, n = long[0]
                 raise InvalidArgumentError(f"captions[{i}] is {n} tokens, more than max_length={self.max_length} ({len(long)} "
                                            f"such captions; truncate=True cuts them as the pipelines do): {captions[i][:120]!r}")
-        return self.tokenizer(captions, padding="max_length", max_length=self.max_length, truncation=True,
+        return self.tokenizer(captions, padding="max_length", max_length=self.max_length + self.crop_start, truncation=True,
                               return_tensors="pt")
 
     def identity(self) -> dict:
@@ -390,6 +461,7 @@ class TextEncoder:
             "cut_to_mask": self.cut_to_mask,
             "truncate": self.truncate,
             "prefix": self.prefix,
+            **({"template": self.template, "crop_start": self.crop_start} if self.template or self.crop_start else {}),
             "pooled": self.pooled_field,
         }
 
@@ -451,3 +523,13 @@ def _tokenizer_identity(tokenizer) -> dict:
             digest.update(sp_model.serialized_model_proto())
     return {"class": type(tokenizer).__name__, "model_max_length": min(int(tokenizer.model_max_length), 2**31),
             "padding_side": tokenizer.padding_side, "blake2b": digest.hexdigest()}
+
+
+@contextlib.contextmanager
+def _no_accelerate_warning():
+    logger, quiet = logging.getLogger("diffusers.models.modeling_utils"), NoAccelerateWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)

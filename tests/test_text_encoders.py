@@ -39,10 +39,10 @@ def t5_tokenizer():
     return transformers.T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
-def tiny_clip(cls="CLIPTextModel", seed=0, vocab_size=60):
+def tiny_clip(cls="CLIPTextModel", seed=0, vocab_size=60, positions=CLIP_LENGTH):
     torch.manual_seed(seed)
     config = transformers.CLIPTextConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=37, num_hidden_layers=3,
-                                         num_attention_heads=4, max_position_embeddings=CLIP_LENGTH, projection_dim=24,
+                                         num_attention_heads=4, max_position_embeddings=positions, projection_dim=24,
                                          bos_token_id=0, eos_token_id=1, pad_token_id=1)
     return getattr(transformers, cls)(config).eval()
 

@@ -119,8 +119,28 @@ def add_cache_subparsers(subparsers) -> argparse.ArgumentParser:
         _add_timeout(sub, 30.0)
         sub.set_defaults(func=_one_line_errors(handler))
     _add_push_pull(commands)
+    _add_export(commands)
     commands.metavar = "{" + ",".join(commands.choices) + "}"
     return cache
+
+
+def _add_export(commands) -> None:
+    text = ("write a cache imported from a trainer back as that trainer's own files (kohya .npz, musubi-tuner "
+            ".safetensors), which its loader reads as the same tensors")
+    sub = commands.add_parser("export", help=text, description=text, formatter_class=HelpFormatter)
+    sub.add_argument("cache_dir", help="folder holding the cache")
+    sub.add_argument("--format", required=True, choices=("kohya", "musubi-tuner"), help="the trainer's file format")
+    sub.add_argument("--out", required=True, help="folder to write the trainer's files into")
+    sub.add_argument("--split", default="train", help="which split of the folder")
+    sub.set_defaults(func=_one_line_errors(run_export))
+
+
+def run_export(args) -> int:
+    from .export import export_cache
+
+    counts = export_cache(args.cache_dir, args.out, args.format, args.split)
+    print(f"{counts['items']} items exported as {args.format}: {counts['files']} files in {args.out}")
+    return 0
 
 
 def _add_push_pull(commands) -> None:
@@ -219,11 +239,15 @@ def _add_build(commands) -> None:
                      "--video; paths relative to its folder allowed; an optional \"key\")")
     src.add_argument("--images", help="folder of images (walked recursively, sorted by name), or with --video of clips "
                      "(sub-folders of frame images, video files)")
+    src.add_argument("--from-config", nargs=2, metavar=("FORMAT", "FILE"), help="a kohya (sd-scripts) or musubi-tuner "
+                     "dataset config (TOML): one split per kohya subset / musubi image dataset, the trainer's bucket shapes, "
+                     "flip_aug, caption_extension; dataset.json lists the splits' num_repeats")
     build.add_argument("--out", required=True, help="output folder (a cache per split)")
     build.add_argument("--split", default="train", help="name of the split (the files' prefix)")
     build.add_argument("--encoder", default=None, help=f"required: the VAE, {_ENCODERS}")
-    build.add_argument("--sample", choices=("mode", "sample"), default="mode",
-                       help="diffusers encoders: the posterior's mode, or a seeded draw from it")
+    build.add_argument("--sample", choices=("mode", "sample", "store"), default="mode",
+                       help="diffusers encoders: the posterior's mode, a seeded draw from it, or store its mean and std "
+                       "(fields latent, latent_std) for a fresh draw at every read")
     build.add_argument("--vae-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                        help="diffusers encoders: load the weights in this dtype (default: as saved)")
     mode = build.add_mutually_exclusive_group()
@@ -259,7 +283,36 @@ def _add_build(commands) -> None:
     build.add_argument("--distributed", action="store_true", help="one rank of a distributed build (run under torchrun): "
                        "each rank encodes its share into a shard of --out, rank 0 writes the manifest; --device cuda "
                        "means each rank's own GPU (LOCAL_RANK)")
+    _add_record_options(build)
     build.set_defaults(func=_one_line_errors(run_build))
+
+
+def _add_record_options(build) -> None:
+    """``cache build``'s options for the fields beside the latent and for where the VAE comes from."""
+    build.add_argument("--vae-config", default=None, help="--encoder diffusers:FILE.safetensors (a single-file checkpoint): "
+                       "a diffusers VAE folder with its config.json (default: the config diffusers infers, from the local "
+                       "Hugging Face cache)")
+    build.add_argument("--flip", action="store_true", help="images: also encode each image's mirror (field latent_flipped, "
+                       "kohya's flip_aug)")
+    build.add_argument("--latent-dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+                       help="the stored dtype of the latent fields")
+    build.add_argument("--text-encoder", action="append", default=None, metavar="DIR",
+                       help="images: encode each image's caption with this transformers text encoder (a local "
+                       "save_pretrained folder with its tokenizer; fields text, text_pooled); with --preset, one "
+                       "folder per encoder of the pipeline in its order, or one diffusers pipeline folder")
+    build.add_argument("--preset", default=None, metavar="NAME",
+                       help="images: encode captions as this model family's pipeline does: sd15, sdxl, sd3, flux, wan or hunyuan-video "
+                       "(see latentfast.text_presets; fields text_clip_l, "
+                       "text_clip_g, text_t5, text_pooled, ...); the encoders from --text-encoder, else from the "
+                       "--encoder diffusers:FOLDER pipeline folder")
+    build.add_argument("--text-max-length", type=int, default=None, help="tokens per caption: a T5's "
+                       "max_sequence_length (presets: the pipeline's default), or the max length of a --text-encoder")
+    build.add_argument("--text-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                       help="load the text encoders in this dtype (default: as saved)")
+    build.add_argument("--caption-ext", default=".txt", help="captions: the extension of the caption file beside each "
+                       "image (a manifest's \"caption\" wins)")
+    build.add_argument("--caption-missing", choices=("error", "empty"), default="error",
+                       help="an image without a caption: fail naming it, or train it with the empty caption")
 
 
 def _add_import(commands) -> None:
@@ -300,7 +353,8 @@ def _add_import(commands) -> None:
     imp.set_defaults(func=_one_line_errors(run_import))
 
 
-def make_encoder(spec: str, *, toy_seed: int = 0, toy_channels: int = 4, sample: str = "mode", vae_dtype=None):
+def make_encoder(spec: str, *, toy_seed: int = 0, toy_channels: int = 4, sample: str = "mode", vae_dtype=None,
+                 vae_config=None):
     """The encoder a ``--encoder`` value names (see the build command's help)."""
     if spec == "toy":
         from ..toy import ToyVAE
@@ -312,7 +366,7 @@ def make_encoder(spec: str, *, toy_seed: int = 0, toy_channels: int = 4, sample:
     if module == "diffusers":
         from ..encoders import load_diffusers_vae
 
-        return load_diffusers_vae(attr, sample=sample, dtype=vae_dtype)
+        return load_diffusers_vae(attr, sample=sample, dtype=vae_dtype, config=vae_config)
     return getattr(importlib.import_module(module), attr)()
 
 
@@ -346,7 +400,7 @@ def run_build(args) -> int:
     if line and not args.quiet and os.environ.get("RANK", "0") == "0":
         print(line)
     encoder = make_encoder(args.encoder, toy_seed=args.toy_seed, toy_channels=args.toy_channels, sample=args.sample,
-                           vae_dtype=args.vae_dtype)
+                           vae_dtype=args.vae_dtype, vae_config=args.vae_config)
     new_folder = not os.path.isdir(args.out)
     before = _written(args.out)
     try:
@@ -427,7 +481,13 @@ def _build(args, encoder, group=None) -> str:
     common = dict(batch_size=args.batch_size, device=args.device, num_workers=args.workers, quiet=args.quiet,
                   autocast_dtype=getattr(torch, autocast) if autocast else None, lock_timeout=args.lock_timeout,
                   group=group)
+    if args.from_config:
+        return _build_from_config(args, encoder, common)
     source = args.manifest or args.images
+    image_only = [flag for flag, on in (("--flip", args.flip), ("--text-encoder", args.text_encoder), ("--preset", args.preset),
+                                        ("--latent-dtype", args.lines and args.latent_dtype != "float16")) if on]
+    if (args.video or args.lines) and image_only:
+        raise CliError(f"{', '.join(image_only)}: image caches only, not with {'--video' if args.video else '--lines'}")
     if args.lines:
         from .builders.lines import build_latent_cache
 
@@ -438,7 +498,8 @@ def _build(args, encoder, group=None) -> str:
 
     if args.video:
         return build_video_cache(encoder, source, args.out, args.split, buckets=parse_buckets(args.buckets, video=True),
-                                 frame_stride=args.frame_stride, skip_bad_clips=args.skip_bad_images, **common)
+                                 frame_stride=args.frame_stride, skip_bad_clips=args.skip_bad_images,
+                                 latent_dtype=args.latent_dtype, **common)
     if args.buckets:
         buckets = parse_buckets(args.buckets, video=False)
     else:
@@ -446,7 +507,57 @@ def _build(args, encoder, group=None) -> str:
 
         buckets = resolution_buckets(args.resolution, args.min_bucket, args.max_bucket, args.bucket_step)
     return build_image_cache(encoder, source, args.out, args.split, buckets=buckets, no_upscale=args.no_upscale,
-                             bucket_step=args.bucket_step, skip_bad_images=args.skip_bad_images, **common)
+                             bucket_step=args.bucket_step, skip_bad_images=args.skip_bad_images,
+                             **_record_options(args), **common)
+
+
+def _build_from_config(args, encoder, common) -> str:
+    """``--from-config kohya|musubi-tuner FILE``: the config's splits, as its trainer buckets them."""
+    from .dataset_config import CONFIG_KINDS, build_from_config
+
+    kind, path = args.from_config
+    if kind not in CONFIG_KINDS:
+        raise CliError(f"--from-config FORMAT FILE: FORMAT must be one of {', '.join(CONFIG_KINDS)}, got {kind!r}")
+    given = [flag for flag, on in (("--video", args.video), ("--lines", args.lines), ("--buckets", args.buckets),
+                                   ("--no-upscale", args.no_upscale), ("--flip", args.flip)) if on]
+    if given:
+        raise CliError(f"{', '.join(given)}: --from-config takes the buckets and flip_aug from the config")
+    options = _record_options(args)
+    options.pop("captions", None)  # each subset's caption_extension / class_tokens
+    options.pop("flip")  # each subset's flip_aug
+    splits = build_from_config(encoder, kind, path, args.out, **options, **common)
+    return f"{os.path.join(args.out, 'dataset.json')} ({len(splits)} splits)"
+
+
+def _record_options(args) -> dict:
+    """``build_image_cache``'s flip / latent_dtype / text_encoder / captions from the record options."""
+    options = {"flip": args.flip, "latent_dtype": args.latent_dtype}
+    folders = args.text_encoder or []
+    if args.preset is not None:
+        from ..text_presets import load_text_preset
+
+        if not folders:
+            pipeline = args.encoder.removeprefix("diffusers:")
+            if not args.encoder.startswith("diffusers:") or not os.path.isdir(os.path.join(pipeline, "text_encoder")):
+                raise CliError(f"--preset {args.preset} needs --text-encoder folders, or --encoder diffusers:FOLDER of a "
+                               f"pipeline with a text_encoder/ subfolder; got --encoder {args.encoder}")
+            folders = pipeline
+        elif len(folders) == 1 and os.path.isdir(os.path.join(folders[0], "text_encoder")):
+            folders = folders[0]  # a diffusers pipeline folder
+        options["text_encoder"] = load_text_preset(args.preset, folders, dtype=args.text_dtype, max_length=args.text_max_length)
+    elif len(folders) > 1:
+        raise CliError(f"several --text-encoder folders need --preset (which fields they make), got {len(folders)}: {folders}")
+    elif folders:
+        from ..encoders import TextEncoder
+        from ..text_presets import load_text_model
+
+        model, tokenizer = load_text_model(folders[0], dtype=args.text_dtype)
+        options["text_encoder"] = TextEncoder(model, tokenizer, max_length=args.text_max_length)
+    if "text_encoder" in options:
+        from .captions import Captions
+
+        options["captions"] = Captions(args.manifest, caption_extension=args.caption_ext, missing=args.caption_missing)
+    return options
 
 
 def run_import(args) -> int:

@@ -88,7 +88,7 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
                       skip_bad_images: bool = False, no_upscale: bool = False, bucket_step: int = 64,
                       quiet: bool = False, lock_timeout: float = 0.0, stats: dict | None = None,
                       flip: bool = False, text_encoder: Any = None, captions: Any = None,
-                      latent_dtype="float16", jpeg_draft: bool = True, group=None) -> str:
+                      latent_dtype="float16", jpeg_draft: bool = True, group=None, bucket_rule=None) -> str:
     """Encode every image of ``source`` (a folder, walked recursively, or a JSONL manifest of
     ``{"image": path, "key": optional}``) into a shaped cache in ``out_dir``; returns the data path.
 
@@ -119,7 +119,9 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     (the most busy seconds per thread), and ``plan_s`` (listing, probing and hashing, before them). ``latent_dtype``
     (``"float16"``, ``"bfloat16"`` or ``"float32"``): the stored dtype of the latent and the fields
     beside it that share its meaning (``latent_std``, ``latent_flipped``); a rebuild with another one
-    re-encodes. ``group`` (a
+    re-encodes. ``bucket_rule``: a callable ``(width, height) -> (height, width)`` that picks each image's
+    bucket instead (a trainer's own bucketing, e.g. :class:`latentfast.cache.dataset_config.KohyaBuckets`;
+    its ``name`` is stamped in the meta). ``group`` (a
     ``torch.distributed`` process group): a distributed build, see :mod:`latentfast.cache.builders.distributed`.
 
     Records beside the latent (each its own field, see ``cache.fields``):
@@ -130,7 +132,9 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     - ``flip=True`` also encodes each image's horizontal mirror (after the resize and crop) into
       ``latent_flipped`` (and ``latent_flipped_std``), as kohya's ``flip_aug`` does, for
       ``read_batch(..., flip=p)``;
-    - ``text_encoder`` (a :class:`~latentfast.encoders.TextEncoder`) encodes each image's caption
+    - ``text_encoder`` (a :class:`~latentfast.encoders.TextEncoder`, or a
+      :class:`~latentfast.text_presets.TextEncoders` such as ``text_preset("sdxl", pipe)``, whose named
+      fields are stored instead: ``text_clip_l``, ``text_t5``, ``text_pooled``, ...) encodes each image's caption
       (``captions``, a :class:`~latentfast.cache.captions.Captions`; default: the manifest's
       ``caption``, else ``<stem>.txt`` beside the image) into ``text`` ``[L_i, D]`` (cut to the mask,
       the model's dtype) and ``text_pooled`` ``[P]`` where the model has a pooled output. Equal
@@ -142,6 +146,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     factor = getattr(encoder, "spatial_downscale", None)
     bucket_list = media.check_buckets(buckets, video=False, factor=factor)
     bucket_of = _image_bucket_rule(bucket_list, no_upscale, bucket_step, factor)
+    if bucket_rule is not None:  # the trainer's rule; each bucket it gives checked as the buckets= ones are
+        bucket_of = lambda item: media.check_buckets([bucket_rule(item.width, item.height)], video=False, factor=factor)[0]  # noqa: E731
     if not isinstance(flip, bool):
         raise ArgumentTypeError(f"flip must be a bool, got {type(flip).__name__} ({flip!r})")
     if not isinstance(jpeg_draft, bool):
@@ -154,6 +160,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
         settings["jpeg_draft"] = True
     if no_upscale:
         settings.update(no_upscale=True, bucket_step=bucket_step)
+    if bucket_rule is not None:
+        settings["bucket_rule"] = str(getattr(bucket_rule, "name", getattr(bucket_rule, "__qualname__", "custom")))
     settings.update(_record_settings(job, encoder, source, text_encoder, captions))
     return _build(job, encoder, source, out_dir, split, settings, batch_size=batch_size, device=device,
                   autocast_dtype=autocast_dtype, num_workers=num_workers, skip_bad=skip_bad_images, quiet=quiet,
@@ -604,6 +612,8 @@ class _Runner:
         distinct = list(dict.fromkeys(captions))
         encoded = self.job.text_encoder.encode(distinct)
         where = {caption: k for k, caption in enumerate(distinct)}
+        if isinstance(encoded, dict):  # several encoders (latentfast.text_presets.TextEncoders): its named fields
+            return {name: [values[where[c]].detach().cpu() for c in captions] for name, values in encoded.items()}
         fields = {"text": [encoded.embeds[where[c]].detach().cpu() for c in captions]}
         if encoded.pooled is not None:
             fields["text_pooled"] = [encoded.pooled[where[c]].detach().cpu() for c in captions]
