@@ -411,7 +411,6 @@ def run_until_held(cmd: list[str], marker: str, *, progress: str | None = None, 
     child ends first (``timeout_s`` only guards against a hang)."""
     import signal
     import subprocess
-    import sys
     import time
 
     if os.path.exists(marker):
@@ -457,10 +456,39 @@ def kill_and_resume(script: str, folder: str, reference: str, *, hold_after: int
     logged = progress_lines(progress) - 1
     if between is not None:
         between()
+    written = None
     for out in (folder, reference):
         done = subprocess.run([sys.executable, "-c", script, out, str(hold_after)], capture_output=True, text=True,
                               timeout=600)
         if done.returncode != 0:
             raise AssertionError(f"the writer failed on {out}: {done.stderr}")
-        written = int(done.stdout.split()[-1]) if out == folder else written
+        if out == folder:
+            written = int(done.stdout.split()[-1])
     return logged, written
+
+
+def photo_like(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
+    """uint8 ``[h, w, 3]``: 1/f noise per channel (a natural image's spectrum, high contrast), so JPEG
+    and PNG sizes and decode costs are those of photos, not of flat or white-noise images."""
+    fy, fx = np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None, :]
+    f = np.hypot(fx, fy)
+    f[0, 0] = 1
+    channels = []
+    for _ in range(3):
+        x = np.fft.irfft2((rng.standard_normal(f.shape) + 1j * rng.standard_normal(f.shape)) / f, s=(h, w))
+        channels.append(np.clip(128 + 40 * (x - x.mean()) / x.std(), 0, 255).astype(np.uint8))
+    return np.stack(channels, -1)
+
+
+def write_captioned_images(folder, captions, *, ext: str = ".txt", width_step: int = 7, suffix: str = "") -> str:
+    """Random PNGs ``im{i}.png`` (36 px high, ``40 + width_step * i`` wide) in ``folder``, each with its
+    caption ``captions[i] + suffix`` in ``im{i}{ext}`` beside it (as kohya and the others read captions)."""
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i, caption in enumerate(captions):
+        Image.fromarray(rng.integers(0, 256, (36, 40 + width_step * i, 3), dtype=np.uint8)).save(os.path.join(folder, f"im{i}.png"))
+        with open(os.path.join(folder, f"im{i}{ext}"), "w", encoding="utf-8") as fh:
+            fh.write(caption + suffix)
+    return os.fspath(folder)

@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw, ImageFile, ImageFilter, ImageOps
+from PIL import Image, ImageFile, ImageOps
 
 from latentfast import ops
 from latentfast.cache import LatentCache
@@ -22,6 +22,7 @@ from latentfast.cache.builders import media
 from latentfast.cache.builders.images import build_image_cache
 from latentfast.errors import ImageError, NonFiniteError
 from latentfast.toy import ToyVAE
+from latentfast.testing import photo_like
 
 from test_cache_images import CountingVAE, by_hand, make_images
 
@@ -141,15 +142,7 @@ def test_png_orientation_after_idat_is_applied_in_the_build(tmp_path):
 
 
 def photo(rng, w: int, h: int) -> Image.Image:
-    """A photo-like image: 1/f noise in each channel (a natural image's spectrum), high contrast."""
-    fy, fx = np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None, :]
-    f = np.hypot(fx, fy)
-    f[0, 0] = 1
-    channels = []
-    for _ in range(3):
-        x = np.fft.irfft2((rng.standard_normal(f.shape) + 1j * rng.standard_normal(f.shape)) / f, s=(h, w))
-        channels.append(np.clip(128 + 40 * (x - x.mean()) / x.std(), 0, 255))
-    return Image.fromarray(np.stack(channels, -1).astype(np.uint8))
+    return Image.fromarray(photo_like(rng, w, h))
 
 
 @pytest.mark.parametrize("size, bucket, scale", [((640, 480), (192, 256), 2), ((1024, 768), (128, 160), 4),

@@ -166,7 +166,6 @@ def test_cli_import(tmp_path, capsys):
 
 # ---- trainer caches (format="kohya", ...): every field of every item is compared with the trainer's own
 # loaders in tests/test_trainers_*.py (via records_via(..., "import" / "auto")); here: what the import adds
-from latentfast.cache.store import format as fmt  # noqa: E402
 from latentfast.cache.trainers import TrainerCacheError  # noqa: E402
 from latentfast.cache.trainers import fixtures as fx  # noqa: E402
 from latentfast.errors import IncompleteCacheError  # noqa: E402

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 pytest.importorskip("transformers")
 
@@ -23,6 +23,7 @@ from latentfast.cache.store.fields import field_path  # noqa: E402
 from latentfast.encoders import TextEncoder  # noqa: E402
 from latentfast.errors import CacheCorruptError, CaptionError  # noqa: E402
 from latentfast.toy import ToyVAE  # noqa: E402
+from latentfast.testing import write_captioned_images  # noqa: E402
 
 BUCKETS = [(32, 32), (32, 48)]
 CAPTIONS = ["a cat", "a dog", "a cat", "zebra quick", "a cat", ""]
@@ -44,14 +45,7 @@ def text_encoder(seed=0):
 
 @pytest.fixture()
 def images(tmp_path):
-    folder = tmp_path / "imgs"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(CAPTIONS):
-        w, h = (40 + 7 * i, 36)
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / f"im{i}.png")
-        (folder / f"im{i}.txt").write_text(caption + "\n", encoding="utf-8")
-    return folder
+    return pathlib.Path(write_captioned_images(tmp_path / "imgs", CAPTIONS, suffix="\n"))
 
 
 def build(source, out, te, **kw):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import re
 
-import numpy as np
+import pathlib
+
 import pytest
 import torch
-from PIL import Image
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -27,6 +27,7 @@ from latentfast.cli import main  # noqa: E402
 from latentfast.encoders import DiffusersVAE, TextEncoder  # noqa: E402
 from latentfast.errors import InvalidArgumentError  # noqa: E402
 from latentfast.text_presets import load_text_model, load_text_preset, text_preset  # noqa: E402
+from latentfast.testing import write_captioned_images  # noqa: E402
 
 BUCKETS = [(32, 32), (32, 48)]
 CAPTIONS = ["a cat", "a dog", "a cat", "zebra quick"]
@@ -57,13 +58,7 @@ def ldm_state_dict(vae) -> dict:
 
 @pytest.fixture()
 def images(tmp_path):
-    folder = tmp_path / "imgs"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(CAPTIONS):
-        Image.fromarray(rng.integers(0, 256, (36, 40 + 7 * i, 3), dtype=np.uint8)).save(folder / f"im{i}.png")
-        (folder / f"im{i}.caption").write_text(caption, encoding="utf-8")
-    return folder
+    return pathlib.Path(write_captioned_images(tmp_path / "imgs", CAPTIONS, ext=".caption"))
 
 
 def same_caches(a, b):

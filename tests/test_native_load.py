@@ -6,7 +6,6 @@ and imports that copy in a child process (a library that crashes the loader must
 runner with it)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import shutil

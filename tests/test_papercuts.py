@@ -21,7 +21,6 @@ import torch
 from PIL import Image
 
 import latentfast
-from latentfast.cache import LatentCache
 from latentfast.cache.cli import main as cache_main
 
 

@@ -4,10 +4,10 @@ from the tiny components, called under ``torch.no_grad()`` as its ``__call__`` r
 named fields with equal captions stored once, loading a preset from folders, and combinations made by hand."""
 from __future__ import annotations
 
-import numpy as np
+import pathlib
+
 import pytest
 import torch
-from PIL import Image
 
 transformers = pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
@@ -20,6 +20,7 @@ from latentfast.errors import InvalidArgumentError  # noqa: E402
 from latentfast.text_presets import TextEncoders, load_text_preset, text_preset  # noqa: E402
 from latentfast.encoders import TextEncoder  # noqa: E402
 from latentfast.toy import ToyVAE  # noqa: E402
+from latentfast.testing import write_captioned_images  # noqa: E402
 
 # the second caption is longer than CLIP's 16 and T5's 12 tokens; the third needs Wan's cleaning
 CAPTIONS = ["a cat", "dog dog zebra quick brown", "  cat &amp;\n dog ", ""]
@@ -122,13 +123,7 @@ def test_sdxl_fields_are_each_clips_penultimate_layer_and_the_seconds_projection
 
 @pytest.fixture()
 def images(tmp_path):
-    folder = tmp_path / "imgs"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(BUILD_CAPTIONS):
-        Image.fromarray(rng.integers(0, 256, (36, 40 + 5 * i, 3), dtype=np.uint8)).save(folder / f"im{i}.png")
-        (folder / f"im{i}.txt").write_text(caption, encoding="utf-8")
-    return folder
+    return pathlib.Path(write_captioned_images(tmp_path / "imgs", BUILD_CAPTIONS, width_step=5))
 
 
 def test_a_build_with_a_preset_stores_its_fields_and_equal_captions_once(images, tmp_path):

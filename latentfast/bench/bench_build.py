@@ -42,6 +42,7 @@ from latentfast import ops
 from latentfast.bench.common import format_table, machine_summary, median_seconds
 from latentfast.cache.builders import media
 from latentfast.cache.builders.images import build_image_cache
+from latentfast.testing import photo_like
 
 
 class FreeEncoder:
@@ -86,24 +87,12 @@ def main_thread_cpu():
         _Runner._encode_batch = stage
 
 
-def photo(rng, w: int, h: int) -> np.ndarray:
-    """uint8 ``[h, w, 3]``: 1/f noise per channel (a natural image's spectrum)."""
-    fy, fx = np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None, :]
-    f = np.hypot(fx, fy)
-    f[0, 0] = 1
-    channels = []
-    for _ in range(3):
-        x = np.fft.irfft2((rng.standard_normal(f.shape) + 1j * rng.standard_normal(f.shape)) / f, s=(h, w))
-        channels.append(np.clip(128 + 40 * (x - x.mean()) / x.std(), 0, 255).astype(np.uint8))
-    return np.stack(channels, -1)
-
-
 def write_sources(folder: str, n: int, size: tuple[int, int], fmt: str) -> list[str]:
     from PIL import Image
 
     os.makedirs(folder, exist_ok=True)
     rng, paths = np.random.default_rng(0), []
-    base = [photo(rng, *size) for _ in range(min(n, 4))]  # a few distinct images, each file its own bytes
+    base = [photo_like(rng, *size) for _ in range(min(n, 4))]  # a few distinct images, each file its own bytes
     for i in range(n):
         array = np.roll(base[i % len(base)], i, axis=1)
         path = os.path.join(folder, f"im{i:04d}.{'jpg' if fmt == 'JPEG' else 'png'}")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from .trainers import fixtures, kohya, musubi_tuner
+from .trainers import fixtures, kohya
 
 FORMATS = ("kohya", "musubi-tuner")
 # musubi-tuner's text tensors saved with the varlen_ prefix (cache_io.py save_text_encoder_output_cache_wan,

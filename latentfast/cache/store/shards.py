@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from ...errors import CacheCorruptError, IncompleteCacheError, InvalidArgumentError
-from . import fields as fieldstore
 from . import format as fmt
 from .reader import LatentCache, check_local_options, inspect_cache, layout_summary, verify_cache
 
