@@ -3,6 +3,7 @@ repair, clear errors for damaged headers, the writer's lock and source hashes, k
 `cache inspect` on image and video caches."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pickle
@@ -324,18 +325,23 @@ def test_a_failed_finish_inside_with_releases_the_lock_and_the_retry_works(tmp_p
     assert not os.path.exists(lock_path(folder, "train"))
 
 
-def _open_fds() -> list[str]:
-    return os.listdir("/proc/self/fd")
-
-
-def test_the_lock_file_goes_with_its_holder_and_a_waiter_never_shares_the_lock(tmp_path):
+def test_the_lock_file_goes_with_its_holder_and_a_waiter_never_shares_the_lock(tmp_path, monkeypatch):
     first = BuildLock(tmp_path, "train")
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(BuildLock(tmp_path, "train", timeout=10)))
+    got, refused = [], threading.Event()
+    flock = fcntl.flock
+
+    def spy(fd, operation):  # tells when the waiter has opened the lock file and been refused the lock
+        try:
+            return flock(fd, operation)
+        except BlockingIOError:
+            if threading.current_thread() is not threading.main_thread():
+                refused.set()
+            raise
+
+    monkeypatch.setattr(fcntl, "flock", spy)
+    waiter = threading.Thread(target=lambda: got.append(BuildLock(tmp_path, "train", timeout=600)))
     waiter.start()
-    path = os.path.realpath(lock_path(tmp_path, "train"))
-    while sum(os.path.realpath(f"/proc/self/fd/{fd}") == path for fd in _open_fds()) < 2:
-        time.sleep(0.01)  # until the waiter has opened the lock file (and waits on it): no race with its start
+    assert refused.wait(600)  # no race with the waiter's start, however loaded the machine
     first.release()
     waiter.join()
     second = got[0]
