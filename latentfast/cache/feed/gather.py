@@ -116,9 +116,16 @@ def read_batch(cache, indices, *, device="cpu", dtype=None, width=None, out=None
         batch = _copy(table, on_cpu, device, dtype, out, backend, cold), torch.from_numpy(table.widths)
     if return_keys:
         layout.recheck(table)  # an unchecked index must not pick a key from the end of the list
-        keys = cache.keys
-        return (*batch, [keys[i] for i in table.index_np.tolist()])
+        return (*batch, _batch_keys(cache, table.index_np))
     return batch
+
+
+def _batch_keys(cache, index_np) -> list[str]:
+    """The keys of a batch's items: looked up in the cache's key table (``keys_of``), not its whole list."""
+    if hasattr(cache, "keys_of"):
+        return cache.keys_of(index_np)
+    keys = cache.keys  # (a cache-like object of the caller's own)
+    return [keys[i] for i in index_np.tolist()]
 
 
 def _read_records(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtype, width, backend, cold, packed=()) -> dict:
@@ -167,8 +174,7 @@ def _read_drawn(cache, items, indices, fields, pad, pad_to, on_cpu, device, dtyp
                                        f"build it with {how}")
     index = layout.as_row_indices(indices, len(cache))
     index_np = index.numpy()
-    keys = cache.keys
-    seeds = sampling.item_seeds([keys[i] for i in index_np.tolist()], seed, epoch)
+    seeds = sampling.item_seeds(_batch_keys(cache, index_np), seed, epoch)
     flipped = sampling.flip_draws(seeds, flip) if flip is not None else torch.zeros(len(index_np), dtype=torch.bool)
     extra = [n for n in ("latent_std",) if sample and n not in names]
     batch = _read_records(cache, items, index, names + extra, pad, pad_to, on_cpu, device, dtype, None, backend, cold, packed)

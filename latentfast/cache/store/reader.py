@@ -18,7 +18,7 @@ from ..feed import coldread, gather
 from ..remote.storage import is_remote
 from . import fields as fieldstore
 from . import format as fmt
-from . import layout
+from . import keytable, layout
 
 
 class LatentCache:
@@ -106,15 +106,20 @@ class LatentCache:
         self.meta = meta
         self._data_path = fmt.cache_path(self.cache_dir, split, "data")
         try:
-            self._load_index()
-            self._field_index = {name: fieldstore.load_field_index(self.cache_dir, split, name, entry, len(self))
-                                 for name, entry in self._declared_fields().items()}
+            self._load_tables()
             self.white_column = self._resolve_white(white_column) if not self.shaped else None
-            fmt.check_recorded(self.cache_dir, split, meta, ("widths", "offsets", "shapes", "white"))
+            fmt.check_recorded(self.cache_dir, split, meta, ("white",))
         except (OSError, CacheError):
             if _meta_now(meta_path) == meta:
                 raise  # the cache is as it was: the error is the news
             self.meta = None  # a rebuild published meanwhile: the caller tries again
+
+    def _load_tables(self) -> None:
+        """The per-item tables (the index, each field's spans), checked against the meta's record of them."""
+        self._load_index()
+        self._field_index = {name: fieldstore.load_field_index(self.cache_dir, self.split, name, entry, len(self))
+                             for name, entry in self._declared_fields().items()}
+        fmt.check_recorded(self.cache_dir, self.split, self.meta, ("widths", "offsets", "shapes"))
 
     def _reset_process_state(self) -> None:
         """What each process opens for itself: the map, its file descriptor, the tensor views."""
@@ -251,10 +256,16 @@ class LatentCache:
     @property
     def keys(self) -> list[str]:
         """Each item's source name (file name without extension for imports, the image's path for
-        builds); the row number as a string for caches that store no keys (the original format)."""
+        builds); the row number as a string for caches that store no keys (the original format).
+
+        This loads every key into a list of N strings (tens of bytes each, in every process that
+        asks): :meth:`index`, ``key in cache``, :meth:`key` and :meth:`keys_of` look keys up in the
+        mapped key table instead, without the list."""
         if self._keys is None:
             path = fmt.cache_path(self.cache_dir, self.split, "keys")
-            if os.path.exists(path):
+            if self._key_table() is not None:
+                keys = self._key_table().all()
+            elif os.path.exists(path):
                 keys = _load_json(path, "keys")
                 if not isinstance(keys, list) or len(keys) != len(self) or not all(isinstance(k, str) for k in keys):
                     raise CacheCorruptError(f"latent cache keys {path} must be a JSON list of {len(self)} strings")
@@ -295,9 +306,50 @@ class LatentCache:
         for fd in self.__dict__.get("_field_fds", {}).values():
             os.close(fd)
 
+    def _key_table(self) -> keytable.KeyTable | None:
+        """The mapped key table (caches written before it existed have none: their keys file is parsed)."""
+        if "key_table" not in self.meta:
+            return None
+        if self.__dict__.get("_keytab") is None:
+            self._keytab = keytable.KeyTable(self.cache_dir, self.split, self.meta, len(self))
+        return self._keytab
+
+    def stores_keys(self) -> bool:
+        """Whether the cache stores its items' keys (else they are the row numbers as strings)."""
+        return self._key_table() is not None or os.path.exists(fmt.cache_path(self.cache_dir, self.split, "keys"))
+
+    def key(self, i: int) -> str:
+        """Item ``i``'s key (from the mapped key table where the cache has one: no key list is loaded)."""
+        i = self._checked_index(i)
+        if self._key_table() is not None:
+            return self._key_table().key(i)
+        return str(i) if not self.stores_keys() else self.keys[i]
+
+    def keys_of(self, index) -> list[str]:
+        """The keys of items ``index`` (ints in range), in that order; see :meth:`key`."""
+        index = np.asarray(index, dtype=np.int64)
+        if self._key_table() is not None:
+            return self._key_table().keys_of(index)
+        keys = self.keys
+        return [keys[i] for i in index.tolist()]
+
+    def __contains__(self, key) -> bool:
+        """Whether the cache holds an item with this key (see :meth:`index`)."""
+        try:
+            self.index(key)
+        except UnknownKeyError:
+            return False
+        return True
+
     def index(self, key: str) -> int:
         """The item whose key is ``key`` (see :attr:`keys`); :class:`~latentfast.errors.UnknownKeyError`
-        (a ``KeyError``) names a key the cache does not hold."""
+        (a ``KeyError``) names a key the cache does not hold. A cache with a key table looks it up there
+        (a binary search over its mapped hash index); an older one builds a dict of every key once."""
+        if self._key_table() is not None:
+            row = self._key_table().index(key) if isinstance(key, str) else None
+            if row is None:
+                raise UnknownKeyError(f"latent cache {self.cache_dir} (split {self.split!r}) holds no item with key {key!r}")
+            return row
         if self._key_index is None:
             keys = self.keys
             self._key_index = {k: i for i, k in reversed(list(enumerate(keys)))}  # the first of duplicates
@@ -416,16 +468,27 @@ class LatentCache:
         for items in (self.items, *self.field_items.values()):
             self.remote.prefetch(items, *layout.item_spans(items, index))
 
-    # -- pickling: paths, meta and the small index only -------------------------------------
+    # -- pickling: paths and meta only (a few KiB at any N) ---------------------------------
+    _PER_ITEM = ("items", "field_items", "_field_fds", "row_starts", "_keys", "_info", "_key_index", "_keytab",
+                 "widths", "_shapes", "_field_index")
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("items", "field_items", "_field_fds", "row_starts", "_keys", "_info", "_key_index"):
-            state.pop(key, None)  # row_starts: recomputed from the index (validated equal on open)
+        for key in self._PER_ITEM:  # each process loads the tables from the files (which the meta's CRCs pin)
+            state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.row_starts = self._shaped_row_starts() if self.shaped else self._line_row_starts()
+        try:
+            self._load_tables()
+        except (OSError, CacheError):
+            meta_path = fmt.cache_path(self.cache_dir, self.split, "meta")
+            if _meta_now(meta_path) == self.meta:
+                raise  # the cache is as it was: the error is the news
+            raise CacheCorruptError(f"latent cache {self.cache_dir} (split {self.split!r}) was rebuilt after this reader opened it "
+                                    f"(its meta {meta_path} changed or is gone): its index files are another generation's; "
+                                    f"open the cache again") from None
         self._reset_process_state()
 
     def _shaped_row_starts(self) -> np.ndarray:
@@ -520,6 +583,8 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
     for items in cache.field_items.values():  # every field value against its CRC (a shared value once)
         _, first = np.unique(items.row_starts, return_index=True)
         items.check(first)
+    if cache._key_table() is not None:  # every block of the key table against its CRC
+        cache._key_table().check_all()
     cache.keys  # noqa: B018 - a malformed keys file fails verify
     seconds = time.perf_counter() - start
     nbytes = int(cache.row_starts[-1]) * 2
@@ -544,7 +609,8 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
     cache = LatentCache(cache_dir, split, **remote)
     cache_dir = cache.cache_dir  # (a cache in object storage: the local folder of its files)
     files = {}
-    for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info"):
+    for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info",
+                 *keytable.TABLES, keytable.CRC_KIND):
         path = fmt.cache_path(cache_dir, split, kind)
         if os.path.exists(path):
             files[os.path.basename(path)] = os.path.getsize(path)

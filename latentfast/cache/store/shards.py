@@ -373,10 +373,23 @@ class ShardedCache(LatentCache):
         shard, row = self._where(i)
         return shard.info(row)
 
+    def _key_table(self):
+        return None  # (the meta is the first shard's: each shard looks its own keys up)
+
+    def stores_keys(self) -> bool:
+        return any(s.stores_keys() for s in self.shards)
+
+    def key(self, i: int) -> str:
+        shard, row = self._where(i)
+        return shard.key(row) if self.stores_keys() else str(self._checked_index(i))
+
+    def keys_of(self, index) -> list[str]:
+        return [self.key(i) for i in np.asarray(index, dtype=np.int64).tolist()]
+
     @property
     def keys(self) -> list[str]:
         if self._keys is None:
-            if not any(os.path.exists(fmt.cache_path(s.cache_dir, self.split, "keys")) for s in self.shards):
+            if not self.stores_keys():
                 self._keys = [str(i) for i in range(len(self))]  # as a keyless cache: the row numbers (of the whole)
             else:
                 keys = [k for s in self.shards for k in s.keys]

@@ -35,6 +35,7 @@ import torch
 
 from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
+from . import keytable
 from .fields import LATENT, FieldStore, as_stored, check_name, field_path
 from .durable import HASH_BYTES, BuildLock, append_log, file_size, publish, pwrite_all, read_log, rewrite_log
 
@@ -391,6 +392,9 @@ class LatentCacheWriter:
                  "info": _json_bytes(info) if any(info) else None,
                  "widths": None, "white": None}  # a line cache's leftovers would contradict this one
         paths, meta, renames = dict(self._paths), self._meta(shapes), []
+        key_files, meta["key_table"] = keytable.table_files(self.keys)  # what readers look keys up in, mapped
+        files.update(key_files)
+        paths.update({kind: fmt.cache_path(self.out_dir, self.split, kind) for kind in key_files})
         for name, store in self._fields.items():
             spans, crc, meta.setdefault("fields", {})[name] = store.index_files([r["f"][name] for r in self._records])
             for kind, label, payload in (("spans", "spans", spans), ("crc", "crc32", crc)):  # label: as format.damaged_files finds it
