@@ -1,6 +1,6 @@
 """The index at scale: keys looked up in the mapped key table (no key list loaded), its blocks checked on
-first touch, caches from before the table read from their keys file, and a cache that pickles as its paths
-and meta (a spawned worker maps the same files)."""
+first touch, caches from before the table read from their keys file; shapes and offsets mapped and checked
+a block of items at a time; a cache that pickles as its paths and meta (a spawned worker maps the same files)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import torch
 
 from latentfast import sampling
 from latentfast.cache import LatentCache, LatentCacheWriter, cache_path, read_batch, verify_cache
-from latentfast.cache.store import keytable
+from latentfast.cache.store import keytable, tables
 from latentfast.errors import CacheCorruptError, UnknownKeyError
 from test_cache_draws import write_distributions
 
@@ -108,6 +108,7 @@ def test_a_cache_from_before_the_key_table_reads_its_keys_file(tmp_path):
         os.remove(cache_path(tmp_path, "train", kind))
     with open(meta_path, "w") as fh:
         json.dump(meta, fh)
+    _forget(tmp_path, "index_blocks", tables.CRC_KIND)  # (written before both)
     cache = LatentCache(tmp_path)
     assert cache.index(keys[31]) == 31 and keys[2] in cache and "nope" not in cache
     assert cache.key(9) == keys[9] and cache.keys_of([4, 1]) == [keys[4], keys[1]]
@@ -137,3 +138,95 @@ def test_a_pickled_cache_unpickled_after_a_rebuild_of_other_items_raises(tmp_pat
     write_tiny(tmp_path, 31, prefix="other")  # a rebuild: more items, another index
     with pytest.raises(CacheCorruptError, match="rebuilt after this reader opened it"):
         pickle.loads(blob)
+
+
+# -- the shapes and offsets: mapped at open, checked a block of items at a time ----------------------------------
+def _forget(folder, entry, kind):
+    """The cache as written before ``entry`` (and its file ``kind``) existed."""
+    meta_path = cache_path(folder, "train", "meta")
+    with open(meta_path) as fh:
+        meta = json.load(fh)
+    del meta[entry], meta["files"][kind]
+    os.remove(cache_path(folder, "train", kind))
+    with open(meta_path, "w") as fh:
+        json.dump(meta, fh)
+
+
+def _bump_shape(folder, item):
+    """Item ``item``'s last size one larger in the shapes file (the offsets then disagree)."""
+    path = cache_path(folder, "train", "shapes")
+    shapes = np.load(path, mmap_mode="r+")
+    shapes[item, -1] += 1
+    shapes.flush()
+
+
+def test_a_damaged_index_block_is_refused_when_its_items_are_first_read(tmp_path):
+    write_tiny(tmp_path, 20000)  # 3 blocks of 8192 items
+    assert LatentCache(tmp_path).meta["index_blocks"] == {"block_items": tables.BLOCK_ITEMS}
+    _bump_shape(tmp_path, 9000)  # in block 1
+    cache = LatentCache(tmp_path)  # opening reads none of the index
+    assert cache[5].tolist() == [[[5.0]]] * 4 and read_batch(cache, [0, 8191])[0].shape == (2, 4, 1, 1)
+    for read in (lambda: cache[8192], lambda: read_batch(cache, [0, 9000]), lambda: cache.record(8200),
+                 lambda: cache.shapes):
+        with pytest.raises(CacheCorruptError, match=r"block 1 \(items 8192\.\.16383\) fails its CRC-32"):
+            read()
+    with pytest.raises(CacheCorruptError, match=r"shapes\.npy fails its CRC-32"):
+        verify_cache(tmp_path)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # a worker checks for itself
+        with pytest.raises(CacheCorruptError, match="block 1"):
+            pool.apply(_batch_in_child, (cache, [9000]))
+
+
+def test_a_cache_from_before_the_index_blocks_is_checked_whole_when_it_opens(tmp_path):
+    write_tiny(tmp_path, 20000)
+    _forget(tmp_path, "index_blocks", tables.CRC_KIND)
+    cache = LatentCache(tmp_path)
+    assert cache.__dict__["_index_blocks"] is None and cache[9000].tolist() == [[[9000 % 2048]]] * 4
+    _bump_shape(tmp_path, 19999)
+    with pytest.raises(CacheCorruptError, match="offsets .* disagree with the shapes"):
+        LatentCache(tmp_path)
+
+
+# -- the writer's bulk path --------------------------------------------------------------------------------------
+def test_append_many_writes_the_bytes_of_one_append_per_item_and_checks_everything_first(tmp_path):
+    rng = np.random.default_rng(0)
+    latents = rng.standard_normal((300, 4, 2, 3)).astype(np.float32)
+    keys = [f"k{i}" for i in range(300)]
+    hashes = [bytes([i % 256]) * 16 if i % 3 else None for i in range(300)]
+    with LatentCacheWriter(tmp_path / "one", flush_every=64) as writer:
+        for key, latent, h in zip(keys, latents, hashes):
+            writer.append(key, latent, source_hash=h)
+    writer = LatentCacheWriter(tmp_path / "bulk", flush_every=64)
+    writer.append_many(keys[:100], torch.from_numpy(latents[:100]), source_hashes=hashes[:100])
+    for bad, match in (((["k100", "k100"], latents[100:102]), "'k100' appears twice"),
+                       ((["k5", "k101"], latents[100:102]), "'k5' was already written"),
+                       ((["k100"], latents[100:102]), r"B = len\(keys\) = 1"),
+                       ((["k100", "k101"], np.stack([latents[100], np.full((4, 2, 3), np.inf, np.float32)])), "key 'k101' holds values"),
+                       ((["k100"], latents[100:101, :2]), "4 channels")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            writer.append_many(*bad)
+    assert len(writer) == 100
+    writer.close()  # an interrupted bulk import resumes like any other
+    with LatentCacheWriter(tmp_path / "bulk", flush_every=64) as writer:
+        assert writer.resumed and len(writer) == 100
+        writer.append_many(keys[100:], latents[100:], source_hashes=hashes[100:])
+    for kind in ("data", "shapes", "offsets", "checksums", "hashes", "keys", *keytable.TABLES, keytable.CRC_KIND, tables.CRC_KIND, "meta"):
+        assert open(cache_path(tmp_path / "bulk", "train", kind), "rb").read() == open(cache_path(tmp_path / "one", "train", kind), "rb").read(), kind
+
+
+def test_a_sharded_cache_pickles_as_its_shards_paths_and_reads_keys_from_their_tables(tmp_path):
+    from latentfast.cache.store.shards import merge_caches
+
+    parts = [str(tmp_path / f"part{s}") for s in range(2)]
+    keys = [write_tiny(part, 30_000, prefix=f"s{s}-") for s, part in enumerate(parts)]
+    merge_caches(parts[::-1], str(tmp_path / "merged"))
+    cache = LatentCache(str(tmp_path / "merged"))
+    picked = [0, 29_999, 30_000, 59_999]
+    want = read_batch(cache, picked, return_keys=True)
+    assert want[2] == [keys[1][0], keys[1][-1], keys[0][0], keys[0][-1]] and cache.key(30_001) == keys[0][1]
+    assert no_list_loaded(cache) and all(no_list_loaded(s) for s in cache.shards)
+    blob = pickle.dumps(cache)
+    assert len(blob) < 64 << 10  # (the order alone is 960 KB)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = pool.apply(_batch_in_child, (cache, picked))
+    assert torch.equal(got[0], want[0]) and got[2] == want[2]

@@ -18,7 +18,10 @@ from ..feed import coldread, gather
 from ..remote.storage import is_remote
 from . import fields as fieldstore
 from . import format as fmt
-from . import keytable, layout
+from . import keytable, layout, tables
+
+
+_CHECK_CHUNK = 1 << 16  # items whose shapes and offsets are checked at once when a cache opens
 
 
 class LatentCache:
@@ -119,7 +122,8 @@ class LatentCache:
         self._load_index()
         self._field_index = {name: fieldstore.load_field_index(self.cache_dir, self.split, name, entry, len(self))
                              for name, entry in self._declared_fields().items()}
-        fmt.check_recorded(self.cache_dir, self.split, self.meta, ("widths", "offsets", "shapes"))
+        blocks = self.__dict__.get("_index_blocks") is not None  # (its shapes and offsets: checked per block, see tables)
+        fmt.check_recorded(self.cache_dir, self.split, self.meta, ("widths",) if blocks else ("widths", "offsets", "shapes"))
 
     def _reset_process_state(self) -> None:
         """What each process opens for itself: the map, its file descriptor, the tensor views."""
@@ -180,23 +184,29 @@ class LatentCache:
                 raise CacheCorruptError(f"latent cache offsets {opath} disagree with the widths (row i must span C*h*w_i elements, back to back)")
 
     def _load_shapes(self) -> None:
+        """The shapes and offsets, mapped (their pages are the page cache's, shared by every process). A cache
+        with ``index_blocks`` has each block checked when its items are first read (:mod:`.tables`: opening
+        reads none of them); an older one is checked whole now, a chunk at a time (no temporary grows with N)."""
         m = self.meta
         n, ndim = m["n"], m["ndim"]
         spath = fmt.cache_path(self.cache_dir, self.split, "shapes")
-        shapes = fmt.load_npy(spath, "shapes")
+        shapes = fmt.load_npy(spath, "shapes", mmap=True)
         if shapes.shape != (n, ndim) or not np.issubdtype(shapes.dtype, np.integer):
             raise CacheCorruptError(f"latent cache shapes {spath} must be an integer array of shape [n, ndim] = [{n}, {ndim}], got {shapes.dtype} {list(shapes.shape)}")
         shapes = shapes.astype(np.int64, copy=False)
-        if n and (shapes.min() < 1 or np.any(shapes[:, 0] != m["channels"]) or np.prod(shapes, axis=1, dtype=np.float64).max() > fmt.MAX_ROW_ELEMENTS):
-            bad = int(np.flatnonzero((shapes.min(axis=1) < 1) | (shapes[:, 0] != m["channels"]) | (np.prod(shapes, axis=1, dtype=np.float64) > fmt.MAX_ROW_ELEMENTS))[0])
-            raise CacheCorruptError(f"latent cache shapes {spath}: item {bad} has shape {shapes[bad].tolist()} (needs positive sizes and channels={m['channels']})")
-        self._shapes = shapes
-        self.widths = shapes[:, -1].astype(np.int32)
-        self.row_starts = self._shaped_row_starts()
         opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
-        offsets = fmt.load_npy(opath, "offsets")
-        if offsets.shape != (n + 1,) or not np.array_equal(offsets, fmt.shaped_offsets(shapes)):
+        offsets = fmt.load_npy(opath, "offsets", mmap=True)
+        if offsets.shape != (n + 1,) or not np.issubdtype(offsets.dtype, np.integer) or int(offsets[0]) != 0:
             raise CacheCorruptError(f"latent cache offsets {opath} disagree with the shapes (item i must span prod(shapes[i]) elements, back to back)")
+        offsets = offsets.astype(np.int64, copy=False)
+        # a cache with block checksums of its index: each block checked when first read (nothing read now)
+        self._index_blocks = tables.ItemBlocks(self.cache_dir, self.split, m, shapes, offsets) if "index_blocks" in m else None
+        for r0 in range(0, n, _CHECK_CHUNK) if self._index_blocks is None else ():
+            tables.check_rows(shapes[r0: r0 + _CHECK_CHUNK], offsets[r0: r0 + _CHECK_CHUNK + 1], r0, m["channels"], spath, opath)
+        self._shapes = shapes
+        self.widths = shapes[:, -1]  # (a view of the mapped shapes)
+        units = fmt.LATENT_DTYPES[m.get("dtype", "float16")] // fmt.UNIT_BYTES
+        self.row_starts = offsets if units == 1 else offsets * units  # offsets count elements; reads address 2-byte units
 
     def _resolve_white(self, given: Any) -> torch.Tensor | None:
         shape = (self.channels, self.latent_h, 1)
@@ -246,8 +256,11 @@ class LatentCache:
 
     @property
     def shapes(self) -> np.ndarray:
-        """int64 ``[N, ndim]``: each item's shape (``[C, h, w_i]`` rows in a line cache)."""
+        """int64 ``[N, ndim]``: each item's shape (``[C, h, w_i]`` rows in a line cache). Every block of a
+        shaped cache's index is checked the first time this is asked for (reads of items check only theirs)."""
         if self.shaped:
+            if self.__dict__.get("_index_blocks") is not None:
+                self._index_blocks.check_all()
             return self._shapes
         shapes = np.empty((len(self), 3), dtype=np.int64)
         shapes[:, 0], shapes[:, 1], shapes[:, 2] = self.channels, self.latent_h, self.widths
@@ -417,6 +430,8 @@ class LatentCache:
         """Item ``i`` as a copy in the cache's :attr:`dtype`, read with one ``preadv`` (a file truncated under the reader
         reads short and raises :class:`CacheCorruptError`; a map would die of SIGBUS instead)."""
         i = self._checked_index(i)
+        if self.items.index_checks is not None:
+            self.items.index_checks.check([i])
         if self.verify_rows:
             self.verify_items([i])
         fd = self.items.fd()
@@ -470,7 +485,7 @@ class LatentCache:
 
     # -- pickling: paths and meta only (a few KiB at any N) ---------------------------------
     _PER_ITEM = ("items", "field_items", "_field_fds", "row_starts", "_keys", "_info", "_key_index", "_keytab",
-                 "widths", "_shapes", "_field_index")
+                 "widths", "_shapes", "_field_index", "_index_blocks")
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -490,9 +505,6 @@ class LatentCache:
                                     f"(its meta {meta_path} changed or is gone): its index files are another generation's; "
                                     f"open the cache again") from None
         self._reset_process_state()
-
-    def _shaped_row_starts(self) -> np.ndarray:
-        return layout.row_starts("shaped", len(self), shapes=self._shapes, dtype=self.meta.get("dtype", "float16"))
 
     def _line_row_starts(self) -> np.ndarray:
         return layout.row_starts(self.layout, len(self), channels=self.channels, latent_h=self.latent_h,
@@ -572,6 +584,8 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
     damaged = fmt.damaged_files(cache.cache_dir, split, cache.meta)
     if damaged:
         raise CacheCorruptError(damaged[0] + "; rerun the build to repair it")
+    if cache.__dict__.get("_index_blocks") is not None:
+        cache._index_blocks.check_all()
     found, block_rows = bad_blocks(cache, first_only=True)
     if found:
         b, r0, r1, row = found[0]
@@ -610,7 +624,7 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
     cache_dir = cache.cache_dir  # (a cache in object storage: the local folder of its files)
     files = {}
     for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info",
-                 *keytable.TABLES, keytable.CRC_KIND):
+                 *keytable.TABLES, keytable.CRC_KIND, tables.CRC_KIND):
         path = fmt.cache_path(cache_dir, split, kind)
         if os.path.exists(path):
             files[os.path.basename(path)] = os.path.getsize(path)
