@@ -278,11 +278,12 @@ class LatentCacheWriter:
         pwrite_all(self._fd, half, self._end)
         self._end += half.nbytes
         rows = half.reshape(len(keys), -1)
-        for b, key in enumerate(keys):
-            record = {"k": key, "s": shape, "c": zlib.crc32(rows[b])}  # (one shape list shared: records are never edited)
-            if hashes[b] is not None:
-                record["h"] = hashes[b]
-            self._remember(record)
+        records = [{"k": key, "s": shape, "c": zlib.crc32(row)} for key, row in zip(keys, rows)]  # (one shape list shared: records are never edited)
+        for record, h in zip(records, hashes):
+            if h is not None:
+                record["h"] = h
+        self._index.update(zip(keys, range(len(self._records), len(self._records) + len(keys))))  # as _remember, in bulk
+        self._records.extend(records)
         if len(self._records) - self._logged >= self.flush_every:
             self.flush()
 
