@@ -58,11 +58,6 @@ def table_files(keys: list[str]) -> tuple[dict[str, bytes], dict]:
     return files, {"block_bytes": BLOCK_BYTES}
 
 
-def no_table_files() -> dict[str, None]:
-    """The publish entries that remove a key table left by an earlier cache of the split."""
-    return dict.fromkeys((*TABLES, CRC_KIND))
-
-
 class KeyTable:
     """One opened cache's key table: mapped in each process on first use, checked block by block."""
 
@@ -145,7 +140,6 @@ class KeyTable:
 
         h = np.uint64(key_hash(key))
         per = self.block_bytes // 8
-        hashes = self._map()["key_hashes"][0]
         lo, hi = 0, _blocks(self.n, per)  # the first entry >= h lies in block lo or at the start of block lo + 1
         while hi - lo > 1:
             mid = (lo + hi) // 2
