@@ -164,7 +164,7 @@ def test_a_damaged_index_block_is_refused_when_its_items_are_first_read(tmp_path
     write_tiny(tmp_path, 20000)  # 3 blocks of 8192 items
     assert LatentCache(tmp_path).meta["index_blocks"] == {"block_items": tables.BLOCK_ITEMS}
     _bump_shape(tmp_path, 9000)  # in block 1
-    cache = LatentCache(tmp_path)  # opening reads none of the index
+    cache = LatentCache(tmp_path)  # opening checks only the last block
     assert cache[5].tolist() == [[[5.0]]] * 4 and read_batch(cache, [0, 8191])[0].shape == (2, 4, 1, 1)
     for read in (lambda: cache[8192], lambda: read_batch(cache, [0, 9000]), lambda: cache.record(8200),
                  lambda: cache.shapes):
@@ -175,6 +175,9 @@ def test_a_damaged_index_block_is_refused_when_its_items_are_first_read(tmp_path
     with multiprocessing.get_context("spawn").Pool(1) as pool:  # a worker checks for itself
         with pytest.raises(CacheCorruptError, match="block 1"):
             pool.apply(_batch_in_child, (cache, [9000]))
+    _bump_shape(tmp_path, 19999)  # the last block, whose end offset sizes the data file: refused at open
+    with pytest.raises(CacheCorruptError, match=r"block 2 \(items 16384\.\.19999\) fails its CRC-32"):
+        LatentCache(tmp_path)
 
 
 def test_a_cache_from_before_the_index_blocks_is_checked_whole_when_it_opens(tmp_path):

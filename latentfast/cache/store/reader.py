@@ -186,7 +186,7 @@ class LatentCache:
     def _load_shapes(self) -> None:
         """The shapes and offsets, mapped (their pages are the page cache's, shared by every process). A cache
         with ``index_blocks`` has each block checked when its items are first read (:mod:`.tables`: opening
-        reads none of them); an older one is checked whole now, a chunk at a time (no temporary grows with N)."""
+        checks only the last one); an older one is checked whole now, a chunk at a time (no temporary grows with N)."""
         m = self.meta
         n, ndim = m["n"], m["ndim"]
         spath = fmt.cache_path(self.cache_dir, self.split, "shapes")
@@ -199,8 +199,10 @@ class LatentCache:
         if offsets.shape != (n + 1,) or not np.issubdtype(offsets.dtype, np.integer) or int(offsets[0]) != 0:
             raise CacheCorruptError(f"latent cache offsets {opath} disagree with the shapes (item i must span prod(shapes[i]) elements, back to back)")
         offsets = offsets.astype(np.int64, copy=False)
-        # a cache with block checksums of its index: each block checked when first read (nothing read now)
+        # a cache with block checksums of its index: each block checked when its items are first read
         self._index_blocks = tables.ItemBlocks(self.cache_dir, self.split, m, shapes, offsets) if "index_blocks" in m else None
+        if self._index_blocks is not None and n:
+            self._index_blocks.check([n - 1])  # the last block: its end offset sizes the data file (checked next)
         for r0 in range(0, n, _CHECK_CHUNK) if self._index_blocks is None else ():
             tables.check_rows(shapes[r0: r0 + _CHECK_CHUNK], offsets[r0: r0 + _CHECK_CHUNK + 1], r0, m["channels"], spath, opath)
         self._shapes = shapes

@@ -2,8 +2,9 @@
 
 The writer's finish step writes ``{split}.latents.index.crc32.npy`` (uint32, one CRC-32 per block of
 ``block_items`` items: of the block's rows of the shapes file, then its offsets ``[r0, r1]``) and the meta
-entry ``index_blocks: {"block_items": ...}``. A reader of such a cache maps the two tables and reads
-nothing of them when it opens (the cost is the same at 10^3 and 10^9 items); :class:`ItemBlocks` checks
+entry ``index_blocks: {"block_items": ...}``. A reader of such a cache maps the two tables and checks only
+their last block when it opens (its end offset sizes the data file: the cost is the same at 10^3 and 10^9
+items); :class:`ItemBlocks` checks
 each block the first time an item of it is read (a batch, ``cache[i]``, a prefetch), in each process:
 its CRC, then that its shapes have the meta's channels and positive sizes and its offsets advance by
 each item's size. A damaged block raises :class:`CacheCorruptError` before any item of it is read.
