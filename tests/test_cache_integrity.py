@@ -324,18 +324,14 @@ def test_a_failed_finish_inside_with_releases_the_lock_and_the_retry_works(tmp_p
     assert not os.path.exists(lock_path(folder, "train"))
 
 
-def _open_fds() -> list[str]:
-    return os.listdir("/proc/self/fd")
-
-
-def test_the_lock_file_goes_with_its_holder_and_a_waiter_never_shares_the_lock(tmp_path):
+def test_the_lock_file_goes_with_its_holder_and_a_waiter_never_shares_the_lock(tmp_path, monkeypatch):
     first = BuildLock(tmp_path, "train")
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(BuildLock(tmp_path, "train", timeout=10)))
+    got, refused = [], threading.Event()
+    try_lock = BuildLock._try_lock
+    monkeypatch.setattr(BuildLock, "_try_lock", lambda lock: try_lock(lock) or refused.set())  # (set() is None: falsy)
+    waiter = threading.Thread(target=lambda: got.append(BuildLock(tmp_path, "train", timeout=60)))
     waiter.start()
-    path = os.path.realpath(lock_path(tmp_path, "train"))
-    while sum(os.path.realpath(f"/proc/self/fd/{fd}") == path for fd in _open_fds()) < 2:
-        time.sleep(0.01)  # until the waiter has opened the lock file (and waits on it): no race with its start
+    assert refused.wait(60)  # the waiter found the lock held and waits (it holds the file open only while it tries)
     first.release()
     waiter.join()
     second = got[0]
