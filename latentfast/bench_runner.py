@@ -12,7 +12,8 @@ import os
 import time
 import traceback
 
-SUITES = ("normalize", "decode", "cache", "build", "fields", "trainers", "balance", "replay", "sampling", "sampler", "remote", "scale")
+SUITES = ("normalize", "decode", "cache", "build", "fields", "trainers", "balance", "replay", "sampling", "sampler", "remote", "scale",
+          "index")
 
 
 def load_suite(name: str):

@@ -136,9 +136,16 @@ def read_batch(cache, indices, spec: ReadSpec | None = None, *, out=None, return
         batch = _copy(table, on_cpu, device, dtype, given, spec.backend, spec.cold), torch.from_numpy(table.widths)
     if return_keys:
         layout.recheck(table)  # an unchecked index must not pick a key from the end of the list
-        keys = cache.keys
-        return (*batch, [keys[i] for i in table.index_np.tolist()])
+        return (*batch, _batch_keys(cache, table.index_np))
     return batch
+
+
+def _batch_keys(cache, index_np) -> list[str]:
+    """The keys of a batch's items: looked up in the cache's key table (``keys_of``), not its whole list."""
+    if hasattr(cache, "keys_of"):
+        return cache.keys_of(index_np)
+    keys = cache.keys  # (a cache-like object of the caller's own)
+    return [keys[i] for i in index_np.tolist()]
 
 
 _DEFAULT_SPEC = ReadSpec()
@@ -203,8 +210,7 @@ def _read_drawn(cache, items, indices, spec, on_cpu, device, dtype, out) -> dict
                                        f"build it with {how}")
     index = layout.as_row_indices(indices, len(cache))
     index_np = index.numpy()
-    keys = cache.keys
-    seeds = sampling.item_seeds([keys[i] for i in index_np.tolist()], seed, spec.epoch)
+    seeds = sampling.item_seeds(_batch_keys(cache, index_np), seed, spec.epoch)
     flipped = sampling.flip_draws(seeds, flip) if flip is not None else torch.zeros(len(index_np), dtype=torch.bool)
     if flip is not None and have["latent_flipped"].present is not None:  # only items that have a flipped latent flip
         flipped &= torch.from_numpy(have["latent_flipped"].present[index_np])

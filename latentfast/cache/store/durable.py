@@ -73,8 +73,11 @@ def read_log(path: str, header: bytes) -> list[dict] | None:
     return records
 
 
+_LOG_ENCODER = json.JSONEncoder(sort_keys=True)  # json.dumps(r, sort_keys=True) without building an encoder per record
+
+
 def log_bytes(header: bytes, records) -> bytes:
-    return header + b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
+    return header + b"".join(_LOG_ENCODER.encode(r).encode() + b"\n" for r in records)
 
 
 def rewrite_log(path: str, header: bytes, records=()) -> None:

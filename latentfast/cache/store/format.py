@@ -22,6 +22,10 @@ back to back, C-contiguous, and instead of the widths file:
 - ``{split}.latents.shapes.npy``   int64 ``[N, ndim]``, each item's shape (all share ``ndim`` and ``C``).
 - ``{split}.latents.offsets.npy``  int64 ``[N + 1]``, element offset of each item, then the end.
 - ``{split}.latents.info.json``    optional, a JSON list of one dict per item (e.g. crop and size).
+- ``{split}.latents.index.crc32.npy``  a CRC-32 per block of items of the shapes and offsets (meta ``index_blocks``;
+  see :mod:`~latentfast.cache.store.tables`): readers check a block when they first read its items.
+- ``{split}.latents.keys.*``        the keys as a mapped table with a sorted hash index (meta ``key_table``;
+  see :mod:`~latentfast.cache.store.keytable`): what readers look keys up in, the JSON list kept for older readers.
 
 Its meta has ``layout: "shaped"``, ``ndim`` and ``dtype`` (float16, bfloat16 or float32: the
 latents as they were given; offsets count elements of that dtype); its nine original fields hold ``channels``, the
@@ -79,13 +83,21 @@ _SUFFIXES = {
     "keys": "latents.keys.json",
     "hashes": "latents.hashes.npy",
     "info": "latents.info.json",
+    # the mapped key table (see latentfast.cache.store.keytable)
+    "key_bytes": "latents.keys.bin",
+    "key_offsets": "latents.keys.offsets.npy",
+    "key_hashes": "latents.keys.hash.npy",
+    "key_rows": "latents.keys.rows.npy",
+    "key_crc32": "latents.keys.crc32.npy",
+    "index_crc32": "latents.index.crc32.npy",  # block checksums of shapes and offsets (latentfast.cache.store.tables)
 }
 PARTIAL_SUFFIX = ".partial"
 
 
 def cache_path(cache_dir: str | os.PathLike, split: str, kind: str) -> str:
     """Path of one of the cache's files; ``kind`` is data, widths, meta, offsets, white,
-    checksums, progress, shapes, keys, hashes or info."""
+    checksums, progress, shapes, keys, hashes, info or one of the key table's (key_bytes, key_offsets,
+    key_hashes, key_rows, key_crc32) or index_crc32."""
     if kind not in _SUFFIXES:
         raise InvalidArgumentError(f"kind must be one of {sorted(_SUFFIXES)}, got {kind!r}")
     return os.path.join(os.fspath(cache_dir), f"{split}.{_SUFFIXES[kind]}")
@@ -294,9 +306,10 @@ def rebuild_command(cache_dir: str, split: str, meta: Mapping[str, Any], expecte
     )
 
 
-def load_npy(path: str, what: str) -> np.ndarray:
+def load_npy(path: str, what: str, mmap: bool = False) -> np.ndarray:
+    """The array at ``path`` (``mmap``: mapped read-only, only its header read); errors name the file."""
     try:
-        return np.load(path, allow_pickle=False)
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except FileNotFoundError:
         raise FileNotFoundError(f"latent cache {what} file {path} does not exist") from None
     except (ValueError, EOFError, OSError, MemoryError, SyntaxError, tokenize.TokenError) as exc:
@@ -335,7 +348,9 @@ def damaged_files(cache_dir: str, split: str, meta: Mapping[str, Any], kinds=Non
         path = cache_path(cache_dir, split, kind) if kind in _SUFFIXES else os.path.join(os.fspath(cache_dir), f"{split}.field.{kind}.npy")
         try:
             with open(path, "rb") as fh:
-                actual = zlib.crc32(fh.read())
+                actual = 0
+                while block := fh.read(CHECKSUM_BLOCK_BYTES):  # (in blocks: a large index file is never read whole)
+                    actual = zlib.crc32(block, actual)
         except FileNotFoundError:
             problems.append(f"latent cache {kind} file {path} is missing")
             continue

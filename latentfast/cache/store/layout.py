@@ -66,7 +66,9 @@ class Items:
         self.n, self.shaped, self.verify_rows = len(cache), cache.shaped, cache.verify_rows
         self.channels, self.latent_h, self.w_max = cache.channels, cache.latent_h, cache.w_max
         self.widths, self.row_starts, self.white = cache.widths, cache.row_starts, cache.white_column
-        self.shapes = cache.shapes if cache.shaped else None
+        # a cache's own mapped shapes (their blocks checked as items are read: index_checks), else a cache-like object's
+        self.shapes = (cache._shapes if hasattr(cache, "_index_blocks") else cache.shapes) if cache.shaped else None
+        self.index_checks = getattr(cache, "_index_blocks", None)
         self.dtype = getattr(cache, "dtype", torch.float16)  # the stored latents' dtype: the gathered units are viewed as it
         self.pitch = self.w_max if cache.layout == "padded" else 0
         self.remote = getattr(cache, "remote", None)  # a cache in object storage: see holding()
@@ -118,10 +120,10 @@ class Items:
         if self._source is not None:
             return self._source()
         if self._data is None:
-            with warnings.catch_warnings():  # torch warns that the memmap is not writable
+            with warnings.catch_warnings():  # torch warns that the memmaps (data, a shaped cache's offsets) are not writable
                 warnings.simplefilter("ignore", UserWarning)
                 self._data = torch.from_numpy(self.memmap())
-            self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
+                self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
             if self.shaped:
                 numel = np.diff(self.row_starts)  # units
                 if numel.size and numel.max() > _INT32_MAX:
@@ -254,6 +256,8 @@ def resolve(cache: Items, indices, *, width=None, clip: bool = False, out=None, 
         index = as_row_indices(indices, cache.n)
         index_np = index.numpy()
     table.index, table.index_np = index, index_np
+    if getattr(cache, "index_checks", None) is not None:  # the blocks of the batch's shapes and offsets, before they are read
+        cache.index_checks.check(index_np)
     if cache.verify_rows:  # before any other check of the batch: a damaged block is the news
         cache.block_checks.check(cache, table.row_starts, index_np)
     table.pitch = int(table.source[3])
@@ -402,6 +406,8 @@ def item_spans(items, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(byte starts, byte ends)`` of items ``index`` (in range) of an :class:`Items` or a field's
     :class:`~latentfast.cache.store.fields.FieldItems`."""
     index = np.asarray(index, dtype=np.int64)
+    if getattr(items, "index_checks", None) is not None:
+        items.index_checks.check(index)
     starts = items.row_starts[index] * ELEMENT_BYTES
     if items.row_ends is None:
         return starts, items.row_starts[index + 1] * ELEMENT_BYTES

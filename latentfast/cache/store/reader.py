@@ -20,7 +20,10 @@ from ..feed.readspec import ReadSpec
 from ..remote.storage import is_remote
 from . import fields as fieldstore
 from . import format as fmt
-from . import layout
+from . import keytable, layout, tables
+
+
+_CHECK_CHUNK = 1 << 16  # items whose shapes and offsets are checked at once when a cache opens
 
 
 class LatentCache:
@@ -109,15 +112,21 @@ class LatentCache:
         self.meta = meta
         self._data_path = fmt.cache_path(self.cache_dir, split, "data")
         try:
-            self._load_index()
-            self._field_index = {name: fieldstore.load_field_index(self.cache_dir, split, name, meta, len(self))
-                                 for name in self._declared_fields()}
+            self._load_tables()
             self.white_column = self._resolve_white(white_column) if not self.shaped else None
-            fmt.check_recorded(self.cache_dir, split, meta, ("widths", "offsets", "shapes", "white"))
+            fmt.check_recorded(self.cache_dir, split, meta, ("white",))
         except (OSError, CacheError):
             if _meta_now(meta_path) == meta:
                 raise  # the cache is as it was: the error is the news
             self.meta = None  # a rebuild published meanwhile: the caller tries again
+
+    def _load_tables(self) -> None:
+        """The per-item tables (the index, each field's spans), checked against the meta's record of them."""
+        self._load_index()
+        self._field_index = {name: fieldstore.load_field_index(self.cache_dir, self.split, name, self.meta, len(self))
+                             for name in self._declared_fields()}
+        blocks = self.__dict__.get("_index_blocks") is not None  # (its shapes and offsets: checked per block, see tables)
+        fmt.check_recorded(self.cache_dir, self.split, self.meta, ("widths",) if blocks else ("widths", "offsets", "shapes"))
 
     def _reset_process_state(self) -> None:
         """What each process opens for itself: the map, its file descriptor, the tensor views."""
@@ -182,23 +191,31 @@ class LatentCache:
                 raise CacheCorruptError(f"latent cache offsets {opath} disagree with the widths (row i must span C*h*w_i elements, back to back)")
 
     def _load_shapes(self) -> None:
+        """The shapes and offsets, mapped (their pages are the page cache's, shared by every process). A cache
+        with ``index_blocks`` has each block checked when its items are first read (:mod:`.tables`: opening
+        checks only the last one); an older one is checked whole now, a chunk at a time (no temporary grows with N)."""
         m = self.meta
         n, ndim = m["n"], m["ndim"]
         spath = fmt.cache_path(self.cache_dir, self.split, "shapes")
-        shapes = fmt.load_npy(spath, "shapes")
+        shapes = fmt.load_npy(spath, "shapes", mmap=True)
         if shapes.shape != (n, ndim) or not np.issubdtype(shapes.dtype, np.integer):
             raise CacheCorruptError(f"latent cache shapes {spath} must be an integer array of shape [n, ndim] = [{n}, {ndim}], got {shapes.dtype} {list(shapes.shape)}")
         shapes = shapes.astype(np.int64, copy=False)
-        if n and (shapes.min() < 1 or np.any(shapes[:, 0] != m["channels"]) or np.prod(shapes, axis=1, dtype=np.float64).max() > fmt.MAX_ROW_ELEMENTS):
-            bad = int(np.flatnonzero((shapes.min(axis=1) < 1) | (shapes[:, 0] != m["channels"]) | (np.prod(shapes, axis=1, dtype=np.float64) > fmt.MAX_ROW_ELEMENTS))[0])
-            raise CacheCorruptError(f"latent cache shapes {spath}: item {bad} has shape {shapes[bad].tolist()} (needs positive sizes and channels={m['channels']})")
-        self._shapes = shapes
-        self.widths = shapes[:, -1].astype(np.int32)
-        self.row_starts = self._shaped_row_starts()
         opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
-        offsets = fmt.load_npy(opath, "offsets")
-        if offsets.shape != (n + 1,) or not np.array_equal(offsets, fmt.shaped_offsets(shapes)):
+        offsets = fmt.load_npy(opath, "offsets", mmap=True)
+        if offsets.shape != (n + 1,) or not np.issubdtype(offsets.dtype, np.integer) or int(offsets[0]) != 0:
             raise CacheCorruptError(f"latent cache offsets {opath} disagree with the shapes (item i must span prod(shapes[i]) elements, back to back)")
+        offsets = offsets.astype(np.int64, copy=False)
+        # a cache with block checksums of its index: each block checked when its items are first read
+        self._index_blocks = tables.ItemBlocks(self.cache_dir, self.split, m, shapes, offsets) if "index_blocks" in m else None
+        if self._index_blocks is not None and n:
+            self._index_blocks.check([n - 1])  # the last block: its end offset sizes the data file (checked next)
+        for r0 in range(0, n, _CHECK_CHUNK) if self._index_blocks is None else ():
+            tables.check_rows(shapes[r0: r0 + _CHECK_CHUNK], offsets[r0: r0 + _CHECK_CHUNK + 1], r0, m["channels"], spath, opath)
+        self._shapes = shapes
+        self.widths = shapes[:, -1]  # (a view of the mapped shapes)
+        units = fmt.LATENT_DTYPES[m.get("dtype", "float16")] // fmt.UNIT_BYTES
+        self.row_starts = offsets if units == 1 else offsets * units  # offsets count elements; reads address 2-byte units
 
     def _resolve_white(self, given: Any) -> torch.Tensor | None:
         shape = (self.channels, self.latent_h, 1)
@@ -248,8 +265,11 @@ class LatentCache:
 
     @property
     def shapes(self) -> np.ndarray:
-        """int64 ``[N, ndim]``: each item's shape (``[C, h, w_i]`` rows in a line cache)."""
+        """int64 ``[N, ndim]``: each item's shape (``[C, h, w_i]`` rows in a line cache). Every block of a
+        shaped cache's index is checked the first time this is asked for (reads of items check only theirs)."""
         if self.shaped:
+            if self.__dict__.get("_index_blocks") is not None:
+                self._index_blocks.check_all()
             return self._shapes
         shapes = np.empty((len(self), 3), dtype=np.int64)
         shapes[:, 0], shapes[:, 1], shapes[:, 2] = self.channels, self.latent_h, self.widths
@@ -258,10 +278,16 @@ class LatentCache:
     @property
     def keys(self) -> list[str]:
         """Each item's source name (file name without extension for imports, the image's path for
-        builds); the row number as a string for caches that store no keys (the original format)."""
+        builds); the row number as a string for caches that store no keys (the original format).
+
+        This loads every key into a list of N strings (tens of bytes each, in every process that
+        asks): :meth:`index`, ``key in cache``, :meth:`key` and :meth:`keys_of` look keys up in the
+        mapped key table instead, without the list."""
         if self._keys is None:
             path = fmt.cache_path(self.cache_dir, self.split, "keys")
-            if os.path.exists(path):
+            if self._key_table() is not None:
+                keys = self._key_table().all()
+            elif os.path.exists(path):
                 keys = _load_json(path, "keys")
                 if not isinstance(keys, list) or len(keys) != len(self) or not all(isinstance(k, str) for k in keys):
                     raise CacheCorruptError(f"latent cache keys {path} must be a JSON list of {len(self)} strings")
@@ -298,9 +324,50 @@ class LatentCache:
                 record[name] = items.value(i)
         return record
 
+    def _key_table(self) -> keytable.KeyTable | None:
+        """The mapped key table (caches written before it existed have none: their keys file is parsed)."""
+        if "key_table" not in self.meta:
+            return None
+        if self.__dict__.get("_keytab") is None:
+            self._keytab = keytable.KeyTable(self.cache_dir, self.split, self.meta, len(self))
+        return self._keytab
+
+    def stores_keys(self) -> bool:
+        """Whether the cache stores its items' keys (else they are the row numbers as strings)."""
+        return self._key_table() is not None or os.path.exists(fmt.cache_path(self.cache_dir, self.split, "keys"))
+
+    def key(self, i: int) -> str:
+        """Item ``i``'s key (from the mapped key table where the cache has one: no key list is loaded)."""
+        i = self._checked_index(i)
+        if self._key_table() is not None:
+            return self._key_table().key(i)
+        return str(i) if not self.stores_keys() else self.keys[i]
+
+    def keys_of(self, index) -> list[str]:
+        """The keys of items ``index`` (ints in range), in that order; see :meth:`key`."""
+        index = np.asarray(index, dtype=np.int64)
+        if self._key_table() is not None:
+            return self._key_table().keys_of(index)
+        keys = self.keys
+        return [keys[i] for i in index.tolist()]
+
+    def __contains__(self, key) -> bool:
+        """Whether the cache holds an item with this key (see :meth:`index`)."""
+        try:
+            self.index(key)
+        except UnknownKeyError:
+            return False
+        return True
+
     def index(self, key: str) -> int:
         """The item whose key is ``key`` (see :attr:`keys`); :class:`~latentfast.errors.UnknownKeyError`
-        (a ``KeyError``) names a key the cache does not hold."""
+        (a ``KeyError``) names a key the cache does not hold. A cache with a key table looks it up there
+        (a binary search over its mapped hash index); an older one builds a dict of every key once."""
+        if self._key_table() is not None:
+            row = self._key_table().index(key) if isinstance(key, str) else None
+            if row is None:
+                raise UnknownKeyError(f"latent cache {self.cache_dir} (split {self.split!r}) holds no item with key {key!r}")
+            return row
         if self._key_index is None:
             keys = self.keys
             self._key_index = {k: i for i, k in reversed(list(enumerate(keys)))}  # the first of duplicates
@@ -368,6 +435,8 @@ class LatentCache:
         """Item ``i`` as a copy in the cache's :attr:`dtype`, read with one ``preadv`` (a file truncated under the reader
         reads short and raises :class:`CacheCorruptError`; a map would die of SIGBUS instead)."""
         i = self._checked_index(i)
+        if self.items.index_checks is not None:
+            self.items.index_checks.check([i])
         if self.verify_rows:
             self.verify_items([i])
         fd = self.items.fd()
@@ -437,20 +506,28 @@ class LatentCache:
         for items in (self.items, *self.field_items.values()):
             self.remote.prefetch(items, *layout.item_spans(items, index))
 
-    # -- pickling: paths, meta and the small index only -------------------------------------
+    # -- pickling: paths and meta only (a few KiB at any N) ---------------------------------
+    _PER_ITEM = ("items", "field_items", "row_starts", "_keys", "_info", "_key_index", "_keytab",
+                 "widths", "_shapes", "_field_index", "_index_blocks")
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("items", "field_items", "row_starts", "_keys", "_info", "_key_index"):
-            state.pop(key, None)  # row_starts: recomputed from the index (validated equal on open)
+        for key in self._PER_ITEM:  # each process loads the tables from the files (which the meta's CRCs pin)
+            state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.row_starts = self._shaped_row_starts() if self.shaped else self._line_row_starts()
+        try:
+            self._load_tables()
+        except (OSError, CacheError):
+            meta_path = fmt.cache_path(self.cache_dir, self.split, "meta")
+            if _meta_now(meta_path) == self.meta:
+                raise  # the cache is as it was: the error is the news
+            raise CacheCorruptError(f"latent cache {self.cache_dir} (split {self.split!r}) was rebuilt after this reader opened it "
+                                    f"(its meta {meta_path} changed or is gone): its index files are another generation's; "
+                                    f"open the cache again") from None
         self._reset_process_state()
-
-    def _shaped_row_starts(self) -> np.ndarray:
-        return layout.row_starts("shaped", len(self), shapes=self._shapes, dtype=self.meta.get("dtype", "float16"))
 
     def _line_row_starts(self) -> np.ndarray:
         return layout.row_starts(self.layout, len(self), channels=self.channels, latent_h=self.latent_h,
@@ -531,6 +608,8 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
     damaged = fmt.damaged_files(cache.cache_dir, split, cache.meta)
     if damaged:
         raise CacheCorruptError(damaged[0] + "; rerun the build to repair it")
+    if cache.__dict__.get("_index_blocks") is not None:
+        cache._index_blocks.check_all()
     found, block_rows = bad_blocks(cache, first_only=True)
     if found:
         b, r0, r1, row = found[0]
@@ -543,6 +622,8 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
         have = np.arange(items.n) if items.present is None else np.flatnonzero(items.present)
         _, first = np.unique(items.row_starts[have], return_index=True)
         items.check(have[first], finite=True)
+    if cache._key_table() is not None:  # every block of the key table against its CRC
+        cache._key_table().check_all()
     cache.keys  # noqa: B018 - a malformed keys file fails verify
     seconds = time.perf_counter() - start
     nbytes = int(cache.row_starts[-1]) * 2
@@ -567,7 +648,8 @@ def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int 
     cache = LatentCache(cache_dir, split, **remote)
     cache_dir = cache.cache_dir  # (a cache in object storage: the local folder of its files)
     files = {}
-    for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info"):
+    for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info",
+                 *keytable.TABLES, keytable.CRC_KIND, tables.CRC_KIND):
         path = fmt.cache_path(cache_dir, split, kind)
         if os.path.exists(path):
             files[os.path.basename(path)] = os.path.getsize(path)

@@ -429,25 +429,30 @@ class ShardedCache(LatentCache):
             lines = stamp_mismatch(self.shards[0], other)
             if lines:
                 raise CacheCorruptError(f"sharded cache {path}: its shards disagree:\n" + "\n".join(lines))
-        opath = order_path(self.cache_dir, split)
-        order = fmt.load_npy(opath, "shard order")
-        if zlib.crc32(fmt.npy_bytes(np.ascontiguousarray(order))) != manifest["order_crc"]:
-            raise CacheCorruptError(f"sharded cache order {opath} fails its CRC-32 recorded in {path}")
-        _check_order(order, [len(s) for s in self.shards], opath)
-        self.order = order.astype(np.int64, copy=False)
         first = self.shards[0]
         self.meta = {k: v for k, v in first.meta.items() if k != "files"}  # (each shard's files are its own)
-        self.meta.update(n=int(len(self.order)), shards=len(self.shards))
+        self.meta.update(n=sum(len(s) for s in self.shards), shards=len(self.shards))  # (the order names each row once)
         self._join_optional_fields()
         if first.shaped:
             self.meta.update({k: max(int(s.meta[k]) for s in self.shards) for k in _SHAPED_SIZES})
         self.white_column = first.white_column
+        self._order_crc = manifest["order_crc"]
+        self._load_order()
+        self.row_starts = None
+        self._reset_process_state()
+
+    def _load_order(self) -> None:
+        """The order file (checked against the manifest's CRC) and the per-item tables joined in its order."""
+        opath = order_path(self.cache_dir, self.split)
+        order = fmt.load_npy(opath, "shard order")
+        if zlib.crc32(fmt.npy_bytes(np.ascontiguousarray(order))) != self._order_crc:
+            raise CacheCorruptError(f"sharded cache order {opath} fails its CRC-32 recorded in {manifest_path(self.cache_dir, self.split)}")
+        _check_order(order, [len(s) for s in self.shards], opath)
+        self.order = order.astype(np.int64, copy=False)
         self._flat = _flat_rows(self.order, [len(s) for s in self.shards])
         self.widths = np.concatenate([s.widths for s in self.shards])[self._flat].astype(np.int32)
         if self.shaped:
             self._shapes = np.concatenate([s.shapes for s in self.shards])[self._flat]
-        self.row_starts = None
-        self._reset_process_state()
 
     def _join_optional_fields(self) -> None:
         """The meta's fields over every shard: a field optional in one shard, or missing from one (all its
@@ -487,10 +492,23 @@ class ShardedCache(LatentCache):
         shard, row = self._where(i)
         return shard.info(row)
 
+    def _key_table(self):
+        return None  # (the meta is the first shard's: each shard looks its own keys up)
+
+    def stores_keys(self) -> bool:
+        return any(s.stores_keys() for s in self.shards)
+
+    def key(self, i: int) -> str:
+        shard, row = self._where(i)
+        return shard.key(row) if self.stores_keys() else str(self._checked_index(i))
+
+    def keys_of(self, index) -> list[str]:
+        return [self.key(i) for i in np.asarray(index, dtype=np.int64).tolist()]
+
     @property
     def keys(self) -> list[str]:
         if self._keys is None:
-            if not any(os.path.exists(fmt.cache_path(s.cache_dir, self.split, "keys")) for s in self.shards):
+            if not self.stores_keys():
                 self._keys = [str(i) for i in range(len(self))]  # as a keyless cache: the row numbers (of the whole)
             else:
                 keys = [k for s in self.shards for k in s.keys]
@@ -530,14 +548,15 @@ class ShardedCache(LatentCache):
     def __repr__(self) -> str:
         return f"ShardedCache({self.cache_dir!r}, split={self.split!r}, n={len(self)}, shards={len(self.shards)}, layout={self.layout!r})"
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict:  # the shards (each its paths and meta) and the manifest's order CRC: no per-item array
         state = self.__dict__.copy()
-        for key in ("items", "field_items", "_keys", "_key_index", "_info", "_generation_lock"):
+        for key in ("items", "field_items", "_keys", "_key_index", "_info", "_generation_lock", "order", "_flat", "widths", "_shapes"):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._load_order()
         self._reset_process_state()
 
 

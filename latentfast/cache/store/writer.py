@@ -35,6 +35,7 @@ import torch
 
 from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
+from . import keytable, tables
 from .fields import LATENT, FieldStore, as_stored, check_name, field_path
 from .durable import HASH_BYTES, BuildLock, append_log, file_size, publish, pwrite_all, read_log, rewrite_log
 
@@ -282,6 +283,50 @@ class LatentCacheWriter:
         if len(self._records) - self._logged >= self.flush_every:
             self.flush()
 
+    def append_many(self, keys, latents: Any, *, source_hashes=None) -> None:
+        """Write many items of one shape at once, as :meth:`append` of each would (float16, the same records,
+        log and durability): ``latents`` a ``[B, *shape]`` tensor or array of any float dtype, ``keys`` its B
+        new distinct keys, ``source_hashes`` None or B of what :meth:`append` takes. Everything is checked
+        before anything is written, then one write: the bulk path of imports and builds of tiny items."""
+        self._check_open()
+        keys = list(keys)
+        for key in keys:
+            if not isinstance(key, str) or not key:
+                raise InvalidArgumentError(f"key must be a non-empty str, got {key!r}")
+            if key in self._index:
+                raise InvalidArgumentError(f"key {key!r} was already written (check `key in writer` to resume)")
+        if len(set(keys)) != len(keys):
+            twice = next(k for k in keys if keys.count(k) > 1)
+            raise InvalidArgumentError(f"key {twice!r} appears twice in keys")
+        if self._records and "f" in self._records[0]:
+            raise InvalidArgumentError(f"this cache's items are records of the fields {[LATENT, *self._fields]}; append them one by one")
+        if len(getattr(latents, "shape", ())) < 2 or len(latents) != len(keys):
+            raise InvalidArgumentError(f"latents must be a [B, *shape] tensor or array with B = len(keys) = {len(keys)}, "
+                                       f"got shape {list(getattr(latents, 'shape', [])) or type(latents).__name__}")
+        hashes = [None] * len(keys) if source_hashes is None else [
+            None if h is None else checked_source_hash(k, h) for k, h in zip(keys, source_hashes, strict=True)]
+        try:
+            half = as_float16(keys[0], latents) if keys else None
+        except NonFiniteError:  # name the item that holds the value
+            for key, latent in zip(keys, latents):
+                as_float16(key, latent)
+            raise
+        if not keys:
+            return
+        shape = list(half.shape[1:])
+        self._check_shape(keys[0], tuple(shape), "float16")
+        pwrite_all(self._fd, half, self._end)
+        self._end += half.nbytes
+        rows = half.reshape(len(keys), -1)
+        records = [{"k": key, "s": shape, "c": zlib.crc32(row)} for key, row in zip(keys, rows)]  # (one shape list shared: records are never edited)
+        for record, h in zip(records, hashes):
+            if h is not None:
+                record["h"] = h
+        self._index.update(zip(keys, range(len(self._records), len(self._records) + len(keys))))  # as _remember, in bulk
+        self._records.extend(records)
+        if len(self._records) - self._logged >= self.flush_every:
+            self.flush()
+
     def _split_record(self, key: str, value: Any) -> tuple[Any, dict]:
         """``(latent, {name: (dtype, shape, bytes)})`` of an item, every field checked before anything is written."""
         if not isinstance(value, Mapping):
@@ -446,6 +491,10 @@ class LatentCacheWriter:
                  "info": _json_bytes(info) if any(info) else None,
                  "widths": None, "white": None}  # a line cache's leftovers would contradict this one
         paths, meta, renames = dict(self._paths), self._meta(shapes), []
+        key_files, meta["key_table"] = keytable.table_files(self.keys)  # what readers look keys up in, mapped
+        files.update(key_files)
+        files[tables.CRC_KIND], meta["index_blocks"] = tables.index_files(shapes, offsets)  # readers check shapes per block
+        paths.update({kind: fmt.cache_path(self.out_dir, self.split, kind) for kind in (*key_files, tables.CRC_KIND)})
         for name, store in self._fields.items():
             spans, crc, present, meta.setdefault("fields", {})[name] = store.index_files(
                 _entries(self._records, name), optional=self.optional is not True and self._may_lack(name))

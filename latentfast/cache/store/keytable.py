@@ -1,0 +1,189 @@
+"""Keys without a key list: a mapped string table and a sorted hash index, checked block by block.
+
+The writer's finish step writes, beside the JSON key list that older readers read:
+
+- ``{split}.latents.keys.bin``          every key's UTF-8 bytes, back to back, in item order;
+- ``{split}.latents.keys.offsets.npy``  int64 ``[N + 1]``: byte offset of each key in ``keys.bin``, then the end;
+- ``{split}.latents.keys.hash.npy``     uint64 ``[N]``: :func:`latentfast.sampling.key_hash` of every key, sorted
+  (equal hashes by item);
+- ``{split}.latents.keys.rows.npy``     int64 ``[N]``: the item of each entry of ``keys.hash.npy``;
+- ``{split}.latents.keys.crc32.npy``    uint32: the CRC-32 of each :data:`BLOCK_BYTES` block of the four tables'
+  payloads (``keys.bin`` whole, an ``.npy``'s array bytes), the tables in the order above.
+
+and the meta entry ``key_table: {"block_bytes": ...}``. A reader maps the four tables (opening costs
+the same at any N: nothing is read until a key is asked for) and checks each block against its CRC
+the first time it reads from it, in each process: a damaged table raises :class:`CacheCorruptError`
+naming the file and block before any wrong key or item is returned. The CRC file is small (4 bytes
+per 64 KiB) and is checked whole, against the meta's record, on first use. A lookup is a binary
+search over the hash blocks (each probed block checked), then the candidates' key bytes compared.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+
+from ...errors import CacheCorruptError
+from . import format as fmt
+
+BLOCK_BYTES = 64 << 10  # a block checked on first touch: ~20 us of CRC-32
+TABLES = ("key_bytes", "key_offsets", "key_hashes", "key_rows")  # format kinds, in the CRC file's order
+CRC_KIND = "key_crc32"
+_DTYPES = {"key_bytes": np.uint8, "key_offsets": np.int64, "key_hashes": np.uint64, "key_rows": np.int64}
+
+
+def _blocks(nbytes: int, block_bytes: int) -> int:
+    return -(-nbytes // block_bytes)
+
+
+def _block_crcs(raw: np.ndarray, block_bytes: int) -> list[int]:
+    return [zlib.crc32(raw[b: b + block_bytes]) for b in range(0, raw.size, block_bytes)]
+
+
+def table_files(keys: list[str]) -> tuple[dict[str, bytes], dict]:
+    """``({kind: file bytes}, meta entry)`` of the key table of ``keys`` (what the finish step publishes)."""
+    from ...sampling import key_hash
+
+    encoded = [k.encode("utf-8") for k in keys]
+    offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(keys)), out=offsets[1:])
+    hashes = np.fromiter(map(key_hash, keys), dtype=np.uint64, count=len(keys))
+    order = np.argsort(hashes, kind="stable")  # (stable: equal hashes keep item order, the first item first)
+    arrays = {"key_bytes": np.frombuffer(b"".join(encoded), dtype=np.uint8), "key_offsets": offsets,
+              "key_hashes": hashes[order], "key_rows": order.astype(np.int64)}
+    crcs = [c for kind in TABLES for c in _block_crcs(arrays[kind].view(np.uint8), BLOCK_BYTES)]
+    files = {kind: (arrays[kind].tobytes() if kind == "key_bytes" else fmt.npy_bytes(arrays[kind])) for kind in TABLES}
+    files[CRC_KIND] = fmt.npy_bytes(np.asarray(crcs, dtype=np.uint32))
+    return files, {"block_bytes": BLOCK_BYTES}
+
+
+class KeyTable:
+    """One opened cache's key table: mapped in each process on first use, checked block by block."""
+
+    def __init__(self, cache_dir: str, split: str, meta: dict, n: int):
+        self.cache_dir, self.split, self.meta, self.n = cache_dir, split, meta, n
+        entry = meta["key_table"]
+        self.block_bytes = entry.get("block_bytes") if isinstance(entry, dict) else None
+        if not isinstance(self.block_bytes, int) or isinstance(self.block_bytes, bool) or self.block_bytes < 8 or self.block_bytes % 8:
+            raise CacheCorruptError(f"latent cache meta {fmt.cache_path(cache_dir, split, 'meta')}: key_table must be "
+                                    f"{{'block_bytes': a positive multiple of 8}}, got {entry!r}")
+        self._maps: dict | None = None
+
+    def __getstate__(self) -> dict:  # a process maps the files for itself
+        return {**self.__dict__, "_maps": None}
+
+    # -- mapping ------------------------------------------------------------------------------
+    def _map(self) -> dict:
+        """``{kind: (array, its bytes, first CRC)}``, mapped once per process; the shapes and the CRC
+        file checked (a table of the wrong size, or a CRC file the meta does not record, is refused)."""
+        if self._maps is None:
+            maps, first = {}, 0
+            expected = {"key_offsets": (self.n + 1,), "key_hashes": (self.n,), "key_rows": (self.n,)}
+            for kind in TABLES:
+                path = fmt.cache_path(self.cache_dir, self.split, kind)
+                if kind == "key_bytes":
+                    size = _size(path)
+                    array = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+                else:
+                    array = fmt.load_npy(path, kind, mmap=True)
+                    if array.shape != expected[kind] or array.dtype != _DTYPES[kind]:
+                        raise CacheCorruptError(f"latent cache {kind} file {path} must be {np.dtype(_DTYPES[kind])} "
+                                                f"{list(expected[kind])}, got {array.dtype} {list(array.shape)}")
+                raw = array.reshape(-1).view(np.uint8)
+                maps[kind] = (array, raw, first)
+                first += _blocks(raw.size, self.block_bytes)
+            cpath = fmt.cache_path(self.cache_dir, self.split, CRC_KIND)
+            crcs = fmt.load_npy(cpath, "key table checksums")
+            if crcs.shape != (first,) or crcs.dtype != np.uint32:
+                raise CacheCorruptError(f"latent cache key table checksums {cpath} must be uint32 [{first}], got "
+                                        f"{crcs.dtype} {list(crcs.shape)}")
+            fmt.check_recorded(self.cache_dir, self.split, self.meta, (CRC_KIND,))
+            self._crcs, self._verified = crcs, set()
+            self._maps = maps
+        return self._maps
+
+    def _checked(self, kind: str, lo: int, hi: int) -> np.ndarray:
+        """Table ``kind``'s elements ``[lo, hi)``, every block under them checked (once per process)."""
+        array, raw, first = self._map()[kind]
+        bb, size = self.block_bytes, array.itemsize
+        for b in range(lo * size // bb, (hi * size - 1) // bb + 1) if hi > lo else ():
+            if first + b not in self._verified:
+                if zlib.crc32(raw[b * bb: (b + 1) * bb]) != int(self._crcs[first + b]):
+                    path = fmt.cache_path(self.cache_dir, self.split, kind)
+                    raise CacheCorruptError(f"latent cache {kind} file {path}: block {b} (bytes {b * bb}..{min(raw.size, (b + 1) * bb) - 1}) "
+                                            f"fails its CRC-32 checksum; rerun the build to repair it")
+                self._verified.add(first + b)
+        return array[lo:hi]
+
+    # -- reading ------------------------------------------------------------------------------
+    def key(self, i: int) -> str:
+        """Item ``i``'s key (``i`` in range)."""
+        lo, hi = (int(x) for x in self._checked("key_offsets", i, i + 2))
+        if not 0 <= lo <= hi <= self._map()["key_bytes"][1].size:
+            raise CacheCorruptError(f"latent cache key_offsets file {fmt.cache_path(self.cache_dir, self.split, 'key_offsets')}: "
+                                    f"item {i}'s key spans bytes {lo}..{hi}, outside the key table")
+        raw = self._checked("key_bytes", lo, hi)
+        try:
+            return raw.tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise CacheCorruptError(f"latent cache key_bytes file {fmt.cache_path(self.cache_dir, self.split, 'key_bytes')}: "
+                                    f"item {i}'s key is not UTF-8") from None
+
+    def keys_of(self, index) -> list[str]:
+        """The keys of items ``index`` (in range), in that order."""
+        return [self.key(i) for i in np.asarray(index, dtype=np.int64).tolist()]
+
+    def index(self, key: str) -> int | None:
+        """The first item whose key is ``key``, or None."""
+        from ...sampling import key_hash
+
+        h = np.uint64(key_hash(key))
+        per = self.block_bytes // 8
+        lo, hi = 0, _blocks(self.n, per)  # the first entry >= h lies in block lo or at the start of block lo + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._checked("key_hashes", mid * per, mid * per + 1)[0] < h:
+                lo = mid
+            else:
+                hi = mid
+        block = self._checked("key_hashes", lo * per, min(self.n, (lo + 1) * per))
+        j = lo * per + int(np.searchsorted(block, h, side="left"))
+        while j < self.n and self._checked("key_hashes", j, j + 1)[0] == h:
+            row = int(self._checked("key_rows", j, j + 1)[0])
+            if not 0 <= row < self.n:
+                raise CacheCorruptError(f"latent cache key_rows file {fmt.cache_path(self.cache_dir, self.split, 'key_rows')}: "
+                                        f"entry {j} names item {row}, outside [0, {self.n})")
+            if self.key(row) == key:
+                return row
+            j += 1
+        return None
+
+    def all(self) -> list[str]:
+        """Every key, in item order (the whole table checked and decoded)."""
+        offsets = self._checked("key_offsets", 0, self.n + 1)
+        text = self._checked("key_bytes", 0, self._map()["key_bytes"][1].size).tobytes()
+        if self.n and (offsets[0] != 0 or offsets[-1] != len(text) or np.any(np.diff(offsets) < 0)):
+            raise CacheCorruptError(f"latent cache key_offsets file {fmt.cache_path(self.cache_dir, self.split, 'key_offsets')} "
+                                    f"does not cut the key table into {self.n} keys")
+        try:
+            return [text[a:b].decode("utf-8") for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+        except UnicodeDecodeError:
+            raise CacheCorruptError(f"latent cache key_bytes file {fmt.cache_path(self.cache_dir, self.split, 'key_bytes')} "
+                                    f"holds a key that is not UTF-8") from None
+
+    def check_all(self) -> None:
+        """Check every block of every table (what ``verify`` does), then that the hash index is sorted."""
+        for kind in TABLES:
+            array = self._map()[kind][0]
+            self._checked(kind, 0, array.size)
+        hashes = self._map()["key_hashes"][0]
+        if self.n > 1 and np.any(hashes[1:] < hashes[:-1]):
+            raise CacheCorruptError(f"latent cache key_hashes file {fmt.cache_path(self.cache_dir, self.split, 'key_hashes')} is not sorted")
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        raise FileNotFoundError(f"latent cache key table file {path} does not exist; rerun the build to repair it") from None
