@@ -5,6 +5,8 @@ spawned gloo group; batches in reused buffers (no allocation per batch in steady
 dataset with torch's own DataLoader and DistributedSampler; ReadSpec and read_batch(out=BatchBuffers)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -333,6 +335,39 @@ def test_the_prefetcher_moves_the_loaders_batches(folders):
     assert len(direct) == len(through)
     for a, b in zip(direct, through):
         assert_same(a, b)
+
+
+class RingSource:
+    """A loader that reuses a ring of ``hold + 1`` buffers, as LatentLoader does; it records each pull that
+    would write over a batch the loop still holds (the prefetcher's ``_handed``: batches the loop has)."""
+
+    recycle, hold = True, 2
+
+    def __init__(self, prefetcher_of, n=12):
+        self.prefetcher_of, self.n, self.pulls, self.overwrites = prefetcher_of, n, 0, []
+
+    def __iter__(self):
+        ring = [torch.zeros(4) for _ in range(self.hold + 1)]
+        for j in range(self.n):
+            held = self.prefetcher_of()._handed - 1  # the batch the loop holds now
+            if held >= 0 and j - held > self.hold:
+                self.overwrites.append((j, held))
+            ring[j % len(ring)].fill_(j)
+            self.pulls += 1
+            yield {"latent": ring[j % len(ring)]}
+
+
+def test_the_prefetcher_on_the_cpu_never_pulls_over_a_batch_the_loop_holds():
+    prefetcher = None
+    source = RingSource(lambda: prefetcher)
+    prefetcher = DevicePrefetcher(source, "cpu", lookahead=4)
+    for k, batch in enumerate(prefetcher):
+        if k == 0:  # give the producer every chance to run ahead (bounded: a fixed prefetcher stops at 3 pulls)
+            deadline = time.monotonic() + 2
+            while source.pulls < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert batch["latent"][0].item() == k  # the values it was handed with
+    assert source.overwrites == [] and source.pulls == source.n
 
 
 @pytest.mark.parametrize("lookahead", [0, 2])

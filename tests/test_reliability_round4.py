@@ -371,6 +371,12 @@ def test_draws_work_for_every_key_a_keys_file_can_hold(tmp_path):
     keys_path = fmt.cache_path(str(tmp_path), "train", "keys")
     text = open(keys_path, encoding="utf-8").read().replace('"b"', '"caf\\udce9"')  # as an older import wrote it
     rewrite_index(str(tmp_path), "keys", keys_path, text.encode())
+    meta_path = fmt.cache_path(str(tmp_path), "train", "meta")
+    with open(meta_path) as fh:
+        meta = json.load(fh)
+    del meta["key_table"]  # an older writer's cache: its keys file is the only list of keys
+    with open(meta_path, "w") as fh:
+        json.dump(meta, fh)
     cache = LatentCache(tmp_path)
     assert cache.keys[1] == "caf\udce9"
     batch = cache.read_batch([0, 1], flip=0.5, sample=True, seed=4)

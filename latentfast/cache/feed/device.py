@@ -201,7 +201,8 @@ class DevicePrefetcher:
     save the prefetcher's own :meth:`state_dict` (a :class:`~latentfast.cache.LatentLoader`'s state
     after the batches this prefetcher handed to the loop, not those it pulled ahead). From a
     LatentLoader that reuses its buffers, a batch is pulled only once the copy of the one ``hold + 1``
-    before it has finished (the loader writes over that one next).
+    before it has finished (the loader writes over that one next); on the CPU, where nothing is copied,
+    it reads at most ``hold - 1`` batches ahead of the loop.
     """
 
     def __init__(self, batches: Iterable, device="cuda", *, lookahead: int = DEFAULT_LOOKAHEAD):
@@ -225,8 +226,13 @@ class DevicePrefetcher:
 
     def __iter__(self):
         self._handed = 0  # batches handed to the loop in this pass
-        if self.lookahead:
-            return self._threaded()
+        lookahead = self.lookahead
+        if self.device.type != "cuda" and getattr(self.batches, "recycle", False):
+            # nothing is copied on the CPU: the batch handed over is the loader's own buffer, written over once
+            # `hold` later batches are pulled; the queue plus the one the producer holds must fit in that
+            lookahead = min(lookahead, self.batches.hold - 1)
+        if lookahead > 0:
+            return self._threaded(lookahead)
         if self.device.type != "cuda":
             return self._counted()
         return self._inline()
@@ -251,9 +257,9 @@ class DevicePrefetcher:
             self._handed += 1
             yield self._hand_over(*pending)
 
-    def _threaded(self):
+    def _threaded(self, lookahead: int):
         """Batches from a producer thread, at most ``lookahead`` ahead; its errors are raised here."""
-        ready: queue.Queue = queue.Queue(maxsize=self.lookahead)
+        ready: queue.Queue = queue.Queue(maxsize=lookahead)
         stop = threading.Event()
         source = iter(self.batches)  # made in the loop's thread (DataLoader iterators set up signals)
         # the producer runs `batches` as the loop's thread would: with its current CUDA device ("cuda" in

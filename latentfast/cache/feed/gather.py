@@ -221,7 +221,7 @@ def _read_drawn(cache, items, indices, spec, on_cpu, device, dtype, out) -> dict
         if len(lacking):
             at = int(lacking[0])
             raise AbsentValueError(f"{'sample=True' if name.endswith('_std') else 'flip='} reads field {name!r} of indices[{at}] = "
-                                   f"{int(index_np[at])} (key {keys[int(index_np[at])]!r}), which that item lacks")
+                                   f"{int(index_np[at])} (key {_batch_keys(cache, index_np[at:at + 1])[0]!r}), which that item lacks")
     extra = [n for n in ("latent_std",) if sample and n not in names]
     batch = _read_records(cache, items, index, spec, names + extra, on_cpu, device, dtype, out)
     latent = batch["latent"]
