@@ -128,14 +128,15 @@ def on_the_fly_batches(args, vae, text_encoder, device):
         def __getitem__(self, i):
             key, path = self.entries[i]
             item = media.Item(key, path, width=SIZE, height=SIZE, bucket=(SIZE, SIZE))
-            return media.load_image(item)[0], self.captions(key, path)
+            pixels = torch.from_numpy(media.load_image(item)[0]).permute(2, 0, 1)  # uint8 [3, h, w]
+            return pixels, self.captions(key, path)
 
     loader = DataLoader(Images(args.images), batch_size=args.batch_size, shuffle=True, drop_last=True,
                         num_workers=args.workers, persistent_workers=args.workers > 0)
     while True:
         for pixels, captions in loader:
             flip = torch.rand(pixels.shape[0]) < 0.5
-            pixels = torch.where(flip[:, None, None, None], pixels.flip(-1), pixels).to(device)
+            pixels = torch.where(flip[:, None, None, None], pixels.flip(-1), pixels).to(device).float() / 127.5 - 1
             with torch.no_grad():
                 latents = vae.vae.encode(pixels).latent_dist.sample() * vae.vae.config.scaling_factor
                 encoded = text_encoder.encode(list(captions))

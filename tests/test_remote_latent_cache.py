@@ -239,8 +239,8 @@ def test_a_half_pushed_cache_never_opens_and_bad_arguments_are_named(caches, tmp
     monkeypatch.undo()
     with pytest.raises(RemoteNotFoundError, match=r"s3://lfcache/half/train\.latents\.meta\.json does not exist.*push"):
         remote(endpoint, "half", tmp_path)
-    with pytest.raises(InvalidArgumentError, match="local_cache"):
-        LatentCache("s3://lfcache/padded", storage_options=s3_options(endpoint))
+    with pytest.raises(InvalidArgumentError, match="local_cache_bytes must be positive, got -1"):
+        LatentCache("s3://lfcache/padded", storage_options=s3_options(endpoint), local_cache_bytes=-1)
     with pytest.raises(InvalidArgumentError, match="object storage"):
         LatentCache(folders["padded"], local_cache=str(tmp_path))
 
