@@ -43,6 +43,8 @@ _EXPORTS = {
     "item_chunks": ".feed.sampler",
     "CacheBatchDataset": ".feed.loader",
     "LatentLoader": ".feed.loader",
+    "open_dataset": ".dataset_config",
+    "ConfigDataset": ".dataset_config",
     "RecordDataset": ".feed.loader",
     "collate_records": ".feed.loader",
     "ReadSpec": ".feed.readspec",

@@ -10,7 +10,8 @@ of ``resolution``, ``min_bucket_reso``, ``max_bucket_reso``, ``bucket_reso_steps
 ratio (linear, the first such bucket in sorted order; an image of a bucket's exact size gets that one),
 its own size rounded down to the steps with ``bucket_no_upscale``, one fixed ``resolution`` without
 ``enable_bucket``. ``dataset.json`` in ``out_dir`` lists every split with its ``num_repeats``, image
-folder and options, for the loader's weights. Captions (with a text encoder): the subset's
+folder and options; :func:`open_dataset` opens the splits with their repeats for a
+:class:`~latentfast.cache.LatentLoader`. Captions (with a text encoder): the subset's
 ``caption_extension`` file, else its ``class_tokens``, else empty. Not reproduced: an image with an EXIF
 rotation is bucketed by its upright size (kohya's ``imagesize`` reads the stored one).
 
@@ -24,12 +25,16 @@ Video datasets and ``image_jsonl_file`` are refused, naming them.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import tomllib
 
+from ..checks import as_int
 from ..errors import InvalidArgumentError
+from .feed.loader import LatentLoader
+from .store.reader import LatentCache
 
 CONFIG_KINDS = ("kohya", "musubi-tuner")
 
@@ -169,6 +174,61 @@ def build_from_config(encoder, kind: str, config_path, out_dir, **options) -> li
     with open(os.path.join(out_dir, "dataset.json"), "w", encoding="utf-8") as fh:
         json.dump({"format": kind, "config": os.path.abspath(os.fspath(config_path)), "splits": splits}, fh, indent=1)
     return splits
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigDataset:
+    """The splits a ``cache build --from-config`` wrote, opened (see :func:`open_dataset`): one cache per
+    subset (kohya) or image dataset (musubi-tuner), in config order, with what the trainer does with each."""
+
+    path: str  #: the dataset.json read
+    caches: list  #: one LatentCache per split
+    repeats: list  #: each split's num_repeats
+    flip_aug: list  #: each split's flip_aug (it holds latent_flipped)
+    splits: list  #: each split's entry of dataset.json (split name, image_dir, caption_extension, is_reg, ...)
+
+    def loader(self, batch_size: int, *, flip=None, weights=None, **options) -> LatentLoader:
+        """A :class:`~latentfast.cache.LatentLoader` over the splits with their ``num_repeats`` (or
+        ``weights``, instead): ``flip`` (a probability) flips the splits built with ``flip_aug`` and reads
+        the others unflipped, as the trainer does; ``options`` are the loader's. A kohya regularization
+        subset (``is_reg``) is refused: kohya repeats its images to the train images' count and weights
+        their loss, which the caller decides (open the caches here and pass ``repeats=``; a batch's
+        ``"source"`` names its cache)."""
+        regs = [s["split"] for s in self.splits if s.get("is_reg")]
+        if regs:
+            raise InvalidArgumentError(f"{self.path}: split(s) {regs} are kohya regularization subsets (is_reg), which kohya "
+                                       f"repeats to the train images' count and weights by prior_loss_weight; build "
+                                       f"LatentLoader(dataset.caches, ..., repeats=[...]) yourself and weight batch['source']")
+        if flip is not None and not any(self.flip_aug):
+            raise InvalidArgumentError(f"flip={flip!r}: no split of {self.path} was built with flip_aug (no latent_flipped to read)")
+        flips = None if flip is None else [flip if aug else None for aug in self.flip_aug]
+        return LatentLoader(self.caches, batch_size, repeats=None if weights is not None else self.repeats, weights=weights,
+                            flip=flips, **options)
+
+
+def open_dataset(path, **cache_options) -> ConfigDataset:
+    """The splits :func:`build_from_config` (``latentfast cache build --from-config``) wrote: ``path`` is
+    its ``out_dir`` (or the ``dataset.json`` in it); ``cache_options`` go to each
+    :class:`~latentfast.cache.LatentCache` (``verify_rows``, ...). ``open_dataset(path).loader(64, ...)``
+    is the loader with the config's ``num_repeats`` and ``flip_aug``."""
+    path = os.fspath(path)
+    listing = path if path.endswith(".json") else os.path.join(path, "dataset.json")
+    try:
+        with open(listing, encoding="utf-8") as fh:
+            written = json.load(fh)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"{listing} does not exist: open_dataset reads the folder `latentfast cache build "
+                                   f"--from-config` wrote (its dataset.json lists the splits)") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidArgumentError(f"{listing}: {exc}") from None
+    splits = written.get("splits") if isinstance(written, dict) else None
+    if not isinstance(splits, list) or not splits or not all(isinstance(s, dict) and "split" in s for s in splits):
+        raise InvalidArgumentError(f"{listing}: expected {{'splits': [{{'split': ..., 'num_repeats': ...}}, ...]}} as "
+                                   f"build_from_config writes it, got {written!r:.200}")
+    folder = os.path.dirname(os.path.abspath(listing))
+    caches = [LatentCache(folder, s["split"], **cache_options) for s in splits]
+    repeats = [as_int(f"{listing}: splits[{i}].num_repeats", s.get("num_repeats", 1), minimum=1) for i, s in enumerate(splits)]
+    return ConfigDataset(listing, caches, repeats, [bool(s.get("flip_aug", False)) for s in splits], splits)
 
 
 def _kohya_plans(config_path) -> list[dict]:

@@ -37,7 +37,9 @@ from ...devices import as_device
 from ...errors import InvalidArgumentError
 from .buffers import BatchBuffers, take
 from .coldread import DEFAULT_LOOKAHEAD
+from . import coldread
 from .gather import read_batch
+from .mix import MixedBatchSampler, cache_seed, check_fields, keys_to_fill, mix_options
 from .readspec import ReadSpec
 from .sampler import (InOrderBatchSampler, LookaheadSampler, ShapeBucketBatchSampler, WidthBucketBatchSampler,
                       item_chunks)
@@ -177,6 +179,23 @@ class LatentLoader:
     :class:`~latentfast.cache.DevicePrefetcher` moves the batches, which waits for its copies to end
     before the loader may reuse their buffers), and large ones advised for huge pages. ``device``:
     where the batch lands (a CUDA device: gathered and expanded there; with workers, moved there).
+
+    Several caches (``cache`` a list: kohya's subsets, the splits of ``cache build --from-config``, which
+    :func:`~latentfast.cache.open_dataset` opens with their ``num_repeats``): each batch comes from one
+    cache and one of its buckets, and has ``"source"``, the cache's position in the list (an int).
+    ``repeats=[r0, r1, ...]``: cache ``i``'s items ``r_i`` times an epoch, batched as kohya batches a
+    subset with ``num_repeats`` (``ceil(r_i * bucket size / batch_size)`` batches a bucket; a batch may
+    hold an item twice, as kohya's may; default: 1 each); ``weights=[w0, w1, ...]``: an epoch of as many
+    batches as one pass over every cache, each batch's cache drawn with probability ``w_i / sum(w)``, a
+    cache's batches pass after pass, each pass a fresh shuffle (see
+    :class:`~latentfast.cache.feed.mix.MixedBatchSampler`). ``flip``: one probability, or one per
+    cache (None: that cache read unflipped, its ``flipped`` all False: kohya's ``flip_aug`` per subset).
+    Cache ``i``'s order and draws are seeded by :func:`~latentfast.cache.feed.mix.cache_seed` ``(seed,
+    i)``; draws are keyed by ``(that seed, the pass, the item's key)``, so with ``repeats`` an item's
+    copies in one epoch draw alike (kohya draws its flip at each read). The caches must hold the fields
+    read, each of one dtype and rank (an error names the cache and field); a field optional in one
+    cache gets ``<field>_present`` in every batch. Everything else (ranks, workers, exact resume at any
+    world size, buffers, every read option) is as for one cache.
     """
 
     def __init__(self, cache, batch_size: int, *, shuffle: bool = True, seed: int = 0, fields=None, pad=None,
@@ -184,11 +203,24 @@ class LatentLoader:
                  num_workers: int = 0, device="cpu", dtype=None, rank: int | None = None, world_size: int | None = None,
                  cold="auto", recycle: bool = True, hold: int = DEFAULT_HOLD, pin_memory: bool | None = None,
                  lookahead: int = DEFAULT_LOOKAHEAD, prefetch_factor: int = 2, multiprocessing_context=None,
-                 chunk_window="auto"):
-        self.cache = cache
+                 chunk_window="auto", repeats=None, weights=None):
+        self.mixed = isinstance(cache, (list, tuple))
+        self.caches = list(cache) if self.mixed else [cache]
+        self.cache = None if self.mixed else cache  # (one cache: the one read)
+        if not self.mixed and (repeats is not None or weights is not None or isinstance(flip, (list, tuple))):
+            raise InvalidArgumentError("repeats=, weights= and a flip= per cache take a list of caches: "
+                                       "LatentLoader([cache_a, cache_b], batch_size, repeats=[2, 1])")
+        if self.mixed and not self.caches:
+            raise InvalidArgumentError("LatentLoader takes a cache or a non-empty list of caches, got an empty list")
+        flips = _flips(flip, len(self.caches)) if self.mixed else [flip]
+        seed = as_int("seed", seed, minimum=0)
         self.spec = ReadSpec(fields=("latent",) if fields is None else fields, pad=pad, pad_to=pad_to, packed=packed,
-                             sample=sample, flip=flip, seed=as_int("seed", seed, minimum=0), dtype=dtype, device=device,
+                             sample=sample, flip=None if self.mixed else flip, seed=seed, dtype=dtype, device=device,
                              cold=cold)
+        # each cache's read: one cache reads with the loader's spec; a mix, with each cache's seed and flip
+        self._specs = [self.spec] if not self.mixed else [
+            self.spec.replace(seed=cache_seed(seed, i), flip=f) for i, f in enumerate(flips)]
+        self._fills = keys_to_fill(self.caches, self.spec.names, flips) if self.mixed else [{}]
         self.device = as_device(device)
         self.num_workers = as_int("num_workers", num_workers, minimum=0)
         self.prefetch_factor = as_int("prefetch_factor", prefetch_factor, minimum=1)
@@ -198,9 +230,15 @@ class LatentLoader:
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
         self.multiprocessing_context = multiprocessing_context
         rank, world_size = _rank_and_world(rank, world_size)
-        self.sampler = _sampler_for(cache, batch_size, shuffle=shuffle, seed=seed, buckets=buckets, drop_last=drop_last,
-                                    sample=sample, rank=rank, world_size=world_size, chunk_window=chunk_window)
-        self._reserve = _worst_case_bytes(cache, self.spec, self.sampler.batch_size)
+        order = dict(shuffle=shuffle, buckets=buckets, drop_last=drop_last, sample=sample, chunk_window=chunk_window)
+        if not self.mixed:
+            self.sampler = _sampler_for(cache, batch_size, seed=seed, rank=rank, world_size=world_size, **order)
+        else:
+            check_fields(self.caches, self.spec.names, dtype, sample is not False, flips)
+            self.sampler = _mixed_sampler(self.caches, batch_size, seed=seed, rank=rank, world_size=world_size,
+                                          repeats=repeats, weights=weights, **order)
+        self._reserve = _worst_case_bytes(self.caches, self.spec, self.sampler.batch_size)
+        self._prefetch = _SourcesPrefetch(self.caches)
         self._ring: list[BatchBuffers] = []  # this process's slots (made on first use)
         self._next_slot = 0
         self._workers: DataLoader | None = None  # with num_workers: the persistent workers' DataLoader
@@ -255,9 +293,10 @@ class LatentLoader:
         if not self._loaded:
             self.sampler.set_epoch(self.sampler.epoch)
         self._taken, self._loaded = 0, False
-        todo = self.sampler.rank_batches()
-        spec = self.spec.at_epoch(self.sampler.epoch)
-        batches = self._in_process(todo, spec) if self.num_workers == 0 else self._from_workers(todo, spec)
+        todo = self.sampler.rank_batches()  # a mix's: (source, epoch of its draws, indices); one cache's: indices
+        if not self.mixed:
+            todo = [(0, self.sampler.epoch, indices) for indices in todo]
+        batches = self._in_process(todo) if self.num_workers == 0 else self._from_workers(todo)
         for batch in batches:
             self._taken += 1  # counted as handed over: a state saved while the loop holds it resumes after it
             yield batch
@@ -272,36 +311,34 @@ class LatentLoader:
         self._next_slot = (self._next_slot + 1) % len(self._ring)
         return slot
 
-    def _in_process(self, todo: list, spec: ReadSpec):
-        for indices in LookaheadSampler(todo, self.cache, self.lookahead):
-            index = torch.tensor(indices, dtype=torch.int64)
-            batch = read_batch(self.cache, index, spec, out=self._slot())
-            batch["index"] = index
-            yield batch
+    def _in_process(self, todo: list):
+        for task in LookaheadSampler(todo, self._prefetch, self.lookahead):
+            yield _read_task(self.caches, self._specs, self._fills, self.mixed, task, self._slot())
 
-    def _from_workers(self, todo: list, spec: ReadSpec):
+    def _from_workers(self, todo: list):
         # a worker's batch k is in flight until this process has taken about prefetch_factor * workers
         # more; its ring holds that many plus the caller's hold before a slot comes round again
         slots = self.prefetch_factor + -(-self.hold // self.num_workers) + 1 if self.recycle else 0
         if self._workers is None:  # persistent: each epoch's pass reuses the workers and their rings
-            self._tasks = _Tasks(self.cache, self.lookahead)
-            reader = _BatchReader(self.cache, spec.replace(device="cpu"), slots, self._reserve)
+            self._tasks = _Tasks(self._prefetch, self.lookahead)
+            reader = _BatchReader(self.caches, [spec.replace(device="cpu") for spec in self._specs], self._fills,
+                                  self.mixed, slots, self._reserve)
             self._workers = DataLoader(reader, batch_size=None, sampler=self._tasks, collate_fn=_as_is,
                                        num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
                                        persistent_workers=True, multiprocessing_context=self.multiprocessing_context)
             # the received batches of every slot stay referenced: a slot's storage then stays mapped here, and
             # its next batch arrives as the same storage (torch's shared-memory cache) instead of a fresh map
             self._mapped = collections.deque(maxlen=max(1, slots * self.num_workers))
-        self._tasks.todo, self._tasks.epoch = todo, spec.epoch
+        self._tasks.todo = todo
         on_device = self.device.type != "cpu"
         for batch in self._workers:
-            for key in ("index", "flipped", *(name + "_shape" for name in spec.names)):
-                if key in batch:
-                    batch[key] = torch.from_numpy(batch[key])
+            for key, value in batch.items():
+                if isinstance(value, np.ndarray):
+                    batch[key] = torch.from_numpy(value)
             self._mapped.append(batch.copy())
             if on_device:
                 slot = self._slot()
-                for name in spec.names:
+                for name in self.spec.names:
                     host = batch[name]
                     batch[name] = take(slot, name, host.shape, host.dtype, self.device).copy_(host)
             yield batch
@@ -311,47 +348,75 @@ def _as_is(batch):
     return batch
 
 
-class _Tasks:
-    """What the workers' DataLoader hands its workers in a pass: ``(epoch, indices)`` of each batch of
-    ``todo`` (set before each pass), with the rows of the next ``lookahead`` batches read ahead."""
+def _read_task(caches, specs, fills, mixed: bool, task, out) -> dict:
+    """The batch of one task ``(source, epoch, indices)``: read_batch's dict of cache ``source`` with
+    the draws of ``epoch`` (into ``out``), plus ``"index"``; in a mix also the entries other caches'
+    batches have (:func:`~latentfast.cache.feed.mix.keys_to_fill`) and ``"source"``."""
+    source, epoch, indices = task
+    index = torch.tensor(indices, dtype=torch.int64)
+    batch = read_batch(caches[source], index, specs[source].at_epoch(epoch), out=out)
+    for key, value in fills[source].items():
+        batch[key] = torch.full((len(index),), value, dtype=torch.bool)
+    batch["index"] = index
+    if mixed:
+        batch["source"] = source
+    return batch
 
-    def __init__(self, cache, lookahead: int):
-        self.cache, self.lookahead = cache, lookahead
+
+class _SourcesPrefetch:
+    """What :class:`LookaheadSampler` prefetches a task ``(source, epoch, indices)`` with: the rows of
+    cache ``source`` (through the cache's own prefetch where it has one, as for one cache)."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+
+    def prefetch(self, task) -> None:
+        source, _, indices = task
+        cache = self.caches[source]
+        own = getattr(cache, "prefetch", None)
+        if own is None:
+            coldread.prefetch(cache, indices)
+        else:
+            own(indices)
+
+
+class _Tasks:
+    """What the workers' DataLoader hands its workers in a pass: the tasks ``(source, epoch, indices)``
+    of ``todo`` (set before each pass), with the rows of the next ``lookahead`` batches read ahead."""
+
+    def __init__(self, prefetch: _SourcesPrefetch, lookahead: int):
+        self.prefetch, self.lookahead = prefetch, lookahead
         self.todo: list = []
-        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.todo)
 
     def __iter__(self):
-        return ((self.epoch, indices) for indices in LookaheadSampler(self.todo, self.cache, self.lookahead))
+        return iter(LookaheadSampler(self.todo, self.prefetch, self.lookahead))
 
 
 class _BatchReader(Dataset):
-    """A worker's reader: ``reader[(epoch, indices)]`` is read_batch's dict (plus ``"index"``) with the
-    draws of ``epoch``, in the next slot of its ring of shared-memory buffers (made in the worker, on
-    first use); its small entries travel as numpy arrays (pickled by value) instead of a shared-memory
-    segment each."""
+    """A worker's reader: ``reader[(source, epoch, indices)]`` is :func:`_read_task`'s batch, in the next
+    slot of its ring of shared-memory buffers (made in the worker, on first use); its small entries
+    travel as numpy arrays (pickled by value) instead of a shared-memory segment each."""
 
-    def __init__(self, cache, spec: ReadSpec, slots: int, reserve: dict):
-        self.cache, self.spec, self.slots, self.reserve = cache, spec, slots, reserve
+    def __init__(self, caches: list, specs: list, fills: list, mixed: bool, slots: int, reserve: dict):
+        self.caches, self.specs, self.fills, self.mixed = caches, specs, fills, mixed
+        self.slots, self.reserve = slots, reserve
         self._ring: list[BatchBuffers] = []
         self._count = 0
 
     def __len__(self) -> int:
-        return len(self.cache)
+        return sum(len(cache) for cache in self.caches)
 
     def __getitem__(self, task) -> dict:
-        epoch, indices = task
         if self.slots and not self._ring:
             self._ring = [BatchBuffers(shared=True, reserve=self.reserve) for _ in range(self.slots)]
         slot = self._ring[self._count % self.slots] if self.slots else None
         self._count += 1
-        index = torch.tensor(indices, dtype=torch.int64)
-        batch = read_batch(self.cache, index, self.spec.at_epoch(epoch), out=slot)
-        for key in [k for k in batch if k.endswith("_shape") or k == "flipped"]:
+        batch = _read_task(self.caches, self.specs, self.fills, self.mixed, task, slot)
+        for key in [k for k in batch if k.endswith(("_shape", "_present")) or k in ("flipped", "index")]:
             batch[key] = batch[key].numpy()
-        batch["index"] = index.numpy()
         return batch
 
 
@@ -364,28 +429,63 @@ def _rank_and_world(rank, world_size) -> tuple[int, int]:
     return (0 if rank is None else rank), (1 if world_size is None else world_size)
 
 
-def _sampler_for(cache, batch_size, *, shuffle, seed, buckets, drop_last, sample, rank, world_size, chunk_window):
+def _flips(flip, count: int) -> list:
+    """A mix's ``flip=``: one probability (or None) for every cache, or a list of one per cache."""
+    if not isinstance(flip, (list, tuple)):
+        return [flip] * count
+    if len(flip) != count:
+        raise InvalidArgumentError(f"flip= as a list must have one probability (or None) per cache ({count}), got {list(flip)!r}")
+    return list(flip)
+
+
+def _sampler_for(cache, batch_size, *, shuffle, seed, buckets, drop_last, sample, rank, world_size, chunk_window,
+                 repeats: int = 1):
     """The batch sampler of a LatentLoader: of one shape (a shaped cache, or drawn samples), of similar
-    widths (a line cache), or unbucketed; shuffled or in order; chunk windows on object storage."""
-    labels = cache.shapes if buckets and (cache.shaped or sample) else None
+    widths (a line cache), or unbucketed; shuffled or in order; chunk windows on object storage.
+    ``repeats``: over the cache's items listed that many times (index ``v`` is item ``v % len(cache)``)."""
+    def listed(values):  # each item's label (shape, width, chunk) for each time it is listed
+        values = np.asarray(values)
+        return values if repeats == 1 else np.concatenate([values] * repeats)
+
+    labels = listed(cache.shapes) if buckets and (cache.shaped or sample) else None
+    plain = np.zeros(len(cache) * repeats, np.int64)
     common = dict(rank=rank, world_size=world_size, drop_last=drop_last)
     if not shuffle:
-        return InOrderBatchSampler(np.zeros(len(cache), np.int64) if labels is None else labels, batch_size, **common)
+        return InOrderBatchSampler(plain if labels is None else labels, batch_size, **common)
     remote = getattr(cache, "remote", None) is not None or getattr(cache, "url", None) is not None
     if chunk_window == "auto":
         chunk_window = REMOTE_CHUNK_WINDOW if remote else None
     if chunk_window is not None:
-        common.update(chunks=item_chunks(cache), chunk_window=chunk_window)
+        common.update(chunks=listed(item_chunks(cache)), chunk_window=chunk_window)
     if buckets and labels is None:
-        return WidthBucketBatchSampler(cache.widths, batch_size, seed=seed, **common)
-    return ShapeBucketBatchSampler(np.zeros(len(cache), np.int64) if labels is None else labels, batch_size, seed=seed,
-                                   **common)
+        return WidthBucketBatchSampler(listed(cache.widths), batch_size, seed=seed, **common)
+    return ShapeBucketBatchSampler(plain if labels is None else labels, batch_size, seed=seed, **common)
 
 
-def _worst_case_bytes(cache, spec: ReadSpec, batch_size: int) -> dict:
-    """``{field: bytes}`` of the largest batch of ``batch_size`` items of each field (its largest item
-    size times the batch, in the wider of its stored and read dtypes): what the ring's buffers are made
-    at, so they are allocated once, not grown batch after batch."""
+def _mixed_sampler(caches, batch_size, *, shuffle, seed, buckets, drop_last, sample, rank, world_size, chunk_window,
+                   repeats, weights) -> MixedBatchSampler:
+    """A mix's sampler: each cache's own (as for one cache, seeded by its cache seed, rank 0 of 1, over
+    its items listed ``repeats[i]`` times), ordered into one epoch and sharded by MixedBatchSampler."""
+    repeats, weights = mix_options(len(caches), repeats, weights)
+    samplers = [_sampler_for(cache, batch_size, shuffle=shuffle, seed=cache_seed(seed, i), buckets=buckets,
+                             drop_last=drop_last, sample=sample, rank=0, world_size=1, chunk_window=chunk_window, repeats=r)
+                for i, (cache, r) in enumerate(zip(caches, repeats or [1] * len(caches)))]
+    return MixedBatchSampler(samplers, [len(cache) for cache in caches], repeats=repeats, weights=weights, shuffle=shuffle,
+                             seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
+
+
+def _worst_case_bytes(caches, spec: ReadSpec, batch_size: int) -> dict:
+    """``{field: bytes}`` of the largest batch of ``batch_size`` items of each field in any of
+    ``caches`` (its largest item size times the batch, in the wider of its stored and read dtypes):
+    what the ring's buffers are made at, so they are allocated once, not grown batch after batch."""
+    reserve = {}
+    for cache in caches:
+        for name, size in _cache_worst_case(cache, spec, batch_size).items():
+            reserve[name] = max(size, reserve.get(name, 0))
+    return reserve
+
+
+def _cache_worst_case(cache, spec: ReadSpec, batch_size: int) -> dict:
     reserve = {}
     for name, field in cache.fields.items():
         shapes = np.asarray(field["shapes"], dtype=np.int64)
