@@ -35,9 +35,9 @@ from torch.utils.data import DataLoader, Dataset
 from ...checks import as_int, as_row_indices
 from ...devices import as_device
 from ...errors import InvalidArgumentError
+from . import coldread
 from .buffers import BatchBuffers, take
 from .coldread import DEFAULT_LOOKAHEAD
-from . import coldread
 from .gather import read_batch
 from .mix import MixedBatchSampler, cache_seed, check_fields, keys_to_fill, mix_options
 from .readspec import ReadSpec

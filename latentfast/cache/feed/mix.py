@@ -147,13 +147,11 @@ class MixedBatchSampler:
         self.start = 0
 
     def _pass(self, source: int, epoch: int) -> list[tuple[int, int, list[int]]]:
-        """Cache ``source``'s batches of its sampler's ``epoch``, as real item indices."""
-        sampler, n = self.samplers[source], self.sizes[source]
+        """Cache ``source``'s batches of its sampler's ``epoch`` (indices of its items as listed: see
+        :meth:`rank_batches` for the items)."""
+        sampler = self.samplers[source]
         sampler.set_epoch(epoch)
-        batches = sampler.rank_batches()
-        if self.repeats is not None and self.repeats[source] > 1:
-            return [(source, epoch, (np.asarray(b, dtype=np.int64) % n).tolist()) for b in batches]
-        return [(source, epoch, list(b)) for b in batches]
+        return [(source, epoch, batch) for batch in sampler.rank_batches()]
 
     def _all_batches(self) -> list[tuple[int, int, list[int]]]:
         rng = np.random.default_rng([self.seed, MIX_STREAM, self.epoch])
@@ -182,7 +180,11 @@ class MixedBatchSampler:
             rest = rest[: len(rest) - len(rest) % self.world_size]
         elif rest:
             rest = rest + [batches[k % len(batches)] for k in range(-len(rest) % self.world_size)]
-        return rest[self.rank :: self.world_size]
+        mine = rest[self.rank :: self.world_size]
+        if self.repeats is None or max(self.repeats) == 1:
+            return mine
+        # a cache listed r times: its listed index v is item v % n (mapped for this rank's batches only)
+        return [(s, e, batch if self.repeats[s] == 1 else [v % self.sizes[s] for v in batch]) for s, e, batch in mine]
 
     def _fingerprint(self) -> dict:
         inner = [s.state_dict() for s in self.samplers]
