@@ -477,3 +477,16 @@ def test_bad_input_is_named(folders):
         LatentLoader([a, b], 4, repeats=[3, 1]).load_state_dict(mix.state_dict())
     with pytest.raises(InvalidArgumentError, match=r"saved with items=\[40, 25\], this sampler has 40"):
         single.load_state_dict(mix.state_dict())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mix_on_the_device_equals_the_host_batches(folders, workers):
+    mixed = caches(folders, "a", "noflip")
+    options = dict(fields=("latent", "text"), pad={"text": 0.0}, flip=[0.5, None], seed=2, repeats=[2, 1])
+    host = [snapshot(b) for b in LatentLoader(mixed, 4, **options)]
+    device = [snapshot(b) for b in LatentLoader(mixed, 4, device="cuda", num_workers=workers, **options)]
+    assert len(host) == len(device)
+    for a, b in zip(host, device):
+        assert b["latent"].is_cuda and b["text"].is_cuda
+        assert_same(a, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in b.items()})
