@@ -10,6 +10,7 @@ bad input named."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 
@@ -23,7 +24,7 @@ from latentfast.cache.feed.mix import cache_seed
 from latentfast.cache.store.shards import merge_caches
 from latentfast.cli import main
 from latentfast.errors import ArgumentTypeError, InvalidArgumentError
-from latentfast.testing import spawn_gloo
+from latentfast.testing import spawn_gloo, write_random_cache
 
 
 def write_cache(folder, n, *, seed, prefix, shapes=((4, 3, 5), (4, 5, 3)), flip=True, text_every=1, dtype=torch.float16):
@@ -60,6 +61,7 @@ def folders(tmp_path_factory):
         parts.append(str(root / f"part{k}"))
         write_cache(parts[-1], 11 + k, seed=10 + k, prefix=f"p{k}-")
     merge_caches(parts, found["sharded"])
+    found["lines"] = write_random_cache(str(root / "lines"), 30, 4, 3, 11, seed=6)["ragged"]  # a line cache: latents only
     return found
 
 
@@ -210,6 +212,15 @@ def test_caches_of_other_latent_dtypes_mix_when_the_read_casts(folders):
     assert {b["latent"].dtype for b in batches} == {torch.float32} and {b["source"] for b in batches} == {0, 1}
     with pytest.raises(InvalidArgumentError, match=r"field 'latent' is torch.bfloat16 .* in caches\[1\] .*bf16.* but torch.float16"):
         LatentLoader(mixed, 4)
+
+
+def test_a_line_cache_mixes_with_a_shaped_one(folders):
+    mixed = caches(folders, "a", "lines")
+    batches = [snapshot(b) for b in LatentLoader(mixed, 4, repeats=[1, 2], seed=3)]
+    assert counts_of(batches) == collections.Counter({(s, i): r for s, r in ((0, 1), (1, 2)) for i in range(len(mixed[s]))})
+    for batch in batches:  # the line cache's batches of similar widths, padded with its white column
+        assert_same({k: v for k, v in batch.items() if k not in ("index", "source")},
+                    read_batch(mixed[batch["source"]], batch["index"], fields=("latent",)))
 
 
 def test_weights_draw_each_batchs_cache_in_proportion(folders):
@@ -434,9 +445,9 @@ def test_from_config_errors_name_the_file_and_split(config_build, tmp_path):
     (config_build / "out" / "zero.json").write_text(json.dumps(listing))
     with pytest.raises(InvalidArgumentError, match=r"zero.json: splits\[1\].num_repeats must be an int >= 1"):
         open_dataset(config_build / "out" / "zero.json")
-    unflipped = open_dataset(config_build / "out")
+    unflipped = dataclasses.replace(open_dataset(config_build / "out"), flip_aug=[False, False, False])
     with pytest.raises(InvalidArgumentError, match="flip=0.5: no split"):
-        type(unflipped)(unflipped.path, unflipped.caches[1:], [1, 2], [False, False], unflipped.splits[1:]).loader(2, flip=0.5)
+        unflipped.loader(2, flip=0.5)
 
 
 def test_bad_input_is_named(folders):
@@ -467,6 +478,10 @@ def test_bad_input_is_named(folders):
         LatentLoader([a, noflip], 4, flip=0.5)
     with pytest.raises(InvalidArgumentError, match=r"caches\[0\] \(.*noflip.*\) has no field 'latent_flipped' \(its fields: "):
         LatentLoader([noflip, a], 4, fields=("latent", "latent_flipped"))
+    with pytest.raises(InvalidArgumentError, match=r"caches\[1\] \(.*lines.*\) has no field 'text'"):
+        LatentLoader(caches(folders, "optional", "lines"), 4, fields=("latent", "text"), pad={"text": 0.0})
+    with pytest.raises(ArgumentTypeError, match=r"caches\[1\] must be a LatentCache, got str"):
+        LatentLoader([a, folders["b"]], 4)
     with pytest.raises(InvalidArgumentError, match=r"flip= as a list must have one probability \(or None\) per cache \(2\)"):
         LatentLoader([a, noflip], 4, flip=[0.5])
     single = LatentLoader(a, 4)

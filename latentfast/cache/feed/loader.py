@@ -217,6 +217,8 @@ class LatentLoader:
         self.spec = ReadSpec(fields=("latent",) if fields is None else fields, pad=pad, pad_to=pad_to, packed=packed,
                              sample=sample, flip=None if self.mixed else flip, seed=seed, dtype=dtype, device=device,
                              cold=cold)
+        if self.mixed:
+            check_fields(self.caches, self.spec.names, dtype, sample is not False, flips)
         # each cache's read: one cache reads with the loader's spec; a mix, with each cache's seed and flip
         self._specs = [self.spec] if not self.mixed else [
             self.spec.replace(seed=cache_seed(seed, i), flip=f) for i, f in enumerate(flips)]
@@ -234,7 +236,6 @@ class LatentLoader:
         if not self.mixed:
             self.sampler = _sampler_for(cache, batch_size, seed=seed, rank=rank, world_size=world_size, **order)
         else:
-            check_fields(self.caches, self.spec.names, dtype, sample is not False, flips)
             self.sampler = _mixed_sampler(self.caches, batch_size, seed=seed, rank=rank, world_size=world_size,
                                           repeats=repeats, weights=weights, **order)
         self._reserve = _worst_case_bytes(self.caches, self.spec, self.sampler.batch_size)

@@ -72,6 +72,9 @@ def describe(cache) -> str:
 def check_fields(caches: Sequence, names: Sequence[str], dtype, sample: bool, flips: Sequence) -> None:
     """Every cache holds the fields the batch returns (and those its draws read), each of one dtype
     and rank across the caches (the latent's dtype may differ when the read casts it, ``dtype``)."""
+    for i, cache in enumerate(caches):
+        if not hasattr(cache, "fields") or not hasattr(cache, "shapes"):
+            raise ArgumentTypeError(f"caches[{i}] must be a LatentCache, got {type(cache).__name__} {cache!r:.80}")
     described = [cache.fields for cache in caches]
     for i, (cache, fields) in enumerate(zip(caches, described)):
         need = list(names) + (["latent_std"] if sample else [])
