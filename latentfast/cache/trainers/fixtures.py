@@ -21,6 +21,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from . import simpletuner_cosmos3 as cosmos3
+
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
@@ -350,16 +352,18 @@ def simpletuner_torch_save(data, path: str, compress: bool):
 
 
 def simpletuner_text_cache_name(caption: str, model_type: str, dataset_id: str | None = None, image_path=None,
-                                instance_data_dir=None) -> str:
+                                instance_data_dir=None, signature: str | None = None) -> str:
     """helpers/caching/text_embeds.py ``TextEmbeddingCache.hash_prompt`` / ``create_hash`` of a caption key, or
     (``dataset_id``: ``TextEmbedCacheKey.DATASET_AND_FILENAME``) of the key helpers/training/collate.py
-    builds, ``f"{data_backend_id}:{normalize_data_path(image_path, instance_data_dir)}"``, then the prompt."""
+    builds, ``f"{data_backend_id}:{normalize_data_path(image_path, instance_data_dir)}"``, then the prompt;
+    ``signature``: cosmos3's key, that key + ``f":cosmos3:{signature}"`` (cosmos3/model.py ``text_embed_cache_key_value``)."""
     if dataset_id is None:
         return hashlib.md5(str(caption).encode()).hexdigest() + f"-{model_type}.pt"
     abs_root = os.path.abspath(os.path.normpath(instance_data_dir))  # helpers/utils/pathing.py normalize_data_path
     relative = os.path.normcase(os.path.relpath(os.path.abspath(os.path.normpath(image_path)), abs_root))
+    key = f"{dataset_id}:{relative}" if signature is None else f"{dataset_id}:{relative}:cosmos3:{signature}"
     md5_hash = hashlib.md5()
-    md5_hash.update(str(f"{dataset_id}:{relative}").encode())
+    md5_hash.update(str(key).encode())
     if caption:
         md5_hash.update(b"\0prompt\0")
         md5_hash.update(str(caption).encode())
@@ -407,6 +411,86 @@ def write_simpletuner(folder, images, n: int = 3, compress: bool = True, hash_fi
         simpletuner_torch_save(embeds, os.path.join(folder, text_dir, text_name), compress)
         stems.append(f"{sub}/{stem}" if sub else stem)
     return stems
+
+
+COSMOS3_CAPTIONS = ("a photo of thing 0", "a  photo of\tthing 1", '{"comprehensive_t2i_caption": "thing 2, in oil"}')
+
+
+def cosmos3_reasoner_cache(g, length: int, layers: int, signature: str, k_for_gen: bool = False) -> dict:
+    """One ``cosmos3_reasoner_cache`` as helpers/models/cosmos3/model.py ``_encode_prompts`` builds it (version 1),
+    the reasoner replaced by random keys and values: ``_prepare_reasoner_text_segment``'s token segment (text
+    mRoPE ids from pipeline.py ``get_3d_mrope_ids_text_tokens`` with float positions, the vision start offset
+    with the 15000 modality margin) and reasoner.py ``Cosmos3Reasoner.forward``'s ``layer_kv`` (``k``, ``v``,
+    ``k_for_gen`` where the layer normalizes the keys it gives the generator), in bfloat16 as the reasoner runs."""
+    kv_heads, head_dim = 2, 4
+    layer_kv = []
+    for _ in range(layers):
+        layer = {"k": _randn(g, length, kv_heads, head_dim, dtype=torch.bfloat16),
+                 "v": _randn(g, length, kv_heads, head_dim, dtype=torch.bfloat16)}
+        if k_for_gen:
+            layer["k_for_gen"] = _randn(g, length, kv_heads, head_dim, dtype=torch.bfloat16)
+        layer_kv.append(layer)
+    return {"cache_version": 1, "cache_signature": signature,
+            "input_ids": torch.randint(0, 151000, (length,), generator=g, dtype=torch.long),
+            "text_indexes": torch.arange(length, dtype=torch.long),
+            "und_len": torch.tensor(length, dtype=torch.long),
+            "text_mrope_ids": (torch.arange(length, dtype=torch.float32) + 0).unsqueeze(0).expand(3, -1).contiguous(),
+            "vision_start_temporal_offset": torch.tensor(0 + length + 15000, dtype=torch.float32),
+            "reasoner_memory_state": {"layer_kv": layer_kv}}
+
+
+def write_simpletuner_cosmos3(folder, images, n: int = 3, compress: bool = True, dataset_id: str = "train",
+                              reasoner_component: str = cosmos3.REASONER_COMPONENTS[0], framerate: float = 24.0,
+                              frames: int = 1, layers: int = 2, k_for_gen: bool = False, seed: int = 0) -> list[str]:
+    """A SimpleTuner cosmos3 cache root in its default layout and its ``images`` folder (the dataset's
+    instance_data_dir: PNGs, or ``frames > 1``: mp4 videos, with ``.txt`` captions, :data:`COSMOS3_CAPTIONS`).
+
+    Latents ``vae/cosmos3/{dataset_id}/{sub}/{sha256(stem)}.pt`` (data_backend/factory.py ``_default_vae_cache_dir``;
+    ``hash_filenames`` is always on) hold a bfloat16 ``[C, frames, h, w]`` latent; text files
+    ``text/cosmos3/{name}`` are named as collate.py asks for them: ``text_embed_cache_metadata_for_sample``'s
+    geometry (the latent's frames, h and w times 16, ``framerate``) and ``reasoner_component`` (default: the
+    nano flavour's, cosmos3's default) give ``_cosmos3_text_cache_signature``, ``text_embed_cache_key_value``
+    the key, :func:`simpletuner_text_cache_name` the name. Each holds ``{"cosmos3_reasoner_cache": ...}``
+    (:func:`cosmos3_reasoner_cache`: ``_encode_prompts``'s output, which the cache's generic slicer
+    ``_slice_batch_output_for_cache`` passes on whole), written by ``LocalDataBackend.torch_save``, gzip'd
+    when ``compress`` (``compress_disk_cache``).
+    """
+    from PIL import Image
+
+    g, stems = _gen(seed), []
+    for i in range(n):
+        stem, sub = f"img_{i:03d}", ("sub" if i % 2 else "")
+        h, w = 2 + i % 2, 3 + i
+        media = os.path.join(images, sub, stem + (".png" if frames == 1 else ".mp4"))
+        os.makedirs(os.path.dirname(media), exist_ok=True)
+        if frames == 1:
+            Image.new("RGB", (16 * w, 16 * h), (i, 2 * i, 3 * i)).save(media)
+        else:
+            _write_mp4(media, 4 * (frames - 1) + 1, 16 * w, 16 * h)  # the Wan VAE's 4x temporal compression
+        caption = COSMOS3_CAPTIONS[i % len(COSMOS3_CAPTIONS)]
+        with open(os.path.join(images, sub, stem + ".txt"), "w", encoding="utf-8") as fh:
+            fh.write(caption)
+        latent = _randn(g, 8, frames, h, w, dtype=torch.bfloat16)
+        name = hashlib.sha256(stem.encode()).hexdigest()
+        simpletuner_torch_save(latent, os.path.join(folder, "vae", "cosmos3", dataset_id, sub, name + ".pt"), compress)
+        signature = cosmos3.signature(caption, frames, 16 * h, 16 * w, framerate, reasoner_component)
+        text_name = simpletuner_text_cache_name(caption, "cosmos3", dataset_id, media, images, signature=signature)
+        payload = {cosmos3.PAYLOAD_KEY: cosmos3_reasoner_cache(g, 5 + i, layers, signature, k_for_gen)}
+        simpletuner_torch_save(payload, os.path.join(folder, "text", "cosmos3", text_name), compress)
+        stems.append(f"{sub}/{stem}" if sub else stem)
+    return stems
+
+
+def _write_mp4(path: str, frames: int, width: int, height: int):
+    import av
+
+    with av.open(path, "w") as container:
+        stream = container.add_stream("mpeg4", rate=24)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for f in range(frames):
+            picture = np.full((height, width, 3), 20 * f % 256, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")))
+        container.mux(stream.encode())
 
 
 # ---------------------------------------------------------------- tdrussell/diffusion-pipe

@@ -18,10 +18,16 @@ by caption (``TextEmbedCacheKey.CAPTION``, most models), or by dataset and file 
 (``DATASET_AND_FILENAME``: krea2, longcat_image, qwen_image and boogu_image edit flavours, ...:
 ``md5("{dataset id}:{image path below images=}\0prompt\0{caption}")``; the dataset id is
 ``dataset_id=``, else tried from the VAE cache folder's name, which SimpleTuner's default
-``cache/vae/{model_family}/{dataset id}`` ends in). cosmos3's keys also hash a signature of its reasoner
-prompt, which is not computed here: its text files stay unmatched. Unmatched text files are listed as
-skipped; when captions are known and no text file matches any item, the scan raises instead of
-importing the latents alone.
+``cache/vae/{model_family}/{dataset id}`` ends in). cosmos3 appends to that key a signature of its reasoner
+prompt and the item's geometry (:mod:`.simpletuner_cosmos3`): computed per item from its caption, the shape of
+its latent (read at scan time), ``framerate=`` (default 24) and the reasoner component (``reasoner_component=``,
+default: each id ``cosmos3_reasoner_component: auto`` gives), then confirmed against the ``cache_signature``
+stored in the file when it is read; its reasoner cache becomes ``text_input_ids``, ``text_text_indexes``,
+``text_text_mrope_ids``, ``text_layer_kv_{layer}_{k|v|k_for_gen}`` and ``text_*`` info
+(:func:`.simpletuner_cosmos3.reasoner_cache` rebuilds SimpleTuner's dict from a record).
+Unmatched text files are listed as skipped; when captions are known and no text file matches any item,
+the scan raises instead of importing the latents alone (for cosmos3, saying from the smallest file's stored
+signature whether the dataset id or the framerate / reasoner component differ).
 Latents are stored scaled (``scale_vae_latents_for_cache``: ``(z - shift) * scale`` with the VAE
 config's factors, which the cache does not record: pass ``scaling_factor=`` / ``shift_factor=``).
 """
@@ -33,6 +39,7 @@ import re
 
 import torch
 
+from . import simpletuner_cosmos3 as cosmos3
 from .common import (DEFAULT_MAX_ITEM_BYTES, ItemPlan, Lack, Skipped, Source, TrainerCacheError, check_root, fail,
                      load_pt, pt_nbytes, rel_key, split_tensors, walk_files)
 
@@ -44,8 +51,12 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", "
 
 def scan(folder, images=None, captions: dict | None = None, model_type: str | None = None,
          scaling_factor: float | None = None, shift_factor: float | None = None, dataset_id: str | None = None,
+         reasoner_component: str | None = None, framerate: float | None = None,
          max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES) -> Source:
-    """A :class:`Source` of a SimpleTuner cache root (its VAE cache and ``text/`` cache folders)."""
+    """A :class:`Source` of a SimpleTuner cache root (its VAE cache and ``text/`` cache folders).
+
+    cosmos3 only: ``reasoner_component`` (the config's ``cosmos3_reasoner_component``; default: each id its
+    ``auto`` gives) and ``framerate`` (the config's ``framerate``; default 24) enter its text files' names."""
     root = check_root(folder)
     latents, texts, skipped = [], {}, []
     for dirpath, name in walk_files(root):
@@ -61,6 +72,10 @@ def scan(folder, images=None, captions: dict | None = None, model_type: str | No
     stems, image_files = _image_stems(images)
     captions = dict(captions or {}) or _caption_files(images)
     model = _model_type(texts, model_type, root)
+    if model not in (None, "cosmos3") and (reasoner_component is not None or framerate is not None):
+        raise TrainerCacheError(f"{root}: reasoner_component= and framerate= name cosmos3's text files; its text "
+                                f"embeddings are {model}'s (pass model_type='cosmos3' if they are cosmos3's)")
+    cosmos3_names = Cosmos3Names(reasoner_component, framerate, max_item_bytes) if model == "cosmos3" else None
     plans, used, hashed = [], set(), 0
     latent_root = os.path.commonpath([d for d, _, _ in latents])
     ids = [dataset_id] if dataset_id is not None else _dataset_ids(root, latent_root)
@@ -68,20 +83,31 @@ def scan(folder, images=None, captions: dict | None = None, model_type: str | No
         sub = os.path.relpath(dirpath, latent_root)
         stem = stems.get((sub, name), stems.get(name, name))
         hashed += bool(SHA256_NAME.match(stem))
-        names = [] if stem not in captions else \
-            [caption_key_name(captions[stem], model)] + [path_key_name(d, image_files[(sub, name)], captions[stem], model)
-                                                         for d in ids if (sub, name) in image_files]
-        text = next((texts[n] for n in names if n in texts), None)
-        used.add(text)
-        nbytes = pt_nbytes(path) + (pt_nbytes(text) if text else 0)
-        lacks = () if text else (Lack("text_*", f"text embedding {' or '.join(names) if names else '(caption unknown)'} under {root}"),)
-        plans.append(ItemPlan(rel_key(latent_root, dirpath, stem), "", nbytes, _loader(path, text, max_item_bytes), lacks))
+        key, image, caption = rel_key(latent_root, dirpath, stem), image_files.get((sub, name)), captions.get(stem)
+        if cosmos3_names is not None:
+            names = cosmos3_names.names(key, path, image, caption, ids)
+        elif caption is None:
+            names = {}
+        else:
+            names = {caption_key_name(caption, model): None} | {path_key_name(d, image, caption, model): None
+                                                                 for d in ids if image is not None}
+        text = next((n for n in names if n in texts), None)
+        used.add(text and texts[text])
+        nbytes = pt_nbytes(path) + (pt_nbytes(texts[text]) if text else 0)
+        lacks = () if text else (Lack("text_*", cosmos3_names.lack(names, root) if cosmos3_names is not None else
+                                      f"text embedding {' or '.join(names) if names else '(caption unknown)'} under {root}"),)
+        load = _loader(path, text and texts[text], max_item_bytes, names.get(text))
+        plans.append(ItemPlan(key, "", nbytes, load, lacks))
     if texts and captions and not used - {None}:
+        if cosmos3_names is not None:
+            raise cosmos3_names.unmatched_error(root, texts, ids)
         raise TrainerCacheError(
             f"{root}: none of its {len(texts)} text embeddings matches an item by caption or by dataset and path "
             f"(tried dataset ids {ids}): pass dataset_id= (the SimpleTuner dataset's id) if the model keys text by "
-            f"dataset and file path; cosmos3's signature keys are not supported")
-    skipped.extend(Skipped(p, "text embeddings not matched to an item by caption or path") for p in texts.values() if p not in used)
+            f"dataset and file path")
+    reason = ("cosmos3 reasoner caches whose names are no item's (path, caption, latent geometry, framerate and "
+              "reasoner component)") if cosmos3_names is not None else "text embeddings not matched to an item by caption or path"
+    skipped.extend(Skipped(p, reason) for p in texts.values() if p not in used)
     notes = [f"{hashed} keys are SimpleTuner's sha256 file-name hashes (pass images= to recover the stems)"] if hashed else []
     convention = {"latent_convention": "scaled", "scaling_factor": scaling_factor, "shift_factor": shift_factor}
     return Source("simpletuner", root, plans, skipped, convention, notes=notes, max_item_bytes=max_item_bytes,
@@ -98,14 +124,70 @@ def caption_key_name(caption: str, model: str | None) -> str:
     return f"{hashlib.md5(str(caption).encode()).hexdigest()}-{model}.pt"
 
 
-def path_key_name(dataset_id: str, image: str, caption: str, model: str | None) -> str:
+def path_key_name(dataset_id: str, image: str, caption: str, model: str | None, signature: str | None = None) -> str:
     """``hash_prompt`` of a ``DATASET_AND_FILENAME`` model: the key ``{dataset id}:{image path below
-    instance_data_dir}`` (training/collate.py, ``normalize_data_path``), then the prompt (``create_hash``)."""
-    digest = hashlib.md5(f"{dataset_id}:{os.path.normcase(image)}".encode())
+    instance_data_dir}`` (training/collate.py, ``normalize_data_path``), then the prompt (``create_hash``).
+    cosmos3 (``signature``): the key with ``:cosmos3:{signature}`` appended (cosmos3/model.py ``text_embed_cache_key_value``)."""
+    key = f"{dataset_id}:{os.path.normcase(image)}" + (f":cosmos3:{signature}" if signature is not None else "")
+    digest = hashlib.md5(key.encode())
     if caption:
         digest.update(b"\0prompt\0")
         digest.update(str(caption).encode())
     return f"{digest.hexdigest()}-{model}.pt"
+
+
+class Cosmos3Names:
+    """The names cosmos3's text files of an item can have, as SimpleTuner's collate makes them: one per dataset id
+    and reasoner component, for the caption, the image path and the geometry of the item's latent
+    (:mod:`.simpletuner_cosmos3`). Each item's latent is read at scan time for its shape; the cost is linear in the
+    items (a few names each), and the file a name finds is confirmed by the signature stored inside it when read."""
+
+    def __init__(self, reasoner_component: str | None, framerate: float | None, max_item_bytes: int):
+        self.components = (str(reasoner_component),) if reasoner_component is not None else cosmos3.REASONER_COMPONENTS
+        self.fps = float(framerate) if framerate is not None else cosmos3.DEFAULT_FRAMERATE
+        self.max_item_bytes = max_item_bytes
+        self.items = []  # (key, caption, geometry) of each item names were made for: the unmatched error's evidence
+
+    def names(self, key: str, path: str, image: str | None, caption: str | None, ids: list[str]) -> dict:
+        """``{text file name: (signature, reasoner component)}`` of one item; none if its caption or image is unknown."""
+        if caption is None or image is None:
+            return {}
+        geometry = cosmos3.latent_geometry(_latent(load_pt(path, self.max_item_bytes), path), path)
+        self.items.append((key, caption, geometry))
+        signatures = {c: cosmos3.signature(caption, *geometry, self.fps, c) for c in self.components}
+        return {path_key_name(d, image, caption, "cosmos3", sig): (sig, c) for d in ids for c, sig in signatures.items()}
+
+    def lack(self, names: dict, root: str) -> str:
+        """Where the text file of the item :meth:`names` was last called for would be."""
+        if not names:
+            return f"cosmos3 reasoner cache (caption or image unknown: pass images=) under {root}"
+        frames, height, width = self.items[-1][2]  # (names() has just made this item's)
+        return (f"cosmos3 reasoner cache {next(iter(names))} or {len(names) - 1} other names (for {frames} frames at "
+                f"{height}x{width}, framerate {self.fps}, reasoner components {list(self.components)}) under {root}")
+
+    def unmatched_error(self, root: str, texts: dict, ids: list[str]) -> TrainerCacheError:
+        """No text file is any item's: what the smallest one's stored ``cache_signature`` says to pass."""
+        path = min(texts.values(), key=os.path.getsize)
+        stored = load_pt(path, self.max_item_bytes)
+        cache = stored.get(cosmos3.PAYLOAD_KEY) if isinstance(stored, dict) else None
+        signature = cache.get("cache_signature") if isinstance(cache, dict) else None
+        tried = (f"tried dataset ids {ids}, framerate {self.fps} (framerate=), reasoner components {list(self.components)} "
+                 f"(reasoner_component=: the config's cosmos3_reasoner_component), each item's latent geometry")
+        head = f"{root}: none of its {len(texts)} cosmos3 reasoner caches is named as SimpleTuner names an item's ({tried})"
+        if signature is None:
+            return TrainerCacheError(f"{head}; {path} holds no {cosmos3.PAYLOAD_KEY}.cache_signature: is it cosmos3's?")
+        if not self.items:
+            return TrainerCacheError(f"{head}; no item's image path is known: pass images= (the dataset's instance_data_dir)")
+        for key, caption, geometry in self.items:
+            for component in self.components:
+                if cosmos3.signature(caption, *geometry, self.fps, component) == signature:
+                    return TrainerCacheError(
+                        f"{head}; {path}'s stored cache_signature is item {key!r}'s (its caption and geometry, reasoner "
+                        f"component {component}), so the dataset id or the image path differ: pass dataset_id= (the "
+                        f"SimpleTuner dataset's id) and images= (its instance_data_dir)")
+        return TrainerCacheError(
+            f"{head}; {path}'s stored cache_signature {signature} is no item's caption and geometry with those: pass "
+            f"reasoner_component= or framerate= as the SimpleTuner config has them (or images= where the captions differ)")
 
 
 def _dataset_ids(root: str, latent_root: str) -> list[str]:
@@ -153,25 +235,48 @@ def _model_type(texts: dict, model_type: str | None, root: str) -> str | None:
     raise TrainerCacheError(f"{root} holds text embeddings of several model types {found}; pass model_type=")
 
 
-def _loader(path: str, text: str | None, limit: int):
+def _loader(path: str, text: str | None, limit: int, cosmos3_match: tuple | None = None):
+    """``cosmos3_match``: ``(signature, reasoner component)`` the text file's name was made of."""
     def load():  # a gzip'd file is judged by what it inflates to: the latent's, then the text's, within the item's limit
         obj = load_pt(path, limit)
-        if isinstance(obj, torch.Tensor):
-            fields, info = {"latent": obj}, {}
-        elif isinstance(obj, dict) and isinstance(obj.get("latents"), torch.Tensor):
+        latent = _latent(obj, path)
+        fields, info = {"latent": latent}, {}
+        if isinstance(obj, dict):
             tensors, info = split_tensors(obj, path)
-            fields = {"latent": tensors.pop("latents"), **tensors}
-        else:
-            raise fail(path, "a latent tensor or a dict with 'latents'", _describe(obj))
+            fields.update({k: v for k, v in tensors.items() if k != "latents"})
         if text is not None:
             embeds = load_pt(text, limit - sum(v.nbytes for v in fields.values()), limit)
             if not isinstance(embeds, dict):
                 raise fail(text, "a dict of text-encoder outputs", _describe(embeds))
-            tensors, plain = split_tensors(embeds, text)
-            fields.update({f"text_{k}": v for k, v in tensors.items()})
-            info.update({f"text_{k}": v for k, v in plain.items()})
+            if cosmos3_match is not None or cosmos3.PAYLOAD_KEY in embeds:
+                tensors, plain = cosmos3.record_fields(embeds, text)
+                if cosmos3_match is not None:
+                    _check_signature(text, plain["text_cache_signature"], *cosmos3_match)
+                    plain["text_reasoner_component"] = cosmos3_match[1]
+            else:
+                tensors, plain = split_tensors(embeds, text)
+                tensors, plain = {f"text_{k}": v for k, v in tensors.items()}, {f"text_{k}": v for k, v in plain.items()}
+            fields.update(tensors)
+            info.update(plain)
         return fields, info
     return load
+
+
+def _latent(obj, path: str) -> torch.Tensor:
+    """The latent of a VAE cache file: the tensor, or a dict's ``latents`` (audio models)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict) and isinstance(obj.get("latents"), torch.Tensor):
+        return obj["latents"]
+    raise fail(path, "a latent tensor or a dict with 'latents'", _describe(obj))
+
+
+def _check_signature(text: str, stored: str, expected: str, component: str) -> None:
+    """The signature inside a cosmos3 text file is the one its name was made of (cosmos3/model.py
+    ``_predict_single_sample`` refuses a cache whose signature is not the sample's)."""
+    if stored != expected:
+        raise TrainerCacheError(f"{text}: expected the cosmos3 cache_signature its name is made of ({expected}, reasoner "
+                                f"component {component}), found {stored}: a renamed or rewritten file")
 
 
 def _describe(obj) -> str:
