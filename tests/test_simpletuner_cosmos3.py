@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from latentfast.cache import LatentCache, import_latents
+from latentfast.cache.cli import main as cache_cli
 from latentfast.cache.trainers import TrainerCacheError, open_source
 from latentfast.cache.trainers import simpletuner_cosmos3 as cosmos3
 from latentfast.cache.trainers.fixtures import (cosmos3_reasoner_cache, records_via, same_bits, simpletuner_torch_save,
@@ -145,6 +146,10 @@ def test_a_framerate_or_reasoner_component_other_than_the_default_is_asked_for(t
         open_source(cache, "simpletuner", images=images)
     with pytest.raises(TrainerCacheError, match="pass reasoner_component="):
         open_source(cache, "simpletuner", images=images, framerate=30)
+    out = str(tmp_path / "out")
+    assert cache_cli(["cache", "import", cache, "--out", out, "--format", "simpletuner", "--images", images, "--framerate",
+                      "30", "--reasoner-component", "me/my-reasoner", "--require", "text", "--quiet"]) == 0
+    assert "text_input_ids" in LatentCache(out).fields  # (--require text: every item has it)
     source = open_source(cache, "simpletuner", images=images, framerate=30, reasoner_component="me/my-reasoner")
     theirs = simpletuner_files(cache, images, True, framerate=30.0, component="me/my-reasoner")
     for rec in source:

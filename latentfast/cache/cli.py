@@ -343,6 +343,10 @@ def _add_import(commands) -> None:
                      "that field (an optional field) and listed")
     imp.add_argument("--dataset-id", default=None, help="simpletuner: the dataset's id, for models that key text "
                      "embeddings by dataset and file path (default: tried from the VAE cache folder's name)")
+    imp.add_argument("--reasoner-component", default=None, help="simpletuner cosmos3: the config's "
+                     "cosmos3_reasoner_component (default: each id its auto gives is tried)")
+    imp.add_argument("--framerate", type=float, default=None, help="simpletuner cosmos3: the config's framerate "
+                     "(default 24), which its text files' names hash")
     imp.add_argument("--key", default=None, help="entry holding the latent (default: 'latents', the one tensor named "
                      "'latent...', or the only entry)")
     imp.add_argument("--split", default="train", help="name of the split")
@@ -585,7 +589,7 @@ def _import(args, stats: dict, group=None) -> str:
     from .builders.importers import import_latents
 
     given = (("arch", args.arch), ("images", args.images), ("require", args.require), ("latent_dtype", args.latent_dtype),
-             ("dataset_id", args.dataset_id))
+             ("dataset_id", args.dataset_id), ("reasoner_component", args.reasoner_component), ("framerate", args.framerate))
     trainer = {k: v for k, v in given if v is not None}
     if args.convention != "keep" or args.scaling_factor is not None or args.shift_factor is not None:
         trainer.update(scaled={"keep": None, "scaled": True, "raw": False}[args.convention],
