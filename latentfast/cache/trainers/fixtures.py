@@ -434,8 +434,8 @@ def cosmos3_reasoner_cache(g, length: int, layers: int, signature: str, k_for_ge
             "input_ids": torch.randint(0, 151000, (length,), generator=g, dtype=torch.long),
             "text_indexes": torch.arange(length, dtype=torch.long),
             "und_len": torch.tensor(length, dtype=torch.long),
-            "text_mrope_ids": (torch.arange(length, dtype=torch.float32) + 0).unsqueeze(0).expand(3, -1).contiguous(),
-            "vision_start_temporal_offset": torch.tensor(0 + length + 15000, dtype=torch.float32),
+            "text_mrope_ids": torch.arange(length, dtype=torch.float32).unsqueeze(0).expand(3, -1).contiguous(),  # offset 0
+            "vision_start_temporal_offset": torch.tensor(length + 15000, dtype=torch.float32),
             "reasoner_memory_state": {"layer_kv": layer_kv}}
 
 

@@ -154,7 +154,7 @@ class Cosmos3Names:
             return {}
         geometry = cosmos3.latent_geometry(_latent(load_pt(path, self.max_item_bytes), path), path)
         self.items.append((key, caption, geometry))
-        signatures = {c: cosmos3.signature(caption, *geometry, self.fps, c) for c in self.components}
+        signatures = cosmos3.signatures(caption, *geometry, self.fps, self.components)
         return {path_key_name(d, image, caption, "cosmos3", sig): (sig, c) for d in ids for c, sig in signatures.items()}
 
     def lack(self, names: dict, root: str) -> str:
@@ -179,8 +179,8 @@ class Cosmos3Names:
         if not self.items:
             return TrainerCacheError(f"{head}; no item's image path is known: pass images= (the dataset's instance_data_dir)")
         for key, caption, geometry in self.items:
-            for component in self.components:
-                if cosmos3.signature(caption, *geometry, self.fps, component) == signature:
+            for component, computed in cosmos3.signatures(caption, *geometry, self.fps, self.components).items():
+                if computed == signature:
                     return TrainerCacheError(
                         f"{head}; {path}'s stored cache_signature is item {key!r}'s (its caption and geometry, reasoner "
                         f"component {component}), so the dataset id or the image path differ: pass dataset_id= (the "

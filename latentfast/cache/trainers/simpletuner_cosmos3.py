@@ -57,11 +57,19 @@ def latent_geometry(latent: torch.Tensor, where: str) -> tuple[int, int, int]:
 
 def signature(caption: str, num_frames: int, height: int, width: int, fps: float, component: str) -> str:
     """``Cosmos3Image._cosmos3_text_cache_signature`` of a caption, its geometry and a reasoner component id."""
+    return signatures(caption, num_frames, height, width, fps, (component,))[component]
+
+
+def signatures(caption: str, num_frames: int, height: int, width: int, fps: float, components) -> dict[str, str]:
+    """``{component: signature}`` for several reasoner components (the generation prompt is made once)."""
     fps = float(fps)
-    payload = {"prompt": generation_prompt(caption, num_frames=num_frames, fps=fps, height=height, width=width),
-               "num_frames": int(num_frames), "height": int(height), "width": int(width), "fps": fps,
-               "reasoner_component": component}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+    prompt = generation_prompt(caption, num_frames=num_frames, fps=fps, height=height, width=width)
+    out = {}
+    for component in components:
+        payload = {"prompt": prompt, "num_frames": int(num_frames), "height": int(height), "width": int(width),
+                   "fps": fps, "reasoner_component": component}
+        out[component] = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+    return out
 
 
 def generation_prompt(caption: str, *, num_frames: int, fps: float, height: int, width: int) -> str:
@@ -193,7 +201,7 @@ def reasoner_cache(fields: dict, info: dict) -> dict:
     record (``fields``: ``cache.record(i)``, ``info``: ``cache.info(i)``): what cosmos3/model.py
     ``collate_prompt_embeds`` lists per item and ``_predict_single_sample`` reads."""
     layers = [{} for _ in range(int(info["text_layer_kv_count"]))]
-    for field in sorted(fields, key=lambda f: (len(f), f)):
+    for field in sorted(fields, key=lambda f: (len(f), f)):  # k and v before k_for_gen, as the reasoner's layers hold them
         match = LAYER_FIELD.match(field)
         if match:
             layers[int(match["layer"])][match["name"]] = fields[field]
