@@ -99,13 +99,14 @@ def test_every_field_equals_what_simpletuners_loader_returns(tmp_path, via, comp
         entry, rec = loader_entry(text, compress), records[stem]
         assert same_bits(rec.fields["latent"], latent)
         layers = entry["reasoner_memory_state"]["layer_kv"]
-        assert set(rec.fields) == {"latent", "text_input_ids", "text_text_indexes", "text_text_mrope_ids"} | \
-            {f"text_layer_kv_{i}_{name}" for i, layer in enumerate(layers) for name in layer}
+        assert set(rec.fields) == {"latent", "text_input_ids", "text_text_indexes", "text_text_mrope_ids", "text_layer_kv_k",
+                                   "text_layer_kv_v"} | ({"text_layer_kv_k_for_gen"} if k_for_gen else set())
         for key in ("input_ids", "text_indexes", "text_mrope_ids"):
             assert same_bits(rec.fields[f"text_{key}"], entry[key]), key
-        for i, layer in enumerate(layers):
+        assert rec.info["text_layer_kv_names"] == list(layers[0]) and rec.fields["text_layer_kv_k"].shape[0] == len(layers) == 2
+        for i, layer in enumerate(layers):  # layer i's tensors, stacked
             for name, value in layer.items():
-                assert same_bits(rec.fields[f"text_layer_kv_{i}_{name}"], value), (i, name)
+                assert same_bits(rec.fields[f"text_layer_kv_{name}"][i], value), (i, name)
         assert rec.info["text_und_len"] == int(entry["und_len"].item())
         assert rec.info["text_cache_signature"] == entry["cache_signature"] and rec.info["text_reasoner_component"] == NANO
         assert_same(cosmos3.reasoner_cache(rec.fields, rec.info), entry)  # the loader's dict, rebuilt exactly
@@ -229,10 +230,12 @@ def test_a_payload_other_than_encode_prompts_is_refused_naming_the_entry(tmp_pat
     simpletuner_torch_save({"cosmos3_reasoner_cache": {**entry, "und_len": entry["und_len"].int()}}, path, False)
     with pytest.raises(TrainerCacheError, match=rf"{path}#und_len: expected a 0-d torch.int64 tensor, found a torch.int32"):
         list(open_source(cache, "simpletuner", images=images))
-    layers = {"layer_kv": [{"k": entry["reasoner_memory_state"]["layer_kv"][0]["k"]}, "not a layer"]}
-    simpletuner_torch_save({"cosmos3_reasoner_cache": {**entry, "reasoner_memory_state": layers}}, path, False)
-    with pytest.raises(TrainerCacheError, match=rf"{path}#reasoner_memory_state.layer_kv\[1\]: expected a dict of tensors"):
-        list(open_source(cache, "simpletuner", images=images))
+    k = entry["reasoner_memory_state"]["layer_kv"][0]["k"]
+    for layer_1, found in [("not a layer", "a str"), ({"k": k[:-1]}, r"k: a torch.bfloat16 tensor of shape \[4, 2, 4\]")]:
+        layers = {"layer_kv": [{"k": k}, layer_1]}
+        simpletuner_torch_save({"cosmos3_reasoner_cache": {**entry, "reasoner_memory_state": layers}}, path, False)
+        with pytest.raises(TrainerCacheError, match=rf"{path}#reasoner_memory_state.layer_kv\[1\]: expected .*found {found}"):
+            list(open_source(cache, "simpletuner", images=images))
 
 
 def test_without_images_the_items_are_kept_and_images_is_asked_for(tmp_path):

@@ -23,7 +23,7 @@ prompt and the item's geometry (:mod:`.simpletuner_cosmos3`): computed per item 
 its latent (read at scan time), ``framerate=`` (default 24) and the reasoner component (``reasoner_component=``,
 default: each id ``cosmos3_reasoner_component: auto`` gives), then confirmed against the ``cache_signature``
 stored in the file when it is read; its reasoner cache becomes ``text_input_ids``, ``text_text_indexes``,
-``text_text_mrope_ids``, ``text_layer_kv_{layer}_{k|v|k_for_gen}`` and ``text_*`` info
+``text_text_mrope_ids``, ``text_layer_kv_{k|v|k_for_gen}`` (stacked over the reasoner's layers) and ``text_*`` info
 (:func:`.simpletuner_cosmos3.reasoner_cache` rebuilds SimpleTuner's dict from a record).
 Unmatched text files are listed as skipped; when captions are known and no text file matches any item,
 the scan raises instead of importing the latents alone (for cosmos3, saying from the smallest file's stored

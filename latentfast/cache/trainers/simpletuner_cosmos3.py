@@ -16,10 +16,15 @@ the reasoner's keys and values per layer. :func:`record_fields` lays it out as r
 turns a record back into the dict SimpleTuner's loader returns (``TextEmbeddingCache.load_from_cache``).
 
 Fields (``text_`` + the cache's key): ``text_input_ids``, ``text_text_indexes`` (int64 ``[L]``),
-``text_text_mrope_ids`` (``[3, L]``), and per reasoner layer ``i`` of ``reasoner_memory_state["layer_kv"]``
-``text_layer_kv_{i}_k``, ``text_layer_kv_{i}_v`` (``[L, kv_heads, head_dim]``; ``text_layer_kv_{i}_k_for_gen``
-where the layer keeps one). Info: ``text_cache_version``, ``text_cache_signature``, ``text_und_len`` (int),
-``text_vision_start_temporal_offset`` (the float32 value as a float), ``text_layer_kv_count``.
+``text_text_mrope_ids`` (``[3, L]``), and ``reasoner_memory_state["layer_kv"]`` stacked over the reasoner's
+layers, one field per name of a layer's dict: ``text_layer_kv_k``, ``text_layer_kv_v`` (``[layers, L, kv_heads,
+head_dim]``; ``text_layer_kv_k_for_gen`` where the layers keep one), so layer ``i``'s ``k`` is
+``text_layer_kv_k[i]``. Stacked, not a field per layer: every layer of the reasoner has the same attention
+config (reasoner.py builds them all from one ``Cosmos3ReasonerConfig``), and a record of a few fields imports
+and batches faster than one of a hundred (36 layers x k and v); layers that differ are refused, naming them.
+Info: ``text_cache_version``, ``text_cache_signature``, ``text_und_len`` (int),
+``text_vision_start_temporal_offset`` (the float32 value as a float), ``text_layer_kv_names`` (a layer's
+names in their order).
 """
 from __future__ import annotations
 
@@ -43,7 +48,6 @@ CACHE_KEYS = ("cache_version", "cache_signature", "input_ids", "text_indexes", "
               "vision_start_temporal_offset", "reasoner_memory_state")
 TENSOR_KEYS = ("input_ids", "text_indexes", "text_mrope_ids")
 SCALARS = {"und_len": torch.int64, "vision_start_temporal_offset": torch.float32}  # 0-d tensors, as _encode_prompts makes them
-LAYER_FIELD = re.compile(r"^text_layer_kv_(?P<layer>\d+)_(?P<name>\w+)$")
 ASPECT_RATIOS = ("1,1", "4,3", "3,4", "16,9", "9,16")
 
 
@@ -183,16 +187,21 @@ def record_fields(payload: dict, where: str) -> tuple[dict[str, torch.Tensor], d
         info[f"text_{key}"] = value.item()
     state = cache["reasoner_memory_state"]
     layers = state.get("layer_kv") if isinstance(state, dict) and set(state) == {"layer_kv"} else None
-    if not isinstance(layers, list):
-        raise fail(f"{where}#reasoner_memory_state", "{'layer_kv': a list of dicts of tensors}", _what(state))
+    if not isinstance(layers, list) or not layers:
+        raise fail(f"{where}#reasoner_memory_state", "{'layer_kv': a list of dicts of tensors, one per layer}", _what(state))
+    first = layers[0]
     for i, layer in enumerate(layers):
-        if not isinstance(layer, dict) or not layer:
-            raise fail(f"{where}#reasoner_memory_state.layer_kv[{i}]", "a dict of tensors ('k', 'v', ...)", _what(layer))
-        for name, value in layer.items():
-            if not isinstance(name, str) or not re.fullmatch(r"\w+", name):
-                raise fail(f"{where}#reasoner_memory_state.layer_kv[{i}]", "tensor names of letters, digits and _", repr(name))
-            fields[f"text_layer_kv_{i}_{name}"] = _tensor(value, f"{where}#reasoner_memory_state.layer_kv[{i}].{name}")
-    info["text_layer_kv_count"] = len(layers)
+        entry = f"{where}#reasoner_memory_state.layer_kv[{i}]"
+        if not isinstance(layer, dict) or not layer or \
+                not all(isinstance(k, str) and re.fullmatch(r"\w+", k) and isinstance(v, torch.Tensor) and v.dim() > 0
+                        for k, v in layer.items()):
+            raise fail(entry, "a dict of tensors named by letters, digits and _ ('k', 'v', ...)", _what(layer))
+        if list(layer) != list(first) or any(v.shape != first[k].shape or v.dtype != first[k].dtype for k, v in layer.items()):
+            raise fail(entry, f"the names, shapes and dtypes of layer 0 ({_layer(first)}), as one reasoner config gives",
+                       _layer(layer))
+    for name in first:
+        fields[f"text_layer_kv_{name}"] = torch.stack([layer[name] for layer in layers])
+    info["text_layer_kv_names"] = list(first)
     return fields, info
 
 
@@ -200,11 +209,9 @@ def reasoner_cache(fields: dict, info: dict) -> dict:
     """The ``cosmos3_reasoner_cache`` dict SimpleTuner's loader returns for an item, rebuilt from its imported
     record (``fields``: ``cache.record(i)``, ``info``: ``cache.info(i)``): what cosmos3/model.py
     ``collate_prompt_embeds`` lists per item and ``_predict_single_sample`` reads."""
-    layers = [{} for _ in range(int(info["text_layer_kv_count"]))]
-    for field in sorted(fields, key=lambda f: (len(f), f)):  # k and v before k_for_gen, as the reasoner's layers hold them
-        match = LAYER_FIELD.match(field)
-        if match:
-            layers[int(match["layer"])][match["name"]] = fields[field]
+    names = info["text_layer_kv_names"]
+    stacked = {name: fields[f"text_layer_kv_{name}"] for name in names}
+    layers = [{name: stacked[name][i] for name in names} for i in range(len(stacked[names[0]]))]
     return {"cache_version": info["text_cache_version"], "cache_signature": info["text_cache_signature"],
             "input_ids": fields["text_input_ids"], "text_indexes": fields["text_text_indexes"],
             "und_len": torch.tensor(info["text_und_len"], dtype=SCALARS["und_len"]),
@@ -218,6 +225,10 @@ def _tensor(value, where: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         raise fail(where, "a tensor of at least one dimension", _what(value))
     return value
+
+
+def _layer(layer: dict) -> str:
+    return ", ".join(f"{k}: {_what(v)}" for k, v in layer.items())
 
 
 def _what(value) -> str:
