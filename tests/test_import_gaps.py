@@ -25,7 +25,7 @@ from latentfast.cache.trainers.fixtures import (records_via, same_bits, simpletu
 from latentfast.errors import CacheError, InvalidArgumentError, NonFiniteError
 from test_trainers_ai_toolkit import get_latent, hashed_path
 from test_trainers_kohya import load_latents_from_disk, load_outputs_npz
-from test_trainers_simpletuner import torch_load, vae_cache_filename
+from test_trainers_simpletuner import first_textfile_caption, torch_load, vae_cache_filename
 
 
 # ---- ai-toolkit: AnimaPromptEmbeds -----------------------------------------------------------------
@@ -88,7 +88,7 @@ def test_simpletuner_path_keyed_text_embeddings_import_with_their_items(tmp_path
     vae_dir, text_dir = cache / "vae" / "qwen_image" / "edits", cache / "text" / "qwen_image"
     for stem in stems:
         latent = torch_load(vae_cache_filename(str(vae_dir), str(images), str(images / (stem + ".png"))), True)
-        caption = (images / (stem + ".txt")).read_text()
+        caption = first_textfile_caption(images / (stem + ".txt"))
         embeds = torch_load(path_keyed_text_file(text_dir, "edits", images, stem, caption, "qwen_image"), True)
         rec = records[stem]
         assert same_bits(rec.fields["latent"], latent)

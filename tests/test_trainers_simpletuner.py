@@ -38,6 +38,14 @@ def text_cache_filename(cache_dir, caption, model_type):
     return os.path.join(cache_dir, hashlib.md5(str(caption).encode()).hexdigest() + f"-{model_type}" + ".pt")
 
 
+def first_textfile_caption(path) -> str:
+    """The first caption SimpleTuner reads from a ``.txt`` (helpers/prompts.py
+    ``prepare_instance_prompt_from_textfile``: the bytes decoded, split on newlines when there are any, empty
+    lines dropped), the one whose embedding the fixture writes."""
+    with open(path, "rb") as fh:
+        text = fh.read().decode("utf-8")
+    return [line for line in text.split("\n") if line][0] if "\n" in text else text
+
 @pytest.mark.parametrize("compress,hashed,via", [(True, True, "reader"), (False, False, "reader"), (True, False, "reader"),
                                                  (True, True, "import"), (False, False, "import"), (True, True, "auto")])
 def test_every_field_matches_simpletuners_reads(tmp_path, compress, hashed, via):
@@ -49,8 +57,7 @@ def test_every_field_matches_simpletuners_reads(tmp_path, compress, hashed, via)
     for stem in stems:
         image = os.path.join(images, stem + ".png")
         latent = torch_load(vae_cache_filename(os.path.join(cache, "vae"), images, image, hashed), compress)
-        with open(os.path.join(images, stem + ".txt"), encoding="utf-8") as fh:
-            caption = fh.read()
+        caption = first_textfile_caption(os.path.join(images, stem + ".txt"))
         embeds = torch_load(text_cache_filename(os.path.join(cache, "text"), caption, "flux"), compress)
         rec = records[stem]
         assert same_bits(rec.fields["latent"], latent)

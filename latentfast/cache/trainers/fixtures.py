@@ -395,9 +395,13 @@ def write_simpletuner(folder, images, n: int = 3, compress: bool = True, hash_fi
         stem, sub = f"img_{i:03d}", ("sub" if i % 2 else "")
         os.makedirs(os.path.join(images, sub), exist_ok=True)
         Image.new("RGB", (16 + 8 * i, 16), (i, 2 * i, 3 * i)).save(os.path.join(images, sub, stem + ".png"))
-        caption = f"a photo of thing {i}"
+        # caption files as people write them: a trailing newline, spaces kept, several lines (SimpleTuner splits
+        # on "\n", drops empty lines and embeds each caption; this fixture writes the first one's embedding)
+        text = [f"a photo of thing {i}", f"a photo of thing {i}\n", f" a photo of thing {i} ",
+                f"a photo of thing {i}\n\nanother caption\n"][i % 4]
+        caption = next(line for line in text.split("\n") if line)
         with open(os.path.join(images, sub, stem + ".txt"), "w", encoding="utf-8") as fh:
-            fh.write(caption)
+            fh.write(text)
         name = hashlib.sha256(stem.encode()).hexdigest() if hash_filenames else stem
         latent = _randn(g, 16, 4 + (i if buckets is None else i % buckets), 6, dtype=torch.bfloat16)
         vae_dir, text_dir = ("vae", "text") if dataset_id is None else \

@@ -223,9 +223,19 @@ def _caption_files(images) -> dict:
     out = {}
     for dirpath, name in walk_files(check_root(images)):
         if name.endswith(".txt"):
-            with open(os.path.join(dirpath, name), encoding="utf-8") as fh:
-                out[name[:-4]] = fh.read().strip()
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                out[name[:-4]] = textfile_caption(fh.read().decode("utf-8"))
     return out
+
+
+def textfile_caption(text: str) -> str:
+    """The caption SimpleTuner's ``caption_strategy=textfile`` hashes first: the file's text as read (not
+    stripped), or, when it holds a newline, its first non-empty line (``helpers/prompts.py``
+    ``PromptHandler.prepare_instance_prompt_from_textfile`` splits on ``\n`` and drops empty lines; a file
+    of several captions gets one embedding per caption, of which the record keeps the first)."""
+    if "\n" not in text:
+        return text
+    return next((line for line in text.split("\n") if line), "")
 
 
 def _model_type(texts: dict, model_type: str | None, root: str) -> str | None:
