@@ -14,7 +14,7 @@ from latentfast.testing import poisoned_like, random_rows, runnable_backends, wr
 from latentfast import reference
 from latentfast.cache import LatentCache, LatentCacheWriter
 from latentfast.cache.store import shards as shardstore
-from latentfast.cache.store.reader import inspect_cache, verify_cache
+from latentfast.cache import inspect_cache, verify_cache
 from latentfast.cli import main
 from latentfast.errors import CacheCorruptError, IndexOutOfRangeError, InvalidArgumentError
 

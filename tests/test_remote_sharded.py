@@ -24,7 +24,7 @@ from latentfast.cache.feed.loader import batch_loader
 from latentfast.cache.remote import RemoteCorruptError, push
 from latentfast.cache.remote.storage import ObjectFolder
 from latentfast.cache.store import shards as shardstore
-from latentfast.cache.store.reader import inspect_cache, verify_cache
+from latentfast.cache import inspect_cache, verify_cache
 from latentfast.errors import InvalidArgumentError
 from latentfast.testing import FaultProxy, create_bucket, s3_options, s3_server
 from test_remote_latent_cache import assert_same  # noqa: E402

@@ -30,6 +30,8 @@ import os
 import tomllib
 
 from ..errors import InvalidArgumentError
+from .builders.images import build_image_cache
+from .captions import Captions, caption_path
 
 CONFIG_KINDS = ("kohya", "musubi-tuner")
 
@@ -138,8 +140,6 @@ def build_from_config(encoder, kind: str, config_path, out_dir, **options) -> li
     ``device``, ``text_encoder``, ``latent_dtype``, ...). Returns the splits as written to ``dataset.json``."""
     from PIL import Image
 
-    from .builders.images import build_image_cache
-
     if kind not in CONFIG_KINDS:
         raise InvalidArgumentError(f"kind must be one of {CONFIG_KINDS}, got {kind!r}")
     plans = _kohya_plans(config_path) if kind == "kohya" else _musubi_plans(config_path)
@@ -188,8 +188,6 @@ def _kohya_plans(config_path) -> list[dict]:
 
 def _kohya_captions(subset: dict):
     """kohya's caption of an image: its caption file, else the subset's ``class_tokens`` (else empty)."""
-    from .captions import Captions, caption_path
-
     files = Captions(caption_extension=subset["caption_extension"], missing="empty")
 
     def caption(key, path):
