@@ -21,11 +21,17 @@ from source ``row_sources[i]``), never one call per shard or per item. On a CUDA
 is gathered on the host by that one call and copied over; cold-read advice is not given for
 sharded caches (pages fault in as touched).
 
-In object storage (``LatentCache("s3://...")`` of a pushed distributed build or ``cache merge
---copy``), the manifest and order come whole into the local cache folder and each shard opens as a
-remote cache under the manifest's prefix, all sharing one chunk cache and budget; a batch's missing
-chunks in every shard are fetched concurrently, then held while the one gather reads them (see
-:func:`latentfast.cache.remote.files.holding_many`).
+A :class:`ShardedCache` composes the shards' caches (:class:`~latentfast.cache.store.reader.LatentCache`
+each): opening reads the manifest, the order and every shard's meta, and opens the first shard; the
+others open on first use, and a shard's files are mapped on the first batch that reads from it.
+
+Where the shards' bytes are is the storage :class:`ShardedCache` is handed, never this module's
+business: local folders (None), or in object storage (``latentfast.cache.LatentCache("s3://...")`` of a
+pushed distributed build or ``cache merge --copy``) :class:`latentfast.cache.remote.files.RemoteShards`:
+the manifest and order come whole into the local cache folder and each shard opens as a remote cache
+under the manifest's prefix, all sharing one chunk cache and budget; a batch's missing chunks in every
+shard are fetched concurrently, then held while the one gather reads them, and a prefetch of a batch
+is one submission to the fetch loop for every shard and field.
 """
 from __future__ import annotations
 
@@ -44,8 +50,7 @@ import torch
 from ...errors import CacheCorruptError, IncompleteCacheError, InvalidArgumentError
 from . import fields as fieldstore
 from . import format as fmt
-from .manifest import (FORMAT, VERSION, is_sharded_folder, load_manifest, manifest_path, order_path, remote_shard_url,
-                       shard_path_inside)
+from .manifest import FORMAT, VERSION, is_sharded_folder, load_manifest, manifest_path, order_path, remote_shard_url
 from .reader import LatentCache, inspect_single, layout_summary, verify_single
 
 # what every shard (and every cache `cache merge` joins) must share: not n, nor (in a shaped cache,
