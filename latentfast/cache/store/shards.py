@@ -38,10 +38,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import io
 import json
 import os
 import shutil
 import threading
+import tokenize
 import zlib
 
 import numpy as np
@@ -201,7 +203,8 @@ def _check_order(order: np.ndarray, sizes: list[int], path: str) -> None:
         raise CacheCorruptError(f"sharded cache order {path} names a shard outside [0, {len(sizes)})")
     flat = starts[order[:, 0]] + order[:, 1] if len(order) else np.zeros(0, np.int64)
     bad = (order[:, 1] < 0) | (order[:, 1] >= np.asarray(sizes, dtype=np.int64)[order[:, 0]]) if len(order) else flat < 0
-    if bad.any() or len(np.unique(flat)) != len(flat):
+    # (in range and as many as the rows: each named once is each counted once -- a count, not a sort)
+    if bad.any() or (len(flat) and int(np.bincount(flat, minlength=len(flat)).max()) != 1):
         raise CacheCorruptError(f"sharded cache order {path} must name every row of every shard exactly once")
 
 
@@ -441,7 +444,7 @@ class ShardedCache(LatentCache):
             self.shard_dirs = [remote_shard_url(self.url, e["path"], path) for e in self._entries]
         else:
             self.shard_dirs = [os.path.normpath(os.path.join(self.cache_dir, e["path"])) for e in self._entries]
-        metas = self._shard_metas(path)
+        metas = self._metas = self._shard_metas(path)
         self._opened: list[LatentCache | None] = [None] * len(self.shard_dirs)
         self._opening = threading.Lock()
         first = self.shard(0)
@@ -481,8 +484,9 @@ class ShardedCache(LatentCache):
                 raise CacheCorruptError(f"sharded cache {path}: shard {folder} changed after the manifest was written "
                                         f"(now {now} items, the manifest says {entry['n']}); re-run the build or merge")
             metas.append(meta)
+        first = stamp_of(metas[0])
         for folder, meta in zip(self.shard_dirs[1:], metas[1:]):
-            lines = meta_mismatch(metas[0], self.shard_dirs[0], meta, folder)
+            lines = [] if stamp_of(meta) == first else meta_mismatch(metas[0], self.shard_dirs[0], meta, folder)
             if lines:
                 raise CacheCorruptError(f"sharded cache {path}: its shards disagree:\n" + "\n".join(lines))
         return metas
@@ -503,7 +507,7 @@ class ShardedCache(LatentCache):
         storage = None if self.storage is None else self.storage.shard(self._entries[k]["path"])
         shard = LatentCache(self.shard_dirs[k], self.split, expected, white_column, verify_rows=self.verify_rows, storage=storage)
         entry, path = self._entries[k], manifest_path(self.cache_dir, self.split)
-        if len(shard) != entry["n"] or _file_crc(fmt.cache_path(shard.cache_dir, self.split, "meta")) != entry["meta_crc"]:
+        if len(shard) != entry["n"] or shard.meta != self._metas[k]:  # (the meta checked against the manifest at the open)
             raise CacheCorruptError(f"sharded cache {path}: shard {self.shard_dirs[k]} changed after the manifest was written "
                                     f"(now {len(shard)} items, the manifest says {entry['n']}); re-run the build or merge")
         if k:
@@ -529,9 +533,17 @@ class ShardedCache(LatentCache):
         """The order file (checked against the manifest's CRC); the per-item tables joined in its order are
         built on first use (:attr:`widths`, :attr:`shapes`)."""
         opath = order_path(self.cache_dir, self.split)
-        order = fmt.load_npy(opath, "shard order")
-        if zlib.crc32(fmt.npy_bytes(np.ascontiguousarray(order))) != self._order_crc:
+        try:
+            with open(opath, "rb") as fh:
+                payload = fh.read()  # (write_manifest wrote the bytes its CRC is of: checked as they are, then parsed)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"latent cache shard order file {opath} does not exist") from None
+        if zlib.crc32(payload) != self._order_crc:
             raise CacheCorruptError(f"sharded cache order {opath} fails its CRC-32 recorded in {manifest_path(self.cache_dir, self.split)}")
+        try:
+            order = np.load(io.BytesIO(payload), allow_pickle=False)
+        except (ValueError, EOFError, OSError, SyntaxError, tokenize.TokenError) as exc:  # (as format.load_npy names them)
+            raise CacheCorruptError(f"sharded cache order {opath} is not a valid .npy array: {type(exc).__name__}: {exc}") from None
         sizes = [e["n"] for e in self._entries]
         _check_order(order, sizes, opath)
         self.order = order.astype(np.int64, copy=False)
