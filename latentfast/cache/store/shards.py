@@ -44,6 +44,7 @@ import os
 import shutil
 import threading
 import tokenize
+import weakref
 import zlib
 
 import numpy as np
@@ -270,7 +271,7 @@ class ShardedItems:
     index_checks = None  # (each shard checks its own index blocks when it is opened)
 
     def __init__(self, cache: "ShardedCache"):
-        self.cache, self.order = cache, cache.order
+        self.cache, self.order = weakref.proxy(cache), cache.order  # (the cache owns its items: no reference cycle)
         self.cache_dir, self.split, self.meta = cache.cache_dir, cache.split, cache.meta
         self.path = manifest_path(cache.cache_dir, cache.split)
         self.n, self.shaped, self.verify_rows = len(cache), cache.shaped, cache.verify_rows
@@ -279,7 +280,7 @@ class ShardedItems:
         self.dtype = cache.dtype  # the stored latents' dtype (one across shards: part of the stamp)
         self.row_starts = None  # no single file: the cold-read path (keyed on row_starts) stands aside
         self.remote = _ShardHolds(cache, lambda shard: shard.items)  # maps (and in object storage, holds) a batch's shards
-        self.block_checks = _ShardChecks(self)
+        self.block_checks = _ShardChecks(weakref.proxy(self))
         self._source = None
 
     @functools.cached_property
@@ -321,7 +322,7 @@ class ShardedFieldItems:
     row_starts = row_ends = None
 
     def __init__(self, cache: "ShardedCache", name: str):
-        self.cache, self.name, self.order, self.verify_rows = cache, name, cache.order, cache.verify_rows
+        self.cache, self.name, self.order, self.verify_rows = weakref.proxy(cache), name, cache.order, cache.verify_rows
         self.dtype = fieldstore.DTYPES[cache.meta["fields"][name]["dtype"]]
         self.ndim = int(cache.meta["fields"][name]["ndim"])
         self.n = len(self.order)
@@ -395,7 +396,7 @@ class _ShardHolds:
     ``part(shard)``: a shard's items of what is read (its latents, or one field's; None: it has none)."""
 
     def __init__(self, cache: "ShardedCache", part):
-        self.cache, self.part = cache, part
+        self.cache, self.part = weakref.proxy(cache), part  # (so a dropped cache closes its shards' files at once)
 
     def holding_items(self, items, index):
         picked = self.cache.order[np.asarray(index, dtype=np.int64)]
