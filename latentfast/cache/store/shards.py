@@ -447,7 +447,7 @@ class ShardedCache(LatentCache):
             self.shard_dirs = [os.path.normpath(os.path.join(self.cache_dir, e["path"])) for e in self._entries]
         metas = self._metas = self._shard_metas(path)
         self._opened: list[LatentCache | None] = [None] * len(self.shard_dirs)
-        self._opening = threading.Lock()
+        self._opening = [threading.Lock() for _ in self.shard_dirs]  # one per shard: several open at once, each once
         first = self.shard(0)
         self.meta = {k: v for k, v in first.meta.items() if k != "files"}  # (each shard's files are its own)
         self.meta.update(n=sum(e["n"] for e in self._entries), shards=len(self._entries))  # (the order names each row once)
@@ -497,7 +497,7 @@ class ShardedCache(LatentCache):
         """Shard ``k``, opened (and checked against the manifest and the first shard) on first use."""
         shard = self._opened[k]
         if shard is None:
-            with self._opening:
+            with self._opening[k]:
                 shard = self._opened[k]
                 if shard is None:
                     shard = self._opened[k] = self._open_shard(k)
@@ -668,7 +668,7 @@ class ShardedCache(LatentCache):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._opening = threading.Lock()
+        self._opening = [threading.Lock() for _ in self.shard_dirs]
         self._load_order()
         self._reset_process_state()
 
