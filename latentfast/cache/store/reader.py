@@ -62,8 +62,9 @@ class LatentCache:
     (the local folder of the cache's files), ``holding(items, starts, ends)`` and ``holding_items(items,
     index)`` (contexts in which those bytes may be read: see :func:`latentfast.cache.store.layout.holding`),
     ``prefetch_many(requests)`` (start fetching ``(items, starts, ends)`` spans of several files at once)
-    and ``holding_many(requests)`` (one hold over several caches' items: a sharded cache's). This class knows nothing of where a strategy gets its bytes, nor of shards: a folder
-    of shards is :class:`latentfast.cache.store.shards.ShardedCache`, which composes caches, and
+    and ``holding_many(requests)`` (one hold over several caches' items: a sharded cache's). This class
+    knows nothing of where a strategy gets its bytes, nor of shards: a folder of shards is
+    :class:`latentfast.cache.store.shards.ShardedCache`, which composes caches, and
     :class:`latentfast.cache.LatentCache` (:mod:`latentfast.cache.store.opening`) opens each kind by its
     location.
     """
@@ -197,10 +198,10 @@ class LatentCache:
                 raise CacheCorruptError(f"latent cache offsets {opath} disagree with the widths (row i must span C*h*w_i elements, back to back)")
 
     def _load_shapes(self) -> None:
-        """The shapes and offsets, mapped when large (their pages are the page cache's, shared by every process; under
-        a MiB they are read whole: see _MAP_INDEX_BYTES). A cache
-        with ``index_blocks`` has each block checked when its items are first read (:mod:`.tables`: opening
-        checks only the last one); an older one is checked whole now, a chunk at a time (no temporary grows with N)."""
+        """The shapes and offsets, mapped when large (their pages are the page cache's, shared by every process;
+        under a MiB they are read whole: see ``_MAP_INDEX_BYTES``). A cache with ``index_blocks`` has each block
+        checked when its items are first read (:mod:`.tables`: opening checks only the last one); an older one
+        is checked whole now, a chunk at a time (no temporary grows with N)."""
         m = self.meta
         n, ndim = m["n"], m["ndim"]
         spath = fmt.cache_path(self.cache_dir, self.split, "shapes")
