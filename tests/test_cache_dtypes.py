@@ -5,7 +5,7 @@ import torch
 
 from latentfast.cache import LatentCache, LatentCacheWriter
 from latentfast.cache.store import format as fmt
-from latentfast.cache.store.reader import inspect_cache, verify_cache
+from latentfast.cache import inspect_cache, verify_cache
 from latentfast.cache.trainers.fixtures import same_bits
 from latentfast.errors import CacheCorruptError, InvalidArgumentError, NonFiniteError
 

@@ -13,7 +13,7 @@ from latentfast.cache.feed.loader import CacheBatchDataset
 from latentfast.cache.store import fields as fieldstore
 from latentfast.cache.store.fields import field_path
 from latentfast.cache.store.format import cache_path
-from latentfast.cache.store.reader import inspect_cache
+from latentfast.cache import inspect_cache
 from latentfast.cli import main
 from latentfast.errors import InvalidArgumentError
 from latentfast.testing import kill_and_resume, write_random_cache

@@ -14,7 +14,7 @@ from latentfast.testing import poisoned_like, random_rows, runnable_backends, wr
 from latentfast import reference
 from latentfast.cache import LatentCache, LatentCacheWriter
 from latentfast.cache.store import shards as shardstore
-from latentfast.cache.store.reader import inspect_cache, verify_cache
+from latentfast.cache import inspect_cache, verify_cache
 from latentfast.cli import main
 from latentfast.errors import CacheCorruptError, IndexOutOfRangeError, InvalidArgumentError
 
@@ -217,6 +217,38 @@ def test_sharded_cache_reads_as_the_single_cache(tmp_path):
     assert len(set(chunks[many.order[:, 0] == 0]) & set(chunks[many.order[:, 0] == 1])) == 0 and len(whole) == 23
     again = __import__("pickle").loads(__import__("pickle").dumps(many))  # what a DataLoader worker gets
     assert_same_batches(one, again, batches[:2], fields=["latent", "ids"])
+
+
+def open_data_files(root) -> set[str]:
+    """The data files under ``root`` this process holds a descriptor of (a map's included)."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (the listing's own descriptor, closed by now)
+            continue
+        if target.startswith(str(root)) and target.endswith(".dat"):
+            held.add(os.path.relpath(target, root))
+    return held
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_a_sharded_cache_opens_its_shards_and_maps_their_files_on_first_use(tmp_path):
+    records = make_records(24, shaped_latents=True)
+    one, _ = sharded_and_single(tmp_path, records, 4)  # shards s0..s3 of items 0-5, 6-11, 12-17, 18-23
+    many = LatentCache(str(tmp_path / "sharded"))
+    shards = tmp_path / "shards"
+    assert [s.cache_dir for s in many.opened_shards()] == [os.path.join(str(shards), "s0")]  # the first: meta, white column
+    assert open_data_files(shards) == set()
+    fields = {"fields": ["latent", "text", "pooled"], "pad": {"text": 0}}
+    assert_same_batches(one, many, [[12, 17, 13]], **fields)  # shard s2 only
+    assert {os.path.dirname(p) for p in open_data_files(shards)} == {"s2"}
+    assert_same_batches(one, many, [[0, 23, 14]], **fields)
+    assert {os.path.dirname(p) for p in open_data_files(shards)} == {"s0", "s2", "s3"}  # never s1: nothing read there
+    # every shard's meta is read when the cache opens: one rebuilt since the manifest is refused then, first or not
+    write_records(str(shards / "s3"), records[18:20])
+    with pytest.raises(CacheCorruptError, match="s3 changed after the manifest"):
+        LatentCache(str(tmp_path / "sharded"))
 
 
 @pytest.mark.parametrize("layout", ["padded", "ragged"])

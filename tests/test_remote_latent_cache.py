@@ -20,7 +20,7 @@ from latentfast.cache import LatentCache, LatentCacheWriter
 from latentfast.cache.feed.loader import batch_loader
 from latentfast.cache.feed.sampler import LookaheadSampler
 from latentfast.cache.remote import RemoteCorruptError, RemoteNotFoundError, RemoteReadError, push
-from latentfast.cache.store.reader import inspect_cache, verify_cache
+from latentfast.cache import inspect_cache, verify_cache
 from latentfast.errors import InvalidArgumentError
 from latentfast.testing import FaultProxy, create_bucket, s3_options, s3_server, write_random_cache
 

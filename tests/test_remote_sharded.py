@@ -24,7 +24,7 @@ from latentfast.cache.feed.loader import batch_loader
 from latentfast.cache.remote import RemoteCorruptError, push
 from latentfast.cache.remote.storage import ObjectFolder
 from latentfast.cache.store import shards as shardstore
-from latentfast.cache.store.reader import inspect_cache, verify_cache
+from latentfast.cache import inspect_cache, verify_cache
 from latentfast.errors import InvalidArgumentError
 from latentfast.testing import FaultProxy, create_bucket, s3_options, s3_server
 from test_remote_latent_cache import assert_same  # noqa: E402
@@ -259,3 +259,24 @@ def test_older_mirrors_of_a_replaced_cache_go_once_no_reader_holds_them(server, 
     assert_same(latest.read_batch(list(range(5))), third.read_batch(list(range(5))))
     left = generations()
     assert not set(one) & set(left) and set(two) <= set(left) and len(left) == 2 * (1 + SHARDS)
+
+
+def test_a_sharded_prefetch_is_one_submission_and_fetches_what_the_batch_reads(server, tmp_path, monkeypatch):
+    # the lookahead of a batch over every shard and field hands the fetch loop one job, not one per
+    # shard and per field; after it, the batch reads with nothing more fetched, equal to the local cache
+    from latentfast.cache.remote.reader import RemoteReader
+
+    endpoint, folder, _ = server
+    local, cache = LatentCache(folder), remote(endpoint, "sharded", tmp_path / "lc")
+    batch = spanning_batches(local, np.random.default_rng(4), n=1)[0]
+    assert len(set(local.order[batch, 0].tolist())) >= 2
+    runs = []
+    submit = RemoteReader._run
+    monkeypatch.setattr(RemoteReader, "_run", lambda self, coro: runs.append(1) or submit(self, coro))
+    fetching = cache.prefetch(batch)
+    assert len(runs) == 1, f"{len(runs)} submissions to the fetch loop for one batch's prefetch"
+    fetching.result()
+    before = sum(s.remote.reader.stats["bytes_fetched"] for s in cache.shards)
+    assert before > 0
+    assert_same(cache.read_batch(batch, **FIELDS), local.read_batch(batch, **FIELDS))
+    assert sum(s.remote.reader.stats["bytes_fetched"] for s in cache.shards) == before

@@ -21,9 +21,11 @@ batches of an epoch's permutation: no item twice). Per configuration, ``--runs``
   batch k+1 before reading batch k, what ``LookaheadSampler`` does), against
 - LatentCache local: ``read_batch`` of the same rows from the local cache (page cache hot): the
   issue's "warm local chunk cache >= 0.9x a local cache" compares these two (5 interleaved passes).
-- LatentCache s3://, 8 shards, cold + lookahead / warm: the same rows as a sharded cache of 8 shards
-  (contiguous ranges: every batch spans all 8) pushed beside it, read the same way: what a pushed
-  distributed build costs against one cache in the bucket.
+- LatentCache s3://, 8 shards, cold / cold + lookahead / warm: the same rows as a sharded cache of 8
+  shards (contiguous ranges: every batch spans all 8) pushed beside it, read the same way: what a pushed
+  distributed build costs against one cache in the bucket. Beside each cold run, the seconds its
+  ``LatentCache("s3://...")`` took to open (from an empty local folder): "open ms" in the lines below
+  the table (the issue-32 target: 8 shards <= 2x one cache; and 8 shards with the lookahead >= without).
 
 - mosaic streaming / litdata (when installed: ``pip install 'latentfast[bench-compare]'``), over the
   same server and rows: an MDS dataset written by ``MDSWriter`` (defaults: 64 MiB shards) read by
@@ -198,13 +200,15 @@ def run_local(path: str, batches, row: int, out: np.ndarray):
 
 def run_latent_cache(open_cache, batches, lookahead=False, cache=None):
     """``read_batch`` of each batch from a :class:`LatentCache` (``open_cache()`` on the first, timed);
-    returns (seconds, first, bytes fetched, the cache, the last batch)."""
-    last = []
+    returns (seconds, first, bytes fetched, the cache, the last batch, seconds the open took or None)."""
+    last, opened = [], []
 
     def read_batch(k):
         nonlocal cache
         if cache is None:
+            start = time.perf_counter()
             cache = open_cache()
+            opened.append(time.perf_counter() - start)
         if lookahead and k + 1 < len(batches):
             cache.prefetch(batches[k + 1])
         last[:] = [cache.read_batch(batches[k])[0]]
@@ -217,7 +221,7 @@ def run_latent_cache(open_cache, batches, lookahead=False, cache=None):
 
     before = fetched()
     total, first = timed(read_batch, batches)
-    return total, first, fetched() - before, cache, last[0]
+    return total, first, fetched() - before, cache, last[0], opened[0] if opened else None
 
 
 def latent_cache_runs(url, options, folder, batches, row, chunks_dir, sharded_url) -> dict:
@@ -233,12 +237,13 @@ def latent_cache_runs(url, options, folder, batches, row, chunks_dir, sharded_ur
     budget = 4 * len(batches) * len(batches[0]) * row
     results = {}
     filled = {}
-    for tag, where, lookahead in (("cold", url, False), ("cold + lookahead", url, True),
+    for tag, where, lookahead in (("cold", url, False), ("cold + lookahead", url, True), (f"{SHARDS} shards, cold", sharded_url, False),
                                   (f"{SHARDS} shards, cold + lookahead", sharded_url, True)):
         opened = lambda: LatentCache(where, storage_options=options, local_cache=tempfile.mkdtemp(dir=chunks_dir), local_cache_bytes=budget)  # noqa: E731
         run = run_latent_cache(opened, batches, lookahead)
         check(f"LatentCache s3://, {tag}", run[4])
         results[f"LatentCache s3://, {tag}"] = run[:3]
+        results[f"open LatentCache s3://, {tag}"] = run[5]
         filled[where] = run[3]
     passes = {"LatentCache s3://, warm": filled[url], f"LatentCache s3://, {SHARDS} shards, warm": filled[sharded_url],
               "LatentCache local": local}
@@ -418,7 +423,7 @@ def summarize(runs: list[dict], n_items: int, used: int) -> str:
 
     ceiling = [n_items / r["ceiling"][0] for r in runs]
     rows = []
-    for config in runs[0]:
+    for config in [c for c in runs[0] if not c.startswith("open ")]:
         rate = [n_items / r[config][0] for r in runs]
         ratio = [a / b for a, b in zip(rate, ceiling)]
         first = [r[config][1] for r in runs]
@@ -434,6 +439,12 @@ def summarize(runs: list[dict], n_items: int, used: int) -> str:
     for kind in ("cold + lookahead", "warm"):
         ratio = [r[f"LatentCache s3://, {kind}"][0] / r[f"LatentCache s3://, {SHARDS} shards, {kind}"][0] for r in runs]
         lines.append(f"LatentCache s3:// {SHARDS} shards / one cache, {kind} (items/s, per run): {fmt(ratio)}   target >= 0.9")
+    ahead = [r[f"LatentCache s3://, {SHARDS} shards, cold"][0] / r[f"LatentCache s3://, {SHARDS} shards, cold + lookahead"][0] for r in runs]
+    lines.append(f"LatentCache s3:// {SHARDS} shards, cold + lookahead / cold (items/s, per run): {fmt(ahead)}   target >= 1")
+    for tag in ("cold", "cold + lookahead", f"{SHARDS} shards, cold", f"{SHARDS} shards, cold + lookahead"):
+        lines.append(f"open LatentCache s3://, {tag} (ms, per run): {fmt([r[f'open LatentCache s3://, {tag}'] for r in runs], 1000)}")
+    opens = [r[f"open LatentCache s3://, {SHARDS} shards, {k}"] / r[f"open LatentCache s3://, {k}"] for r in runs for k in ("cold", "cold + lookahead")]
+    lines.append(f"open LatentCache s3:// {SHARDS} shards / one cache (both cold runs of each run): {fmt(opens)}   target <= 2")
     if "litdata, cold" in runs[0]:
         lines += peer_ratios(runs, fmt)
     return "\n".join(lines)

@@ -26,9 +26,9 @@ _EXPORTS = {
     # reader
     "CacheCorruptError": ".store.reader",
     "IncompleteCacheError": ".store.reader",
-    "LatentCache": ".store.reader",
-    "inspect_cache": ".store.reader",
-    "verify_cache": ".store.reader",
+    "LatentCache": ".store.opening",
+    "inspect_cache": ".store.opening",
+    "verify_cache": ".store.opening",
     # shaped caches: writer, image / video builders, importers
     "CacheLockedError": "..errors",
     "AbsentValueError": "..errors",

@@ -431,7 +431,7 @@ def _written(folder: str) -> dict:
 
 
 def _up_to_date(args, path: str) -> str:
-    from .store.reader import LatentCache
+    from .store.opening import LatentCache
 
     return f"up to date: {len(LatentCache(args.out, args.split))} unchanged ({path})"
 
@@ -619,7 +619,7 @@ def _add_merge(commands) -> None:
 
 def run_merge(args) -> int:
     from .store.shards import merge_caches
-    from .store.reader import LatentCache
+    from .store.opening import LatentCache
 
     path = merge_caches(args.sources, args.out, args.split, copy=args.copy)
     print(f"sharded cache written: {path} ({len(LatentCache(args.out, args.split))} items from {len(args.sources)} caches)")
@@ -627,7 +627,7 @@ def run_merge(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from .store.reader import inspect_cache
+    from .store.opening import inspect_cache
 
     with _remote_options(args) as remote:
         info = inspect_cache(args.cache_dir, args.split, **remote)
@@ -695,7 +695,7 @@ def _print_shaped(info: dict) -> None:
 
 
 def run_verify(args) -> int:
-    from .store.reader import verify_cache
+    from .store.opening import verify_cache
 
     try:
         with _remote_options(args) as remote:

@@ -33,8 +33,10 @@ import tomllib
 
 from ..checks import as_int
 from ..errors import InvalidArgumentError
+from .builders.images import build_image_cache
+from .captions import Captions, caption_path
 from .feed.loader import LatentLoader
-from .store.reader import LatentCache
+from .store.opening import LatentCache
 
 CONFIG_KINDS = ("kohya", "musubi-tuner")
 
@@ -143,8 +145,6 @@ def build_from_config(encoder, kind: str, config_path, out_dir, **options) -> li
     ``device``, ``text_encoder``, ``latent_dtype``, ...). Returns the splits as written to ``dataset.json``."""
     from PIL import Image
 
-    from .builders.images import build_image_cache
-
     if kind not in CONFIG_KINDS:
         raise InvalidArgumentError(f"kind must be one of {CONFIG_KINDS}, got {kind!r}")
     plans = _kohya_plans(config_path) if kind == "kohya" else _musubi_plans(config_path)
@@ -248,8 +248,6 @@ def _kohya_plans(config_path) -> list[dict]:
 
 def _kohya_captions(subset: dict):
     """kohya's caption of an image: its caption file, else the subset's ``class_tokens`` (else empty)."""
-    from .captions import Captions, caption_path
-
     files = Captions(caption_extension=subset["caption_extension"], missing="empty")
 
     def caption(key, path):

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from .trainers import fixtures, kohya
+from .store.opening import LatentCache
 
 FORMATS = ("kohya", "musubi-tuner")
 # musubi-tuner's text tensors saved with the varlen_ prefix (cache_io.py save_text_encoder_output_cache_wan,
@@ -42,8 +43,6 @@ _MUSUBI_INFO = {"architecture", "width", "height", "format_version", "frame_coun
 def export_cache(cache_dir, out_dir, format: str, split: str = "train") -> dict:
     """Write the records of the cache in ``cache_dir`` as ``format``'s files into ``out_dir``; returns counts
     (``items``, ``files``). Every record is checked before anything is written."""
-    from .store.reader import LatentCache
-
     if format not in FORMATS:
         raise InvalidArgumentError(f"format must be one of {FORMATS}, got {format!r}")
     cache = LatentCache(cache_dir, split)

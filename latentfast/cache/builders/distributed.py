@@ -40,7 +40,7 @@ from ...errors import CacheError, CacheLockedError, InvalidArgumentError
 from ...vision.plan import lpt_bins
 from ..store import shards as shardstore
 from ..store.durable import BuildLock
-from ..store.reader import LatentCache
+from ..store.opening import LatentCache
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("latentfast_build_share", default=None)
 

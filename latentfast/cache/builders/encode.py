@@ -19,6 +19,7 @@ import torch
 from ... import ops
 from ...devices import as_device
 from ...errors import InvalidArgumentError
+from ...encoders import DiffusersVAE
 
 _POLL_S = 0.05  # how often a blocked stage looks whether another one failed
 
@@ -47,8 +48,6 @@ def pixel_dtype(encoder) -> torch.dtype:
     """The dtype the encoder is handed its [-1, 1] pixels in: a :class:`~latentfast.encoders.DiffusersVAE`'s
     weights' dtype (its first step casts the pixels to it, so rounding them there once is the same),
     float32 for any other encoder (what it has always been given)."""
-    from ...encoders import DiffusersVAE
-
     return encoder.dtype if isinstance(encoder, DiffusersVAE) else torch.float32
 
 

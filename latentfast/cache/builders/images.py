@@ -37,6 +37,10 @@ from . import distributed, media
 from .encode import BatchBuffers, Stages, Stopped, encode, owned, pixel_dtype, prepare, timed
 from ..store.durable import BuildLock
 from ..store.writer import encoder_identity, open_for_sources
+from ..captions import Captions
+from ..store.opening import LatentCache
+from ..store.reader import bad_blocks
+from ...progress import progress_bar
 
 
 _QUEUE = 2  # batches waiting between two stages
@@ -213,8 +217,6 @@ def _as_latent_dtype(items, name: str, z: torch.Tensor, dtype: torch.dtype) -> t
 
 def _record_settings(job: _Job, encoder, source, text_encoder, captions) -> dict:
     """Set up the fields beside the latent on ``job``; the meta entries that stamp them."""
-    from ..captions import Captions
-
     job.store_std = getattr(encoder, "sample", None) == "store"
     settings = {}
     if job.latent_dtype != torch.float16:
@@ -365,8 +367,6 @@ def _batches(items: list[media.Item], batch_size: int) -> list[list[media.Item]]
 
 def _previous_cache(out_dir, split, identity, meta):
     """The complete shaped cache already in the folder, if built with this encoder and settings."""
-    from ..store.reader import LatentCache
-
     try:
         cache = LatentCache(out_dir, split)
     except (OSError, ValueError, CacheError):
@@ -382,8 +382,6 @@ def _previous_cache(out_dir, split, identity, meta):
 
 def _unchanged(cache, items: list[media.Item]) -> bool:
     """Same keys, content hashes and shapes in the plan's order, and every checksum intact."""
-    from ..store.reader import bad_blocks
-
     hashes = cache.content_hashes()
     order = [item for batch in _batches(items, len(items)) for item in batch]
     if hashes is None or cache.keys != [item.key for item in order]:
@@ -419,8 +417,6 @@ class _Runner:
         self.dtype = pixel_dtype(encoder)
 
     def run(self, batches, *, quiet: bool) -> None:
-        from ...progress import progress_bar  # a bar on a terminal, a line every ~10 s in a log
-
         total = sum(len(b) for b in batches)
         work = [b for b in ([item for item in batch if item.key not in self.writer] for batch in batches) if b]
         self.counts["resumed"] = total - sum(len(w) for w in work)

@@ -39,6 +39,9 @@ from ..store.writer import LatentCacheWriter, check_file_name, encoder_identity,
 from .. import trainers
 from ..trainers.common import array_to_tensor, load_pt, npz_member_bytes, pt_nbytes
 from . import distributed
+from ...progress import progress_bar
+from ..store.opening import LatentCache
+from ..store.reader import bad_blocks
 
 FORMATS = {"npz": ".npz", "safetensors": ".safetensors", "pt": ".pt"}
 TRAINER_FORMATS = (*trainers.FORMATS, "auto")
@@ -171,8 +174,6 @@ def import_latents(source_dir, out_dir, split: str = "train", *, format: str, ke
         args = dict(locals())
         args.update(args.pop("options"))
         return distributed.build_sharded(import_latents, args, agree=lambda: _agreement(args))
-    from ...progress import progress_bar  # a bar on a terminal, a line every ~10 s in a log
-
     if format in TRAINER_FORMATS:
         if key is not None:
             raise InvalidArgumentError(f"key= applies to the extension formats {sorted(FORMATS)}; format {format!r} reads "
@@ -305,8 +306,6 @@ def _other_files(source_dir, extension: str) -> list[str]:
 
 def _unchanged(out_dir, split, identity, meta, files, digests) -> bool:
     """A complete cache of exactly these files (same order, same bytes), imported the same way, intact."""
-    from ..store.reader import LatentCache, bad_blocks
-
     try:
         cache = LatentCache(out_dir, split)
     except (OSError, ValueError, CacheError):
@@ -358,8 +357,6 @@ def _latent_dtype(name) -> torch.dtype | None:
 
 def _import_trainer(source_dir, out_dir, split, format, encoder, quiet, lock_timeout, stats, scaled,
                     scaling_factor, shift_factor, required, latent_dtype, options) -> str:
-    from ...progress import progress_bar  # a bar on a terminal, a line every ~10 s in a log
-
     if format == "simpletuner":  # its reader records the factors it was told (its files do not say)
         options = {"scaling_factor": scaling_factor, "shift_factor": shift_factor, **options}
     source = trainers.open_source(source_dir, format, **options)
@@ -519,8 +516,6 @@ def record_hash(fields: dict, info: dict) -> bytes:
 
 def _records_unchanged(out_dir, split, identity, meta, source, convert, convention, latent_dtype=None) -> bool:
     """A complete cache of exactly these records (same keys, same content), imported the same way, intact."""
-    from ..store.reader import LatentCache, bad_blocks
-
     try:
         cache = LatentCache(out_dir, split)
     except (OSError, ValueError, CacheError):

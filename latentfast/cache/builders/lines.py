@@ -47,6 +47,9 @@ from ..store.durable import BuildLock, append_log, content_hash, file_size, publ
 from . import distributed, manifest
 from .encode import encode, prepare
 from .media import decode_workers
+from ..store.opening import LatentCache
+from ..store.reader import bad_blocks
+from ...progress import progress_bar
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -453,8 +456,6 @@ def _open_progress(paths, plan: _Plan) -> _Progress | None:
 
 def _finished_cache(paths, plan: _Plan):
     """The complete cache in the folder if it was built with this fingerprint, else None."""
-    from ..store.reader import LatentCache
-
     try:
         meta = fmt.read_meta(paths["meta"])
         if meta.get("complete") is not True or meta.get("build_fingerprint") != plan.fingerprint:
@@ -466,8 +467,6 @@ def _finished_cache(paths, plan: _Plan):
 
 def _batches_to_redo(cache, plan: _Plan) -> set[int]:
     """Batches holding an image whose content hash changed, or a row of a block that fails verify."""
-    from ..store.reader import bad_blocks
-
     owner = plan.batch_of_rows()
     try:
         hashes = cache.content_hashes()
@@ -519,8 +518,6 @@ def _batches_read_back_wrong(partial: str, plan: _Plan, progress: _Progress) -> 
 def _encode_batches(encoder, pool, plan: _Plan, todo, partial, progress, device, autocast_dtype, quiet, timings) -> None:
     """Decode (on the pool, ``lookahead`` batches ahead), encode and write each batch of ``todo``;
     each batch is durable (fdatasync) before the log records it."""
-    from ...progress import progress_bar  # a bar on a terminal, a line every ~10 s in a log
-
     meta, lines, batches = plan.meta, plan.lines, plan.batches
     done_rows = len(lines) - sum(len(batches[b][0]) for b in todo)
     bar = progress_bar(total=len(lines), initial=done_rows, unit="rows", desc="latent cache", disable=True if quiet else None)

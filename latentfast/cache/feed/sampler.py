@@ -16,7 +16,7 @@ from torch.utils.data import Sampler
 
 from ...checks import as_int
 from ...errors import ArgumentTypeError, InvalidArgumentError
-from ..remote.chunks import CHUNK_BYTES
+from ..store.format import CHUNK_BYTES
 from ..store.layout import ELEMENT_BYTES
 from . import coldread
 from .coldread import DEFAULT_LOOKAHEAD

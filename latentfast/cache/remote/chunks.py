@@ -49,8 +49,8 @@ import zlib
 import numpy as np
 
 from ...errors import InvalidArgumentError
+from ..store.format import CHUNK_BYTES
 
-CHUNK_BYTES = 16 << 10
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]

@@ -34,11 +34,13 @@ their own) and a ``RemoteFiles`` per shard, all sharing the one local chunk cach
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import zlib
 
@@ -46,6 +48,8 @@ import numpy as np
 
 from ...errors import InvalidArgumentError
 from ..store import format as fmt
+from ..store.layout import item_spans
+from ..store.manifest import manifest_path, order_path, remote_shard_url
 from .chunks import now_ns
 from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError, RemoteReplacedError
 from .reader import RemoteReader, coalesce
@@ -54,6 +58,7 @@ from .storage import ObjectFolder
 _HOLD_ATTEMPTS = 8  # fetch-and-check rounds of one hold before giving up (eviction by others, bad CRCs)
 _HEADS = "remote.json"  # the mirror's record of each data object's (size, version): the chunks it links
 _ORIGIN = "origin.json"  # which cache (url, split) a generation folder mirrors: how older ones are found
+_META_THREADS = 16  # shards' metas fetched at once when a sharded cache opens
 
 
 class RemoteFiles:
@@ -177,8 +182,6 @@ class RemoteFiles:
         name, obj = self._object(items.path)
         memo = self.__dict__.setdefault("_chunk_tables", {})
         if items.path not in memo:
-            from ..store.layout import item_spans
-
             starts, ends = item_spans(items, np.arange(items.n))
             has_bytes = ends > starts
             first, last = starts // obj.chunk_bytes, np.maximum(ends - 1, starts) // obj.chunk_bytes
@@ -192,13 +195,23 @@ class RemoteFiles:
             return None
         return _Hold(self, items, name, obj, np.minimum(first[index][:, None] + steps, last[index][:, None]), index)
 
-    def prefetch(self, items, starts, ends):
-        """Start fetching (and checking) these spans of ``items``' data file into the local chunk cache;
-        returns a future at once."""
+    def _prefetch(self, items, starts, ends):
+        """The fetch (and check) of these spans of ``items``' data file into the local chunk cache, to run
+        on the fetching loop (see :func:`prefetch_many`)."""
         name, obj = self._object(items.path)
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         keep = ends > starts
-        return self.reader._run(self._fetch_checked(name, obj, starts[keep], ends[keep], self._values(items)))
+        return self._fetch_checked(name, obj, starts[keep], ends[keep], self._values(items))
+
+    @staticmethod
+    def prefetch_many(requests):
+        """See :func:`prefetch_many` (the storage strategy's interface)."""
+        return prefetch_many(requests)
+
+    @staticmethod
+    def holding_many(requests):
+        """See :func:`holding_many` (the storage strategy's interface)."""
+        return holding_many(requests)
 
     def _values(self, items):
         """``(byte starts, byte ends, CRC-32s)`` of the distinct values stored in ``items``' data file,
@@ -370,12 +383,10 @@ def mirror_manifest(url: str, split: str, storage_options, local_cache, local_ca
     ``split`` at ``url`` (whole GETs, once per node and manifest), checked against each other: an
     order file that does not match its manifest's CRC (a push replacing the cache between the two
     GETs) is fetched again with the manifest, then refused."""
-    from ..store import shards
-
     local_cache, local_cache_bytes = local_cache_or_default(local_cache, local_cache_bytes)
     url = str(url).rstrip("/")
     folder = ObjectFolder(url, storage_options)
-    names = os.path.basename(shards.manifest_path("", split)), os.path.basename(shards.order_path("", split))
+    names = os.path.basename(manifest_path("", split)), os.path.basename(order_path("", split))
     for _ in range(3):
         manifest = folder.get(names[0])
         order = folder.get(names[1])
@@ -405,14 +416,67 @@ class _Hold:
 
     def spans(self) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(self._what, tuple):
-            from ..store.layout import item_spans
-
             starts, ends = item_spans(self.items, self._what)
             self._what = starts[ends > starts], ends[ends > starts]
         return self._what
 
     def fetch(self):
         return self.files.reader._run(self.files._fetch_checked(self.name, self.obj, *self.spans(), self.files._values(self.items)))
+
+
+class RemoteShards:
+    """A sharded cache in object storage as :class:`~latentfast.cache.store.shards.ShardedCache` is handed
+    it: the manifest and order mirrored into a local folder (``mirror``, held as a generation: see
+    :func:`mirror_manifest`), and each shard's objects read through a :class:`RemoteFiles` of its own
+    (``shard``), all under the one local chunk cache and its budget."""
+
+    def __init__(self, url: str, split: str, storage_options: dict | None, local_cache, local_cache_bytes):
+        self.url, self.split = str(url).rstrip("/"), split
+        self.options = {"storage_options": storage_options, "local_cache": local_cache, "local_cache_bytes": local_cache_bytes}
+        self.mirror = mirror_manifest(self.url, split, **self.options)
+        self._generation_lock = hold_generation(self.mirror)
+
+    def shard_url(self, path: str) -> str:
+        return remote_shard_url(self.url, path, manifest_path(self.mirror, self.split))
+
+    def shard(self, path: str) -> RemoteFiles:
+        """The storage of the shard at ``path`` (a manifest entry's, relative to the sharded cache's URL)."""
+        return RemoteFiles(self.shard_url(path), self.split, self.options["storage_options"], self.options["local_cache"],
+                           self.options["local_cache_bytes"])
+
+    def shard_metas(self, paths: list[str]) -> list[bytes]:
+        """The meta bytes of the shards at ``paths``, fetched at once (whole GETs on a few threads)."""
+        folder = ObjectFolder(self.url, self.options["storage_options"])
+        meta = os.path.basename(fmt.cache_path("", self.split, "meta"))
+        names = [posixpath.relpath(self.shard_url(p), self.url) + "/" + meta for p in paths]
+        with concurrent.futures.ThreadPoolExecutor(min(_META_THREADS, len(names))) as pool:
+            return list(pool.map(folder.get, names))
+
+    prefetch_many = staticmethod(RemoteFiles.prefetch_many)
+    holding_many = staticmethod(RemoteFiles.holding_many)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_generation_lock", None)  # (a worker reads under its parent's lock)
+        return state
+
+
+def prefetch_many(requests):
+    """Start fetching (and checking) the spans of several files into the local chunk cache -- ``requests``:
+    ``(items, byte starts, byte ends)``, each ``items.remote`` a :class:`RemoteFiles` (a cache's latents and
+    fields, or a sharded batch's every shard's) -- as one submission to the fetching loop (one hand-off from
+    the caller's thread, however many shards and fields); returns a future at once."""
+    remote = [(items.remote, items, starts, ends) for items, starts, ends in requests if items.remote is not None]
+    if not remote:
+        done = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+    fetches = [files._prefetch(items, starts, ends) for files, items, starts, ends in remote]
+    return remote[0][0].reader._run(_all(fetches))  # (every reader of the process shares its one loop)
+
+
+async def _all(fetches) -> None:
+    await asyncio.gather(*fetches)
 
 
 def holding_many(requests):

@@ -35,6 +35,7 @@ import os
 
 from ...errors import InvalidArgumentError
 from .errors import RemoteNotFoundError, RemoteReadError, RemoteReplacedError
+from . import client
 
 _ALIASES = {"endpoint_url": "endpoint", "key": "access_key_id", "aws_access_key_id": "access_key_id",
             "secret": "secret_access_key", "aws_secret_access_key": "secret_access_key",
@@ -132,8 +133,6 @@ class ObjectFolder:
     @property
     def store(self):
         """This process's obstore store (not for a process forked after the client was used)."""
-        from . import client
-
         if self._store is None or self._pid != os.getpid():
             try:
                 self._store, self._pid = client.open_store(self._spec), os.getpid()
@@ -147,8 +146,6 @@ class ObjectFolder:
         return place if start is None else f"{place} bytes [{start}, {end})"
 
     def _error(self, exc: Exception, name: str, start=None, end=None, version=None):
-        from . import client
-
         helped = isinstance(exc, client.HelperError)
         if exc.replaced if helped else client.is_replaced(exc):
             return RemoteReplacedError(
@@ -164,8 +161,6 @@ class ObjectFolder:
 
     def _call(self, op: str, name: str, *args):
         """A synchronous client call, here or (forked) in the helper; errors name ``name``."""
-        from . import client
-
         try:
             if _forked_after_use():
                 return client.helper().call(self._spec, op, *args)
@@ -178,8 +173,6 @@ class ObjectFolder:
     async def get_range(self, name: str, start: int, end: int, version: str | None = None):
         """The bytes ``[start, end)`` of ``name`` (a buffer); short answers are the caller's to check.
         ``version`` (from :meth:`head`): of that version only, else :class:`RemoteReplacedError`."""
-        from . import client
-
         try:
             if _forked_after_use():
                 return await asyncio.wrap_future(client.helper().submit(self._spec, "get_range", name, int(start), int(end), version))

@@ -25,6 +25,8 @@ import shutil
 from ...errors import InvalidArgumentError
 from ...progress import progress_bar
 from ..store.format import fsync_dir
+from ..store.manifest import load_manifest, shard_path_inside
+from ..store.shards import open_folder, verify_opened
 from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError
 from .storage import ObjectFolder
 
@@ -53,8 +55,6 @@ def _local_files(local_dir: str) -> list[str]:
 
 def _check_shards_inside(local_dir: str, names: list[str]) -> None:
     """Every shard a manifest in the folder names lies in the folder (what is pushed is all there is)."""
-    from ..store.shards import load_manifest, shard_path_inside
-
     for name in names:
         if name.endswith(".shards.json") and "/" not in name:
             path = os.path.join(local_dir, name)
@@ -120,11 +120,9 @@ def pull(url: str, local_dir: str, storage_options: dict | None = None, *, verif
 
 def _verify_splits(folder: str, names: list[str]) -> dict:
     """:func:`~latentfast.cache.verify_cache` of every split whose meta (or manifest) lies at the top of ``folder``."""
-    from ..store.reader import verify_cache
-
     splits = sorted({n[: -len(".latents.meta.json")] if n.endswith(".latents.meta.json") else n[: -len(".shards.json")]
                      for n in names if n.endswith((".latents.meta.json", ".shards.json")) and "/" not in n})
-    return {split: verify_cache(folder, split) for split in splits}
+    return {split: verify_opened(open_folder(folder, split)) for split in splits}
 
 
 _MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})"?$')  # a single-part upload's ETag: the MD5 of its bytes

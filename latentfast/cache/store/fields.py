@@ -40,6 +40,7 @@ import torch
 from ...errors import AbsentValueError, CacheCorruptError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
 from .durable import pwrite_all
+from .layout import holding_items, map_units
 
 LATENT = "latent"
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
@@ -285,8 +286,6 @@ class FieldItems:
     def source(self):
         """``(data, unit offsets, unit counts, pitch 0)`` for the compiled gathers."""
         if self._source is None:
-            from .layout import map_units
-
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.from_numpy(map_units(self.fd(), int(self.row_ends.max(initial=0))))
@@ -299,8 +298,6 @@ class FieldItems:
     def check(self, index_np: np.ndarray, finite: bool = False) -> None:
         """CRC-check each item of ``index_np`` not checked yet in this process (``verify_rows``); with
         ``finite`` (verify), also that a float field's values are finite (every item of ``index_np``)."""
-        from .layout import holding_items
-
         data = self.source()[0].numpy().view(np.uint8)
         finite = finite and self.dtype.is_floating_point
         todo = np.asarray([i for i in np.unique(index_np).tolist() if finite or i not in self._verified], dtype=np.int64)

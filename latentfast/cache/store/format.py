@@ -70,6 +70,9 @@ CHECKSUM_ALGORITHM = "crc32"
 LATENT_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 UNIT_BYTES = 2
 CHECKSUM_BLOCK_BYTES = 4 << 20  # a block small enough to stay in cache while verify checks it twice
+# the node-local chunk cache's unit (latentfast.cache.remote.chunks): here, beside the format's other sizes,
+# so that the samplers size their chunk windows without importing the object-storage side
+CHUNK_BYTES = 16 << 10
 
 _SUFFIXES = {
     "data": "latents.f16.dat",

@@ -26,6 +26,7 @@ import numpy as np
 
 from ...errors import CacheCorruptError
 from . import format as fmt
+from ...sampling import key_hash
 
 BLOCK_BYTES = 64 << 10  # a block checked on first touch: ~20 us of CRC-32
 TABLES = ("key_bytes", "key_offsets", "key_hashes", "key_rows")  # format kinds, in the CRC file's order
@@ -43,8 +44,6 @@ def _block_crcs(raw: np.ndarray, block_bytes: int) -> list[int]:
 
 def table_files(keys: list[str]) -> tuple[dict[str, bytes], dict]:
     """``({kind: file bytes}, meta entry)`` of the key table of ``keys`` (what the finish step publishes)."""
-    from ...sampling import key_hash
-
     encoded = [k.encode("utf-8") for k in keys]
     offsets = np.zeros(len(keys) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(keys)), out=offsets[1:])
@@ -136,8 +135,6 @@ class KeyTable:
 
     def index(self, key: str) -> int | None:
         """The first item whose key is ``key``, or None."""
-        from ...sampling import key_hash
-
         h = np.uint64(key_hash(key))
         per = self.block_bytes // 8
         lo, hi = 0, _blocks(self.n, per)  # the first entry >= h lies in block lo or at the start of block lo + 1

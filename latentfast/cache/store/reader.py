@@ -17,13 +17,24 @@ from ...checks import as_row_indices
 from ..feed import coldread, gather
 from ..feed import loader as feed_loader
 from ..feed.readspec import ReadSpec
-from ..remote.storage import is_remote
 from . import fields as fieldstore
 from . import format as fmt
 from . import keytable, layout, tables
 
 
 _CHECK_CHUNK = 1 << 16  # items whose shapes and offsets are checked at once when a cache opens
+# index files smaller than this are read whole rather than mapped: a map holds a file descriptor for as
+# long as it lives (Python's mmap keeps a copy of it), and a sharded cache of 1,000 small shards would
+# hold two per shard; a read of under a MiB costs less than the map
+_MAP_INDEX_BYTES = 1 << 20
+
+
+def _mapped(path: str) -> bool:
+    """Whether the index file at ``path`` is mapped (large) or read whole (small, or gone: the load names it)."""
+    try:
+        return os.path.getsize(path) >= _MAP_INDEX_BYTES
+    except OSError:
+        return False
 
 
 class LatentCache:
@@ -43,34 +54,27 @@ class LatentCache:
     first checks that the data file still has the size it had when mapped: a file truncated under
     a reader raises :class:`CacheCorruptError` instead of killing the process with SIGBUS.
 
-    ``cache_dir`` may be an object-store URL (``s3://bucket/prefix``, a folder that ``latentfast cache
-    push`` filled): ``storage_options`` (endpoint, keys, retries; the AWS environment variables
-    otherwise), ``local_cache`` (a folder on this node's disk) and ``local_cache_bytes`` (its budget;
-    both default to the node's, see :func:`latentfast.cache.remote.files.local_cache_or_default`) then say
-    how to reach it and where its fetched chunks live (see :mod:`latentfast.cache.remote.files`).
+    The bytes are read through a storage strategy, ``storage``: None (the default) reads the local folder
+    ``cache_dir`` through memory maps; an object-storage strategy
+    (:class:`latentfast.cache.remote.files.RemoteFiles`: the cache's small files mirrored into a local
+    folder, its data fetched into the node-local chunk cache and held while it is read) is what
+    :class:`latentfast.cache.LatentCache` hands a cache at an ``s3://`` URL. A strategy has ``mirror``
+    (the local folder of the cache's files), ``holding(items, starts, ends)`` and ``holding_items(items,
+    index)`` (contexts in which those bytes may be read: see :func:`latentfast.cache.store.layout.holding`),
+    ``prefetch_many(requests)`` (start fetching ``(items, starts, ends)`` spans of several files at once)
+    and ``holding_many(requests)`` (one hold over several caches' items: a sharded cache's). This class
+    knows nothing of where a strategy gets its bytes, nor of shards: a folder of shards is
+    :class:`latentfast.cache.store.shards.ShardedCache`, which composes caches, and
+    :class:`latentfast.cache.LatentCache` (:mod:`latentfast.cache.store.opening`) opens each kind by its
+    location.
     """
 
-    def __new__(cls, cache_dir=None, split: str = "train", *args, **kwargs):
-        from . import shards  # a folder of shards opens as one (see latentfast.cache.store.shards)
-
-        if cls is LatentCache and cache_dir is not None and shards.is_sharded(cache_dir, split, kwargs.get("storage_options")):
-            return super().__new__(shards.ShardedCache)
-        return super().__new__(cls)
-
     def __init__(self, cache_dir: str | os.PathLike, split: str = "train", expected: Any = None,
-                 white_column: Any = None, *, verify_rows: bool = False, storage_options: dict | None = None,
-                 local_cache: str | os.PathLike | None = None, local_cache_bytes: int | None = None):
-        self.cache_dir = os.fspath(cache_dir)
+                 white_column: Any = None, *, verify_rows: bool = False, storage=None):
+        self.cache_dir = os.fspath(cache_dir) if storage is None else storage.mirror
         self.split = split
         self.verify_rows = bool(verify_rows)
-        self.remote = None
-        if is_remote(self.cache_dir):  # its small files fetched into a local folder, its data read through holds
-            from ..remote.files import RemoteFiles
-
-            self.remote = RemoteFiles(self.cache_dir, split, storage_options, local_cache, local_cache_bytes)
-            self.cache_dir = self.remote.mirror
-        else:
-            check_local_options(self.cache_dir, storage_options, local_cache, local_cache_bytes)
+        self.remote = storage  # (None: the local folder; the read path asks it to hold bytes otherwise)
         meta_path = fmt.cache_path(self.cache_dir, split, "meta")
         if not os.path.exists(meta_path):
             if fmt.build_in_progress(self.cache_dir, split):
@@ -82,6 +86,9 @@ class LatentCache:
                 raise IncompleteCacheError(
                     f"latent cache {self.cache_dir} (split {split!r}) is incomplete: a distributed build wrote shards but not "
                     f"yet its manifest (a rank failed or is still running). Re-run the same build to resume every shard.")
+            if "://" in self.cache_dir:
+                raise InvalidArgumentError(f"{self.cache_dir} is an object-store URL: open it with latentfast.cache.LatentCache, "
+                                           f"which reads it through the node-local chunk cache")
             raise FileNotFoundError(f"latent cache meta {meta_path} does not exist (no cache for split {split!r} in {self.cache_dir})")
         for _ in range(3):  # a rebuild that publishes while we read the index: read the new generation
             self._open_generation(meta_path, expected, white_column)
@@ -191,18 +198,19 @@ class LatentCache:
                 raise CacheCorruptError(f"latent cache offsets {opath} disagree with the widths (row i must span C*h*w_i elements, back to back)")
 
     def _load_shapes(self) -> None:
-        """The shapes and offsets, mapped (their pages are the page cache's, shared by every process). A cache
-        with ``index_blocks`` has each block checked when its items are first read (:mod:`.tables`: opening
-        checks only the last one); an older one is checked whole now, a chunk at a time (no temporary grows with N)."""
+        """The shapes and offsets, mapped when large (their pages are the page cache's, shared by every process;
+        under a MiB they are read whole: see ``_MAP_INDEX_BYTES``). A cache with ``index_blocks`` has each block
+        checked when its items are first read (:mod:`.tables`: opening checks only the last one); an older one
+        is checked whole now, a chunk at a time (no temporary grows with N)."""
         m = self.meta
         n, ndim = m["n"], m["ndim"]
         spath = fmt.cache_path(self.cache_dir, self.split, "shapes")
-        shapes = fmt.load_npy(spath, "shapes", mmap=True)
+        shapes = fmt.load_npy(spath, "shapes", mmap=_mapped(spath))
         if shapes.shape != (n, ndim) or not np.issubdtype(shapes.dtype, np.integer):
             raise CacheCorruptError(f"latent cache shapes {spath} must be an integer array of shape [n, ndim] = [{n}, {ndim}], got {shapes.dtype} {list(shapes.shape)}")
         shapes = shapes.astype(np.int64, copy=False)
         opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
-        offsets = fmt.load_npy(opath, "offsets", mmap=True)
+        offsets = fmt.load_npy(opath, "offsets", mmap=_mapped(opath))
         if offsets.shape != (n + 1,) or not np.issubdtype(offsets.dtype, np.integer) or int(offsets[0]) != 0:
             raise CacheCorruptError(f"latent cache offsets {opath} disagree with the shapes (item i must span prod(shapes[i]) elements, back to back)")
         offsets = offsets.astype(np.int64, copy=False)
@@ -502,9 +510,12 @@ class LatentCache:
         a cache in object storage starts fetching their chunks (and their fields') into the local chunk cache."""
         if self.remote is None:
             return coldread.prefetch(self, indices)
-        index = as_row_indices(indices, len(self)).numpy()
-        for items in (self.items, *self.field_items.values()):
-            self.remote.prefetch(items, *layout.item_spans(items, index))
+        return self.remote.prefetch_many(self.prefetch_requests(as_row_indices(indices, len(self)).numpy()))
+
+    def prefetch_requests(self, index: np.ndarray) -> list[tuple]:
+        """``(items, byte starts, byte ends)`` of items ``index`` (in range) in the latents' file and each
+        field's: what a storage strategy's ``prefetch_many`` fetches ahead (a sharded cache joins its shards')."""
+        return [(items, *layout.item_spans(items, index)) for items in (self.items, *self.field_items.values())]
 
     # -- pickling: paths and meta only (a few KiB at any N) ---------------------------------
     _PER_ITEM = ("items", "field_items", "row_starts", "_keys", "_info", "_key_index", "_keytab",
@@ -583,28 +594,17 @@ def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tu
     return found, block_rows
 
 
-def check_local_options(cache_dir: str, storage_options, local_cache, local_cache_bytes) -> None:
-    """A local folder takes none of the object-storage arguments."""
-    if storage_options is not None or local_cache is not None or local_cache_bytes is not None:
-        raise InvalidArgumentError(f"storage_options, local_cache and local_cache_bytes are for caches in object "
-                                   f"storage (s3://...), not the local folder {cache_dir!r}")
+def verify_single(cache: LatentCache) -> dict:
+    """:func:`latentfast.cache.verify_cache` of one opened cache (opening it validated its sizes, widths,
+    shapes and offsets): every block checksum recomputed, every value checked finite (the latents' and
+    every float field's), every index file against its recorded CRC-32.
 
-
-def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -> dict:
-    """Recompute every block checksum, check every value is finite (the latents' and every float field's)
-    and every index valid.
-
-    Raises :class:`CacheCorruptError` naming the first bad block or row (also for malformed meta or
-    index files); returns ``{"rows", "bytes", "blocks", "checksummed", "seconds", "gb_per_s"}``.
-    ``gb_per_s`` is the rate of this pass, from whatever page cache state the file was in (a second
-    run over a cache that fits in RAM measures a hot page cache, not the disk). ``remote``:
-    ``storage_options``, ``local_cache``, ``local_cache_bytes`` of a cache in object storage."""
-    from . import shards
-
-    if shards.is_sharded(cache_dir, split, remote.get("storage_options")):
-        return shards.verify_sharded(cache_dir, split, **remote)
+    Raises :class:`CacheCorruptError` naming the first bad block or row; returns ``{"rows", "bytes",
+    "blocks", "checksummed", "seconds", "gb_per_s"}``. ``gb_per_s`` is the rate of this pass, from
+    whatever page cache state the file was in (a second run over a cache that fits in RAM measures a hot
+    page cache, not the disk)."""
     start = time.perf_counter()
-    cache = LatentCache(cache_dir, split, **remote)  # validates sizes, widths, shapes and offsets
+    cache_dir, split = cache.cache_dir, cache.split
     damaged = fmt.damaged_files(cache.cache_dir, split, cache.meta)
     if damaged:
         raise CacheCorruptError(damaged[0] + "; rerun the build to repair it")
@@ -638,15 +638,10 @@ def verify_cache(cache_dir: str | os.PathLike, split: str = "train", **remote) -
     }
 
 
-def inspect_cache(cache_dir: str | os.PathLike, split: str = "train", bins: int = 10, **remote) -> dict:
-    """Meta, row count, bytes on disk, padding waste and a latent-width histogram (line caches), or
-    the count of items per shape (shaped caches). ``remote``: as :func:`verify_cache`'s."""
-    from . import shards
-
-    if shards.is_sharded(cache_dir, split, remote.get("storage_options")):
-        return shards.inspect_sharded(cache_dir, split, bins, **remote)
-    cache = LatentCache(cache_dir, split, **remote)
-    cache_dir = cache.cache_dir  # (a cache in object storage: the local folder of its files)
+def inspect_single(cache: LatentCache, bins: int = 10) -> dict:
+    """:func:`latentfast.cache.inspect_cache` of one opened cache: meta, row count, bytes on disk, padding
+    waste and a latent-width histogram (line caches), or the count of items per shape (shaped caches)."""
+    cache_dir, split = cache.cache_dir, cache.split  # (a cache in object storage: the local folder of its files)
     files = {}
     for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info",
                  *keytable.TABLES, keytable.CRC_KIND, tables.CRC_KIND):

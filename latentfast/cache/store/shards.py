@@ -21,75 +21,46 @@ from source ``row_sources[i]``), never one call per shard or per item. On a CUDA
 is gathered on the host by that one call and copied over; cold-read advice is not given for
 sharded caches (pages fault in as touched).
 
-In object storage (``LatentCache("s3://...")`` of a pushed distributed build or ``cache merge
---copy``), the manifest and order come whole into the local cache folder and each shard opens as a
-remote cache under the manifest's prefix, all sharing one chunk cache and budget; a batch's missing
-chunks in every shard are fetched concurrently, then held while the one gather reads them (see
-:func:`latentfast.cache.remote.files.holding_many`).
+A :class:`ShardedCache` composes the shards' caches (:class:`~latentfast.cache.store.reader.LatentCache`
+each): opening reads the manifest, the order and every shard's meta, and opens the first shard; the
+others open on first use, and a shard's files are mapped on the first batch that reads from it.
+
+Where the shards' bytes are is the storage :class:`ShardedCache` is handed, never this module's
+business: local folders (None), or in object storage (``latentfast.cache.LatentCache("s3://...")`` of a
+pushed distributed build or ``cache merge --copy``) :class:`latentfast.cache.remote.files.RemoteShards`:
+the manifest and order come whole into the local cache folder and each shard opens as a remote cache
+under the manifest's prefix, all sharing one chunk cache and budget; a batch's missing chunks in every
+shard are fetched concurrently, then held while the one gather reads them, and a prefetch of a batch
+is one submission to the fetch loop for every shard and field.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import functools
+import io
 import json
 import os
-import posixpath
+import shutil
+import threading
+import tokenize
+import weakref
 import zlib
 
 import numpy as np
 import torch
 
 from ...errors import CacheCorruptError, IncompleteCacheError, InvalidArgumentError
+from . import fields as fieldstore
 from . import format as fmt
-from .reader import LatentCache, check_local_options, inspect_cache, layout_summary, verify_cache
+from .manifest import FORMAT, VERSION, is_sharded_folder, load_manifest, manifest_path, order_path, remote_shard_url
+from .reader import LatentCache, inspect_single, layout_summary, verify_single
 
-FORMAT = "latentfast-shards"
-VERSION = 1
 # what every shard (and every cache `cache merge` joins) must share: not n, nor (in a shaped cache,
 # where they are the largest item's) latent_h and w_max
 STAMP_KEYS = tuple(k for k in fmt.STAMP_FIELDS if k != "n") + ("layout", "ndim", "dtype", "encode_dtype", "kind")
 _SHAPED_SIZES = ("latent_h", "w_max")
-
-
-def manifest_path(cache_dir, split: str) -> str:
-    return os.path.join(os.fspath(cache_dir), f"{split}.shards.json")
-
-
-def order_path(cache_dir, split: str) -> str:
-    return os.path.join(os.fspath(cache_dir), f"{split}.shards.order.npy")
-
-
-def is_sharded(cache_dir, split: str, storage_options: dict | None = None) -> bool:
-    """Whether ``cache_dir`` (a folder, or an object-store URL) holds a sharded cache of ``split`` (a
-    manifest and no single-cache meta)."""
-    from ..remote.storage import is_remote
-
-    if is_remote(cache_dir):
-        from ..remote.errors import RemoteNotFoundError
-        from ..remote.storage import ObjectFolder
-
-        folder = ObjectFolder(str(cache_dir).rstrip("/"), storage_options)
-
-        def exists(name: str) -> bool:
-            try:
-                folder.head(name)
-                return True
-            except RemoteNotFoundError:
-                return False
-
-        return exists(os.path.basename(manifest_path("", split))) and not exists(os.path.basename(fmt.cache_path("", split, "meta")))
-    return os.path.exists(manifest_path(cache_dir, split)) and not os.path.exists(fmt.cache_path(cache_dir, split, "meta"))
-
-
-def shard_path_inside(path: str) -> bool:
-    """Whether a manifest entry's ``path`` names a folder under the manifest's own (no ``..``, not absolute)."""
-    return bool(path) and not posixpath.isabs(path) and ".." not in path.replace(os.sep, "/").split("/")
-
-
-def remote_shard_url(url: str, path: str, manifest: str) -> str:
-    """The URL of a shard of the sharded cache at ``url`` from its manifest entry's relative ``path``."""
-    if not shard_path_inside(path):
-        raise CacheCorruptError(f"sharded cache manifest {manifest}: shard path {path!r} leaves the cache's prefix {url}; "
-                                f"in object storage every shard lies under it (push a `cache merge --copy` or a distributed build)")
-    return url.rstrip("/") + "/" + posixpath.normpath(path.replace(os.sep, "/"))
+_OPEN_THREADS = 16  # shards in object storage opened at once (each open is a dozen small GETs)
 
 
 def stamp_of(meta: dict) -> dict:
@@ -119,11 +90,16 @@ def may_lack(meta: dict, name: str) -> bool:
         or (isinstance(allowed, list) and name in allowed)
 
 
+def meta_mismatch(first: dict, first_dir: str, other: dict, other_dir: str) -> list[str]:
+    """Lines naming each stamp field where the meta ``other`` (of ``other_dir``) differs from ``first``."""
+    a, b = stamp_of(first), stamp_of(other)
+    a["fields"], b["fields"] = _shared_fields(a["fields"], b["fields"], first, other)
+    return [f"  {k}: {first_dir} has {a[k]!r}, {other_dir} has {b[k]!r}" for k in a if a[k] != b[k]]
+
+
 def stamp_mismatch(first: LatentCache, other: LatentCache) -> list[str]:
     """Lines naming each stamp field where ``other`` differs from ``first`` (white column included)."""
-    a, b = stamp_of(first.meta), stamp_of(other.meta)
-    a["fields"], b["fields"] = _shared_fields(a["fields"], b["fields"], first.meta, other.meta)
-    lines = [f"  {k}: {first.cache_dir} has {a[k]!r}, {other.cache_dir} has {b[k]!r}" for k in a if a[k] != b[k]]
+    lines = meta_mismatch(first.meta, first.cache_dir, other.meta, other.cache_dir)
     wa, wb = first.white_column, other.white_column
     if (wa is None) != (wb is None) or (wa is not None and not torch.equal(wa, wb)):
         lines.append(f"  white column: {first.cache_dir} and {other.cache_dir} store different ones")
@@ -228,13 +204,17 @@ def _check_order(order: np.ndarray, sizes: list[int], path: str) -> None:
         raise CacheCorruptError(f"sharded cache order {path} names a shard outside [0, {len(sizes)})")
     flat = starts[order[:, 0]] + order[:, 1] if len(order) else np.zeros(0, np.int64)
     bad = (order[:, 1] < 0) | (order[:, 1] >= np.asarray(sizes, dtype=np.int64)[order[:, 0]]) if len(order) else flat < 0
-    if bad.any() or len(np.unique(flat)) != len(flat):
+    # (in range and as many as the rows: each named once is each counted once -- a count, not a sort)
+    if bad.any() or (len(flat) and int(np.bincount(flat, minlength=len(flat)).max()) != 1):
         raise CacheCorruptError(f"sharded cache order {path} must name every row of every shard exactly once")
 
 
 class ShardSources:
     """Several flat float16 sources and, per row of a gather source, which of them holds it: what
-    :func:`latentfast.cache.feed.gather` hands ``gather_rows_multi_into`` in place of one ``data``."""
+    :func:`latentfast.cache.feed.gather` hands ``gather_rows_multi_into`` in place of one ``data``.
+    ``tensors[k]`` is an empty placeholder until a batch first reads from shard ``k`` (its file is
+    mapped then, by :meth:`_ShardHolds.holding_items`: a cache of 1,000 shards holds no descriptor of a
+    shard it has not read)."""
 
     __slots__ = ("tensors", "row_sources")
 
@@ -242,22 +222,32 @@ class ShardSources:
         self.tensors, self.row_sources = tensors, row_sources
 
 
-def _joined_source(parts: list[tuple], order: np.ndarray):
+_UNMAPPED = torch.zeros(0, dtype=torch.float16)  # a shard's place in ShardSources.tensors before it is read
+
+
+def _joined_source(parts: list, order: np.ndarray, flat: np.ndarray):
     """One gather source over shards: ``(ShardSources, row_offsets, widths, pitch)`` in the global order,
-    from each shard's ``(data, row_offsets, widths, pitch)``."""
-    pitches = {int(p[3]) for p in parts}
+    from each shard's geometry (nothing mapped: see :class:`ShardSources`)."""
+    geometry = [_geometry(p) for p in parts]
+    pitches = {g[2] for g in geometry}
     if len(pitches) != 1:
         raise CacheCorruptError(f"the shards of a sharded cache have different line pitches {sorted(pitches)}")
-    offsets = [p[1].numpy() for p in parts]
-    widths = [p[2].numpy() for p in parts]
-    shard, row = order[:, 0], order[:, 1]
-    starts = np.concatenate([[0], np.cumsum([len(o) for o in offsets])]).astype(np.int64)
-    flat = starts[shard] + row
-    all_offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
-    all_widths = np.concatenate(widths) if widths else np.zeros(0, np.int32)
-    sources = ShardSources([p[0] for p in parts], torch.from_numpy(shard.astype(np.int32)))
+    all_offsets = np.concatenate([g[0] for g in geometry]).astype(np.int64, copy=False)
+    all_widths = np.concatenate([g[1] for g in geometry])
+    sources = ShardSources([_UNMAPPED] * len(parts), torch.from_numpy(order[:, 0].astype(np.int32)))
     return (sources, torch.from_numpy(np.ascontiguousarray(all_offsets[flat])),
             torch.from_numpy(np.ascontiguousarray(all_widths[flat].astype(np.int32))), pitches.pop())
+
+
+def _geometry(part) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(unit offsets, units per line, pitch)`` of one shard's latents (:class:`~.layout.Items`) or
+    field (:class:`~.fields.FieldItems`), as its gather source has them, without mapping its file."""
+    if isinstance(part, _NoValues):
+        return np.zeros(part.n, np.int64), np.zeros(part.n, np.int32), 0
+    if part.row_ends is not None:  # a field: each value's units
+        return part.row_starts, (part.row_ends - part.row_starts).astype(np.int32), 0
+    widths = np.diff(part.row_starts) if part.shaped else part.widths  # a shaped item is one line of all its units
+    return part.row_starts[:-1], np.asarray(widths).astype(np.int32, copy=False), part.pitch
 
 
 class _ShardChecks:
@@ -268,34 +258,51 @@ class _ShardChecks:
 
     def check(self, _items, _starts, index_np) -> None:
         for k, rows in self.items.by_shard(index_np):
-            shard = self.items.shards[k]
+            shard = self.items.cache.shard(k)
             shard.items.block_checks.check(shard.items, shard.row_starts, rows)
 
 
 class ShardedItems:
     """What the read path needs of a sharded cache (see :class:`~latentfast.cache.store.layout.Items`):
-    geometry in the global order, and a gather source over every shard's data file."""
+    geometry in the global order, and a gather source over every shard's data file. The per-item
+    tables (``widths``, ``shapes``, the source) are built on first use: opening a sharded cache opens
+    none of its shards' indexes but the first's."""
+
+    index_checks = None  # (each shard checks its own index blocks when it is opened)
 
     def __init__(self, cache: "ShardedCache"):
-        self.shards, self.order = cache.shards, cache.order
+        self.cache, self.order = weakref.proxy(cache), cache.order  # (the cache owns its items: no reference cycle)
         self.cache_dir, self.split, self.meta = cache.cache_dir, cache.split, cache.meta
         self.path = manifest_path(cache.cache_dir, cache.split)
         self.n, self.shaped, self.verify_rows = len(cache), cache.shaped, cache.verify_rows
         self.channels, self.latent_h, self.w_max = cache.channels, cache.latent_h, cache.w_max
-        self.widths, self.white = cache.widths, cache.white_column
-        self.shapes = cache.shapes if cache.shaped else None
+        self.white = cache.white_column
         self.dtype = cache.dtype  # the stored latents' dtype (one across shards: part of the stamp)
         self.row_starts = None  # no single file: the cold-read path (keyed on row_starts) stands aside
-        self.remote = _ShardHolds(self.order, [s.items for s in self.shards]) if cache.url is not None else None
-        self.block_checks = _ShardChecks(self)
+        self.remote = _ShardHolds(cache, lambda shard: shard.items)  # maps (and in object storage, holds) a batch's shards
+        self.block_checks = _ShardChecks(weakref.proxy(self))
         self._source = None
+
+    @functools.cached_property
+    def widths(self) -> np.ndarray:
+        return self.cache.widths
+
+    @functools.cached_property
+    def shapes(self) -> np.ndarray | None:
+        return self.cache.shapes if self.shaped else None
 
     def source(self):
         if self._source is None:
-            self._source = _joined_source([s.items.source() for s in self.shards], self.order)
-        for shard in self.shards:
-            shard.items.check_unchanged()
+            self._source = _joined_source([s.items for s in self.cache.shards], self.order, self.cache._flat)
+        self.check_unchanged()
         return self._source
+
+    def map_shards(self, shards) -> None:
+        """Map the data file of each of ``shards`` not mapped yet into the gather source."""
+        tensors = self.source()[0].tensors
+        for k in shards:
+            if tensors[k] is _UNMAPPED:
+                tensors[k] = self.cache.shard(k).items.source()[0]
 
     def by_shard(self, index_np):
         """``(shard, its rows)`` for the items ``index_np`` (in range) grouped by shard."""
@@ -304,32 +311,60 @@ class ShardedItems:
             yield k, picked[picked[:, 0] == k, 1]
 
     def check_unchanged(self) -> None:
-        for shard in self.shards:
+        for shard in self.cache.opened_shards():
             shard.items.check_unchanged()
 
 
 class ShardedFieldItems:
-    """One record field over shards (see :class:`~latentfast.cache.store.fields.FieldItems`)."""
+    """One record field over shards (see :class:`~latentfast.cache.store.fields.FieldItems`); its per-item
+    tables built on first use, as :class:`ShardedItems`'s."""
+
+    row_starts = row_ends = None
 
     def __init__(self, cache: "ShardedCache", name: str):
-        self.name, self.order, self.verify_rows = name, cache.order, cache.verify_rows
-        held = next(s.field_items[name] for s in cache.shards if name in s.field_items)
-        self.parts = [s.field_items.get(name) or _NoValues(len(s), held) for s in cache.shards]
-        self.dtype = held.dtype
-        flat = _flat_rows(cache.order, [p.n for p in self.parts])
-        self.shapes = np.concatenate([p.shapes for p in self.parts])[flat]
-        self.nbytes = np.concatenate([p.nbytes for p in self.parts])[flat]
-        self.present = None if all(p.present is None for p in self.parts) else \
-            np.concatenate([np.ones(p.n, bool) if p.present is None else p.present for p in self.parts])[flat]
+        self.cache, self.name, self.order, self.verify_rows = weakref.proxy(cache), name, cache.order, cache.verify_rows
+        self.dtype = fieldstore.DTYPES[cache.meta["fields"][name]["dtype"]]
+        self.ndim = int(cache.meta["fields"][name]["ndim"])
         self.n = len(self.order)
-        self.row_starts = self.row_ends = None
-        self.remote = _ShardHolds(self.order, self.parts) if cache.url is not None else None
+        self.remote = _ShardHolds(cache, lambda shard: shard.field_items.get(name))
         self._source = None
+
+    def part(self, k: int):
+        """Shard ``k``'s items of this field (a shard none of whose items has it stores none: :class:`_NoValues`)."""
+        shard = self.cache.shard(k)
+        return shard.field_items.get(self.name) or _NoValues(len(shard), self.name, self.dtype, self.ndim)
+
+    @functools.cached_property
+    def parts(self) -> list:
+        return [self.part(k) for k in range(len(self.cache.shard_dirs))]
+
+    def _joined(self, attr: str) -> np.ndarray:
+        return np.concatenate([getattr(p, attr) for p in self.parts])[self.cache._flat]
+
+    @functools.cached_property
+    def shapes(self) -> np.ndarray:
+        return self._joined("shapes")
+
+    @functools.cached_property
+    def nbytes(self) -> np.ndarray:
+        return self._joined("nbytes")
+
+    @functools.cached_property
+    def present(self) -> np.ndarray | None:
+        if all(p.present is None for p in self.parts):
+            return None
+        return np.concatenate([np.ones(p.n, bool) if p.present is None else p.present for p in self.parts])[self.cache._flat]
 
     def source(self):
         if self._source is None:
-            self._source = _joined_source([p.source() for p in self.parts], self.order)
+            self._source = _joined_source(self.parts, self.order, self.cache._flat)
         return self._source
+
+    def map_shards(self, shards) -> None:
+        tensors = self.source()[0].tensors
+        for k in shards:
+            if tensors[k] is _UNMAPPED and not isinstance(self.parts[k], _NoValues):
+                tensors[k] = self.parts[k].source()[0]
 
     def check(self, index_np) -> None:
         picked = self.order[np.asarray(index_np, dtype=np.int64)]
@@ -339,38 +374,40 @@ class ShardedFieldItems:
 
 class _NoValues:
     """An optional field of a shard none of whose items has it (so the shard stores no such field): its
-    ``n`` items read as absent, a field's items (``held``, another shard's) in dtype and ndim."""
+    ``n`` items read as absent, in the field's dtype and ndim."""
 
     remote = None
+    row_starts = row_ends = None
 
-    def __init__(self, n: int, held):
-        self.n, self.name, self.dtype = n, held.name, held.dtype
-        self.shapes = np.zeros((n, held.shapes.shape[1]), dtype=np.int64)
+    def __init__(self, n: int, name: str, dtype: torch.dtype, ndim: int):
+        self.n, self.name, self.dtype = n, name, dtype
+        self.shapes = np.zeros((n, ndim), dtype=np.int64)
         self.nbytes = np.zeros(n, dtype=np.int64)
         self.present = np.zeros(n, dtype=bool)
-
-    def source(self):
-        return torch.zeros(0, dtype=torch.float16), torch.zeros(self.n, dtype=torch.int64), torch.zeros(self.n, dtype=torch.int32), 0
 
     def check(self, index_np) -> None:
         pass  # (no values: nothing to check)
 
 
 class _ShardHolds:
-    """What a batch of a sharded cache in object storage holds while it is gathered: each shard's rows
-    of the batch, in that shard's own files (see :func:`latentfast.cache.store.layout.holding_items`)."""
+    """What a batch of a sharded cache holds while it is gathered: each of its shards' files mapped (on
+    the first batch that reads from it) and, in object storage, each shard's rows of the batch fetched
+    and held in that shard's own files (see :func:`latentfast.cache.store.layout.holding_items`).
+    ``part(shard)``: a shard's items of what is read (its latents, or one field's; None: it has none)."""
 
-    def __init__(self, order: np.ndarray, parts: list):
-        self.order, self.parts = order, parts
+    def __init__(self, cache: "ShardedCache", part):
+        self.cache, self.part = weakref.proxy(cache), part  # (so a dropped cache closes its shards' files at once)
 
-    def holding_items(self, _items, index):
-        from ..remote.files import holding_many
-
-        picked = self.order[np.asarray(index, dtype=np.int64)]
+    def holding_items(self, items, index):
+        picked = self.cache.order[np.asarray(index, dtype=np.int64)]
         picked = picked[np.argsort(picked[:, 0], kind="stable")]  # grouped by shard
         cuts = np.flatnonzero(picked[1:, 0] != picked[:-1, 0]) + 1
-        return holding_many([(self.parts[int(rows[0, 0])], rows[:, 1]) for rows in np.split(picked, cuts)
-                             if len(rows) and self.parts[int(rows[0, 0])].remote is not None])  # (_NoValues: nothing held)
+        groups = [(int(rows[0, 0]), rows[:, 1]) for rows in np.split(picked, cuts) if len(rows)]
+        items.map_shards([k for k, _ in groups])
+        if self.cache.storage is None:
+            return contextlib.nullcontext()
+        requests = [(part, rows) for k, rows in groups if (part := self.part(self.cache.shard(k))) is not None]
+        return self.cache.storage.holding_many(requests)  # every shard's missing chunks fetched at once
 
 
 def _flat_rows(order: np.ndarray, sizes: list[int]) -> np.ndarray:
@@ -380,105 +417,171 @@ def _flat_rows(order: np.ndarray, sizes: list[int]) -> np.ndarray:
 
 
 class ShardedCache(LatentCache):
-    """A sharded cache opened as one (``LatentCache(dir)`` returns one when ``dir`` holds a manifest)."""
+    """A sharded cache opened as one (``latentfast.cache.LatentCache(dir)`` returns one when ``dir`` holds a
+    manifest): it composes the shards' caches, each a :class:`~latentfast.cache.store.reader.LatentCache`.
+
+    ``storage``: None for shards in local folders; a sharded cache in object storage is handed
+    :class:`latentfast.cache.remote.files.RemoteShards` (``mirror``: the local folder of its manifest and
+    order; ``shard(path)``: a shard's own storage; ``shard_metas(paths)``: the shards' meta bytes;
+    ``holding_many``: one hold over several shards' files).
+
+    Opening reads the manifest, the order and every shard's meta once (each against the manifest's CRC
+    of it, and its stamp against the first's) and opens the first shard; every other shard opens on
+    first use (a batch that reads from it, or the first ask for the per-item tables: ``shapes``,
+    ``widths``, ``keys``), and then has its item count, meta and white column checked."""
 
     def __init__(self, cache_dir, split: str = "train", expected=None, white_column=None, *, verify_rows: bool = False,
-                 storage_options: dict | None = None, local_cache=None, local_cache_bytes: int | None = None):
-        from ..remote.storage import is_remote
-
-        self.cache_dir, self.split, self.verify_rows = os.fspath(cache_dir), split, bool(verify_rows)
-        self.remote = None  # (the shards' own: a remote cache's shards each hold their objects)
-        self.url = self.cache_dir if is_remote(self.cache_dir) else None
-        remote = {}
-        if self.url is not None:  # the manifest and order fetched into the local cache folder, the shards opened remote
-            from ..remote.files import hold_generation, mirror_manifest
-
-            remote = dict(storage_options=storage_options, local_cache=local_cache, local_cache_bytes=local_cache_bytes)
-            self.cache_dir = mirror_manifest(self.url, split, **remote)
-            self._generation_lock = hold_generation(self.cache_dir)
-        else:
-            check_local_options(self.cache_dir, storage_options, local_cache, local_cache_bytes)
+                 storage=None):
+        self.storage = storage
+        self.url = None if storage is None else storage.url
+        self.cache_dir = os.fspath(cache_dir) if storage is None else storage.mirror
+        self.split, self.verify_rows = split, bool(verify_rows)
+        self.remote = None  # (each shard's own storage holds its bytes)
+        self._shard_args = (expected, white_column)
         path = manifest_path(self.cache_dir, split)
         manifest = load_manifest(path)
+        self._entries = manifest["shards"]
         if self.url is not None:
-            self.shard_dirs = [remote_shard_url(self.url, e["path"], path) for e in manifest["shards"]]
+            self.shard_dirs = [remote_shard_url(self.url, e["path"], path) for e in self._entries]
         else:
-            self.shard_dirs = [os.path.normpath(os.path.join(self.cache_dir, e["path"])) for e in manifest["shards"]]
-        for folder in self.shard_dirs if self.url is None else ():
-            if not os.path.exists(fmt.cache_path(folder, split, "meta")):
-                raise IncompleteCacheError(f"sharded cache {path}: shard {folder} is missing or incomplete; "
-                                           f"re-run the build (or the merge) that wrote it")
-
-        def open_shard(folder):
-            return LatentCache(folder, split, expected, white_column, verify_rows=verify_rows, **remote)
-
-        if self.url is None:
-            opened = [open_shard(folder) for folder in self.shard_dirs]
-        else:  # each shard's index files are a dozen small GETs: all shards' at once
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(16, len(self.shard_dirs))) as pool:
-                opened = list(pool.map(open_shard, self.shard_dirs))
-        self.shards = []
-        for entry, folder, shard in zip(manifest["shards"], self.shard_dirs, opened):
-            if len(shard) != entry["n"] or _file_crc(fmt.cache_path(shard.cache_dir, split, "meta")) != entry["meta_crc"]:
-                raise CacheCorruptError(f"sharded cache {path}: shard {folder} changed after the manifest was written "
-                                        f"(now {len(shard)} items, the manifest says {entry['n']}); re-run the build or merge")
-            self.shards.append(shard)
-        for other in self.shards[1:]:
-            lines = stamp_mismatch(self.shards[0], other)
-            if lines:
-                raise CacheCorruptError(f"sharded cache {path}: its shards disagree:\n" + "\n".join(lines))
-        first = self.shards[0]
+            self.shard_dirs = [os.path.normpath(os.path.join(self.cache_dir, e["path"])) for e in self._entries]
+        metas = self._metas = self._shard_metas(path)
+        self._opened: list[LatentCache | None] = [None] * len(self.shard_dirs)
+        self._opening = [threading.Lock() for _ in self.shard_dirs]  # one per shard: several open at once, each once
+        first = self.shard(0)
         self.meta = {k: v for k, v in first.meta.items() if k != "files"}  # (each shard's files are its own)
-        self.meta.update(n=sum(len(s) for s in self.shards), shards=len(self.shards))  # (the order names each row once)
-        self._join_optional_fields()
+        self.meta.update(n=sum(e["n"] for e in self._entries), shards=len(self._entries))  # (the order names each row once)
+        self._join_optional_fields(metas)
         if first.shaped:
-            self.meta.update({k: max(int(s.meta[k]) for s in self.shards) for k in _SHAPED_SIZES})
+            self.meta.update({k: max(int(m[k]) for m in metas) for k in _SHAPED_SIZES})
         self.white_column = first.white_column
         self._order_crc = manifest["order_crc"]
         self._load_order()
         self.row_starts = None
         self._reset_process_state()
 
-    def _load_order(self) -> None:
-        """The order file (checked against the manifest's CRC) and the per-item tables joined in its order."""
-        opath = order_path(self.cache_dir, self.split)
-        order = fmt.load_npy(opath, "shard order")
-        if zlib.crc32(fmt.npy_bytes(np.ascontiguousarray(order))) != self._order_crc:
-            raise CacheCorruptError(f"sharded cache order {opath} fails its CRC-32 recorded in {manifest_path(self.cache_dir, self.split)}")
-        _check_order(order, [len(s) for s in self.shards], opath)
-        self.order = order.astype(np.int64, copy=False)
-        self._flat = _flat_rows(self.order, [len(s) for s in self.shards])
-        self.widths = np.concatenate([s.widths for s in self.shards])[self._flat].astype(np.int32)
-        if self.shaped:
-            self._shapes = np.concatenate([s.shapes for s in self.shards])[self._flat]
+    def _shard_metas(self, path: str) -> list[dict]:
+        """Every shard's meta, read once: its bytes against the manifest's CRC, its item count against the
+        manifest's, its stamp against the first shard's (:class:`CacheCorruptError` names the shard)."""
+        if self.url is None:
+            payloads = []
+            for folder in self.shard_dirs:
+                try:
+                    with open(fmt.cache_path(folder, self.split, "meta"), "rb") as fh:
+                        payloads.append(fh.read())
+                except FileNotFoundError:
+                    raise IncompleteCacheError(f"sharded cache {path}: shard {folder} is missing or incomplete; "
+                                               f"re-run the build (or the merge) that wrote it") from None
+        else:
+            payloads = self.storage.shard_metas([e["path"] for e in self._entries])
+        metas = []
+        for entry, folder, payload in zip(self._entries, self.shard_dirs, payloads):
+            try:
+                meta = json.loads(payload)
+            except (ValueError, UnicodeDecodeError):
+                meta = None
+            if zlib.crc32(payload) != entry["meta_crc"] or not isinstance(meta, dict) or meta.get("n") != entry["n"]:
+                now = meta.get("n") if isinstance(meta, dict) else None
+                raise CacheCorruptError(f"sharded cache {path}: shard {folder} changed after the manifest was written "
+                                        f"(now {now} items, the manifest says {entry['n']}); re-run the build or merge")
+            metas.append(meta)
+        first = stamp_of(metas[0])
+        for folder, meta in zip(self.shard_dirs[1:], metas[1:]):
+            lines = [] if stamp_of(meta) == first else meta_mismatch(metas[0], self.shard_dirs[0], meta, folder)
+            if lines:
+                raise CacheCorruptError(f"sharded cache {path}: its shards disagree:\n" + "\n".join(lines))
+        return metas
 
-    def _join_optional_fields(self) -> None:
+    # -- the shards, each opened on first use -----------------------------------------------------
+    def shard(self, k: int) -> LatentCache:
+        """Shard ``k``, opened (and checked against the manifest and the first shard) on first use."""
+        shard = self._opened[k]
+        if shard is None:
+            with self._opening[k]:
+                shard = self._opened[k]
+                if shard is None:
+                    shard = self._opened[k] = self._open_shard(k)
+        return shard
+
+    def _open_shard(self, k: int) -> LatentCache:
+        expected, white_column = self._shard_args
+        storage = None if self.storage is None else self.storage.shard(self._entries[k]["path"])
+        shard = LatentCache(self.shard_dirs[k], self.split, expected, white_column, verify_rows=self.verify_rows, storage=storage)
+        entry, path = self._entries[k], manifest_path(self.cache_dir, self.split)
+        if len(shard) != entry["n"] or shard.meta != self._metas[k]:  # (the meta checked against the manifest at the open)
+            raise CacheCorruptError(f"sharded cache {path}: shard {self.shard_dirs[k]} changed after the manifest was written "
+                                    f"(now {len(shard)} items, the manifest says {entry['n']}); re-run the build or merge")
+        if k:
+            lines = stamp_mismatch(self.shard(0), shard)
+            if lines:
+                raise CacheCorruptError(f"sharded cache {path}: its shards disagree:\n" + "\n".join(lines))
+        return shard
+
+    @property
+    def shards(self) -> list[LatentCache]:
+        """Every shard, opened (those in object storage, several at once)."""
+        todo = [k for k, s in enumerate(self._opened) if s is None]
+        if self.storage is not None and len(todo) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(_OPEN_THREADS, len(todo))) as pool:
+                list(pool.map(self.shard, todo))
+        return [self.shard(k) for k in range(len(self._opened))]
+
+    def opened_shards(self) -> list[LatentCache]:
+        """The shards opened so far in this process."""
+        return [s for s in self._opened if s is not None]
+
+    def _load_order(self) -> None:
+        """The order file (checked against the manifest's CRC); the per-item tables joined in its order are
+        built on first use (:attr:`widths`, :attr:`shapes`)."""
+        opath = order_path(self.cache_dir, self.split)
+        try:
+            with open(opath, "rb") as fh:
+                payload = fh.read()  # (write_manifest wrote the bytes its CRC is of: checked as they are, then parsed)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"latent cache shard order file {opath} does not exist") from None
+        if zlib.crc32(payload) != self._order_crc:
+            raise CacheCorruptError(f"sharded cache order {opath} fails its CRC-32 recorded in {manifest_path(self.cache_dir, self.split)}")
+        try:
+            order = np.load(io.BytesIO(payload), allow_pickle=False)
+        except (ValueError, EOFError, OSError, SyntaxError, tokenize.TokenError) as exc:  # (as format.load_npy names them)
+            raise CacheCorruptError(f"sharded cache order {opath} is not a valid .npy array: {type(exc).__name__}: {exc}") from None
+        sizes = [e["n"] for e in self._entries]
+        _check_order(order, sizes, opath)
+        self.order = order.astype(np.int64, copy=False)
+        self._flat = _flat_rows(self.order, sizes)
+
+    @functools.cached_property
+    def widths(self) -> np.ndarray:
+        return np.concatenate([s.widths for s in self.shards])[self._flat].astype(np.int32)
+
+    @functools.cached_property
+    def _shapes(self) -> np.ndarray:
+        return np.concatenate([s.shapes for s in self.shards])[self._flat]
+
+    def _join_optional_fields(self, metas: list[dict]) -> None:
         """The meta's fields over every shard: a field optional in one shard, or missing from one (all its
         items lack it), is optional in the whole, its ``absent`` the shards' total."""
         fields: dict = {}
-        for shard in self.shards:
-            for name, entry in (shard.meta.get("fields") or {}).items():
+        for meta in metas:
+            for name, entry in (meta.get("fields") or {}).items():
                 fields.setdefault(name, dict(entry))
         for name, entry in fields.items():
-            held = [(s.meta.get("fields") or {}).get(name) for s in self.shards]
+            held = [(m.get("fields") or {}).get(name) for m in metas]
             if any(e is None or e.get("optional") for e in held):
-                entry.update(optional=True, absent=sum(len(s) if e is None else e.get("absent", 0) for s, e in zip(self.shards, held)))
+                entry.update(optional=True, absent=sum(m["n"] if e is None else e.get("absent", 0) for m, e in zip(metas, held)))
         if fields:
             self.meta["fields"] = fields
 
     def _reset_process_state(self) -> None:
         self.items = ShardedItems(self)
-        names = dict.fromkeys(name for s in self.shards for name in s.field_items)  # (an optional one may be in some shards only)
-        self.field_items = {name: ShardedFieldItems(self, name) for name in names}
+        self.field_items = {name: ShardedFieldItems(self, name) for name in self.meta.get("fields", {})}
         self._keys = None
         self._key_index = None
 
     # -- per item: the shard's own reads --------------------------------------------------------
     def _where(self, i) -> tuple[LatentCache, int]:
         i = self._checked_index(i)
-        return self.shards[int(self.order[i, 0])], int(self.order[i, 1])
+        return self.shard(int(self.order[i, 0])), int(self.order[i, 1])
 
     def __getitem__(self, i: int) -> torch.Tensor:
         shard, row = self._where(i)
@@ -496,7 +599,9 @@ class ShardedCache(LatentCache):
         return None  # (the meta is the first shard's: each shard looks its own keys up)
 
     def stores_keys(self) -> bool:
-        return any(s.stores_keys() for s in self.shards)
+        if self.__dict__.get("_stores_keys") is None:  # (asked per key: every shard opened once, then remembered)
+            self._stores_keys = any(s.stores_keys() for s in self.shards)
+        return self._stores_keys
 
     def key(self, i: int) -> str:
         shard, row = self._where(i)
@@ -529,8 +634,15 @@ class ShardedCache(LatentCache):
         return self.items.source()
 
     def prefetch(self, indices) -> None:
-        for k, rows in self.items.by_shard(np.asarray(indices, dtype=np.int64)):
-            self.shards[k].prefetch(rows)
+        """Start reading items ``indices`` ahead: in object storage every shard's and field's spans of them in
+        one submission to the fetching loop (:meth:`RemoteShards.prefetch_many
+        <latentfast.cache.remote.files.RemoteShards.prefetch_many>`); local shards each get their cold-read advice."""
+        groups = list(self.items.by_shard(np.asarray(indices, dtype=np.int64)))
+        if self.storage is None:
+            for k, rows in groups:
+                self.shard(k).prefetch(rows)
+            return None
+        return self.storage.prefetch_many([r for k, rows in groups for r in self.shard(k).prefetch_requests(rows)])
 
     def shard_chunks(self, chunk_bytes: int) -> np.ndarray:
         """int64 ``[N]``: each item's chunk (:func:`latentfast.cache.feed.sampler.item_chunks`), the chunks
@@ -546,40 +658,23 @@ class ShardedCache(LatentCache):
         raise InvalidArgumentError(f"sharded cache {self.cache_dir} has no single data file; read its shards ({self.shard_dirs})")
 
     def __repr__(self) -> str:
-        return f"ShardedCache({self.cache_dir!r}, split={self.split!r}, n={len(self)}, shards={len(self.shards)}, layout={self.layout!r})"
+        return f"ShardedCache({self.cache_dir!r}, split={self.split!r}, n={len(self)}, shards={len(self.shard_dirs)}, layout={self.layout!r})"
 
     def __getstate__(self) -> dict:  # the shards (each its paths and meta) and the manifest's order CRC: no per-item array
         state = self.__dict__.copy()
-        for key in ("items", "field_items", "_keys", "_key_index", "_info", "_generation_lock", "order", "_flat", "widths", "_shapes"):
+        for key in ("items", "field_items", "_keys", "_key_index", "_info", "_opening", "order", "_flat", "widths", "_shapes"):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._opening = [threading.Lock() for _ in self.shard_dirs]
         self._load_order()
         self._reset_process_state()
 
 
-def load_manifest(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            manifest = json.load(fh)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CacheCorruptError(f"sharded cache manifest {path} is not valid JSON: {exc}") from None
-    ok = (isinstance(manifest, dict) and manifest.get("format") == FORMAT and manifest.get("version") == VERSION
-          and isinstance(manifest.get("shards"), list) and manifest["shards"]
-          and all(isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("n"), int)
-                  and isinstance(e.get("meta_crc"), int) for e in manifest["shards"]) and isinstance(manifest.get("order_crc"), int))
-    if not ok:
-        raise CacheCorruptError(f"sharded cache manifest {path} must be a {FORMAT} version {VERSION} object with a list "
-                                f"of shards ({{path, n, meta_crc}}) and order_crc")
-    return manifest
-
-
 def _copy_durably(src: str, dst: str) -> None:
     """Copy ``src`` to ``dst`` through a partial name, fsynced before the rename (a crash leaves no torn file)."""
-    import shutil
-
     tmp = fmt.partial_path(dst)
     shutil.copyfile(src, tmp)
     with open(tmp, "rb+") as fh:
@@ -588,11 +683,28 @@ def _copy_durably(src: str, dst: str) -> None:
     fmt.fsync_dir(os.path.dirname(dst) or ".")
 
 
-def verify_sharded(cache_dir, split: str = "train", **remote) -> dict:
-    """:func:`~latentfast.cache.verify_cache` of every shard (and the manifest and order); the summed figures.
-    ``remote``: ``storage_options``, ``local_cache``, ``local_cache_bytes`` of a cache in object storage."""
-    cache = ShardedCache(cache_dir, split, **remote)
-    results = [verify_cache(d, split, **remote) for d in cache.shard_dirs]
+def open_folder(cache_dir, split: str = "train", *args, **kwargs) -> LatentCache:
+    """The cache in the local folder ``cache_dir``: a :class:`ShardedCache` where it holds a manifest, else
+    one :class:`~latentfast.cache.store.reader.LatentCache` (``args``, ``kwargs``: theirs). Object storage
+    is :class:`latentfast.cache.LatentCache`'s to open."""
+    opener = ShardedCache if is_sharded_folder(cache_dir, split) else LatentCache
+    return opener(cache_dir, split, *args, **kwargs)
+
+
+def verify_opened(cache: LatentCache) -> dict:
+    """:func:`~latentfast.cache.verify_cache` of an opened cache: one cache, or every shard of a sharded one."""
+    return verify_sharded(cache) if isinstance(cache, ShardedCache) else verify_single(cache)
+
+
+def inspect_opened(cache: LatentCache, bins: int = 10) -> dict:
+    """:func:`~latentfast.cache.inspect_cache` of an opened cache: one cache, or a sharded one's shards."""
+    return inspect_sharded(cache, bins) if isinstance(cache, ShardedCache) else inspect_single(cache, bins)
+
+
+def verify_sharded(cache: ShardedCache) -> dict:
+    """:func:`~latentfast.cache.verify_cache` of every shard (the manifest and order were checked when the
+    cache opened); the summed figures."""
+    results = [verify_single(shard) for shard in cache.shards]
     seconds = sum(r["seconds"] for r in results)
     nbytes = sum(r["bytes"] for r in results)
     return {"rows": len(cache), "bytes": nbytes, "blocks": sum(r["blocks"] for r in results),
@@ -600,12 +712,11 @@ def verify_sharded(cache_dir, split: str = "train", **remote) -> dict:
             "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf"), "shards": len(results)}
 
 
-def inspect_sharded(cache_dir, split: str = "train", bins: int = 10, **remote) -> dict:
+def inspect_sharded(cache: ShardedCache, bins: int = 10) -> dict:
     """:func:`~latentfast.cache.inspect_cache` over the shards: the same keys, summed, plus ``shards``
-    (each shard's folder or URL, items and bytes on disk). Histograms and counts are of the whole cache.
-    ``remote``: as :func:`verify_sharded`'s."""
-    cache = ShardedCache(cache_dir, split, **remote)
-    parts = [inspect_cache(d, split, bins, **remote) for d in cache.shard_dirs]
+    (each shard's folder or URL, items and bytes on disk). Histograms and counts are of the whole cache."""
+    split = cache.split
+    parts = [inspect_single(shard, bins) for shard in cache.shards]
     files = {os.path.basename(p): os.path.getsize(p) for p in (manifest_path(cache.cache_dir, split), order_path(cache.cache_dir, split))}
     info = {"meta": cache.meta, "n": len(cache), "layout": cache.layout, "files": files,
             "bytes_on_disk": sum(p["bytes_on_disk"] for p in parts) + sum(files.values()),
@@ -636,7 +747,7 @@ def merge_caches(sources: list, out_dir, split: str = "train", *, copy: bool = F
     os.makedirs(out_dir, exist_ok=True)
     dirs, orders, base, opened_parts = [], [], 0, []
     for source in sources:
-        opened = LatentCache(source, split)
+        opened = open_folder(source, split)
         parts = opened.shard_dirs if isinstance(opened, ShardedCache) else [opened.cache_dir]
         opened_parts += opened.shards if isinstance(opened, ShardedCache) else [opened]
         order = opened.order.copy() if isinstance(opened, ShardedCache) else np.stack(
@@ -664,4 +775,4 @@ def merge_caches(sources: list, out_dir, split: str = "train", *, copy: bool = F
     return path
 
 
-__all__ = ["ShardedCache", "is_sharded", "merge_caches", "write_manifest", "verify_sharded", "inspect_sharded"]
+__all__ = ["ShardedCache", "is_sharded_folder", "merge_caches", "open_folder", "write_manifest", "verify_opened", "inspect_opened"]

@@ -20,6 +20,9 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+from ..builders.importers import import_latents
+from ..store.opening import LatentCache
+from . import Record, open_source
 
 from . import simpletuner_cosmos3 as cosmos3
 
@@ -586,10 +589,6 @@ def records_via(folder, format: str, via: str, out_dir=None, **options) -> dict:
     ``via="reader"`` straight from :func:`~latentfast.cache.trainers.open_source`; ``"import"`` /
     ``"auto"`` imported into a latentfast cache in ``out_dir`` by ``import_latents(format=format / "auto")``
     and read back from that cache (``cache.record(i)``, ``cache.info(i)``)."""
-    from ..builders.importers import import_latents
-    from ..store.reader import LatentCache
-    from . import Record, open_source
-
     if via == "reader":
         return {r.key: r for r in open_source(folder, format, **options)}
     import_latents(folder, out_dir, format=format if via == "import" else "auto", quiet=True, **options)
