@@ -23,7 +23,7 @@ from latentfast.cache import LatentCache, LatentCacheWriter
 from latentfast.cache.store import durable, keytable, tables
 from latentfast.cache.store import format as fmt
 from latentfast.cache.store.building import Column, HashSlots
-from latentfast.errors import CacheCorruptError, InvalidArgumentError
+from latentfast.errors import CacheCorruptError, CacheError, InvalidArgumentError
 from latentfast.sampling import key_hash
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,6 +196,8 @@ def test_duplicate_keys_are_refused_pending_logged_or_in_one_batch(tmp_path):
         writer.append_many(["new", "x"], np.ones((2, 4, 1, 2), np.float16))
         assert "new" in writer and len(writer) == 12
     assert LatentCache(tmp_path).index("x") == 11
+    with pytest.raises(CacheError, match="writer .* is finished: its tables of keys are gone"):
+        "x" in writer  # noqa: B015 (a finished writer answers no lookup rather than a wrong False)
 
 
 def test_colliding_key_hashes_are_told_apart_by_their_bytes(tmp_path, monkeypatch):

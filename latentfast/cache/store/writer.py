@@ -20,6 +20,12 @@ different header starts over. :meth:`finish` reads the data back and checks ever
 (``verify=True``), writes the index files, renames the data into place and writes the meta (the
 completion mark) last, each step durable. An exclusive lock on the split
 (:class:`~latentfast.cache.store.durable.BuildLock`) keeps a second writer out for the whole time.
+
+Bounded memory: the writer's per-item state lives in the progress log and in the tables of its build
+folder ``.{split}.latents.building`` (:mod:`~latentfast.cache.store.building`: shapes, CRCs, source
+hashes, info and keys appended to files, a mapped hash table of key hashes for the duplicate-key
+check), never in Python lists or dicts; resuming rebuilds the tables from the log, and ``finish``
+streams the index files from them.
 """
 from __future__ import annotations
 
@@ -358,6 +364,7 @@ class LatentCacheWriter:
     # -- looking items up in the tables ---------------------------------------------------------
     def _find(self, key: str, h: int | None = None) -> int | None:
         """The item whose key is ``key`` (``h``: its key hash, if known), or None."""
+        self._check_tables()
         for item in self._slots.find_one(keytable.key_hash_of(key.encode("utf-8", "surrogatepass")) if h is None else h):
             if self._key(item) == key:
                 return item
@@ -370,6 +377,7 @@ class LatentCacheWriter:
 
     def _key_chunks(self):
         """``(keys, their source hashes as hex or None)`` of every item, a chunk at a time, in order."""
+        self._check_tables()
         start = 0
         for lo, ends in self._tables["key_ends"].chunks(_CHUNK):
             raw = self._tables["key_bytes"].read(start, int(ends[-1])).tobytes()
@@ -380,7 +388,7 @@ class LatentCacheWriter:
             start = int(ends[-1])
 
     def __contains__(self, key: str) -> bool:
-        return isinstance(key, str) and self._slots is not None and self._find(key) is not None
+        return isinstance(key, str) and self._find(key) is not None
 
     def __len__(self) -> int:
         return self._n
@@ -753,6 +761,11 @@ class LatentCacheWriter:
         return out.written
 
     # -- closing ------------------------------------------------------------------------------
+    def _check_tables(self) -> None:
+        if self._slots is None:
+            raise CacheError(f"this writer of {self.out_dir} (split {self.split!r}) is {'finished' if self.finished else 'closed'}: "
+                             f"its tables of keys are gone; look keys up in the cache (LatentCache) or a new writer")
+
     def _check_open(self) -> None:
         if self._log is None:
             raise CacheError(f"this writer of {self.out_dir} (split {self.split!r}) is closed")
