@@ -4,8 +4,8 @@ Every writer (the line builder, :class:`~latentfast.cache.LatentCacheWriter` and
 and import builds) follows the same steps: write whole rows (:func:`pwrite_all`), ``fdatasync`` the
 data, then append their records to the progress log (:func:`append_log`: a record is never ahead of
 its data); on reopen, :func:`read_log` keeps a log only if its header matches this build (a torn
-last line is cut off), which is the one resume rule; reading the data back against the logged CRCs
-is the writer's, then :func:`publish` finishes: old meta out, index files in, data renamed into
+last line is cut off; :func:`iter_log` streams it, for a log too long to hold), which is the one
+resume rule; reading the data back against the logged CRCs is the writer's, then :func:`publish` finishes: old meta out, index files in, data renamed into
 place, the meta (the completion mark) last, the log removed.
 
 - :func:`pwrite_all` writes every byte or raises: ``os.pwrite`` may write fewer bytes than asked
@@ -91,10 +91,10 @@ def iter_log(path: str, header: bytes):
                 break
             end = start
     os.truncate(path, end)  # appending resumes after the last whole record
-    return _records(path, len(header), end)
+    return _records(path, len(header))
 
 
-def _records(path: str, start: int, end: int):
+def _records(path: str, start: int):
     with open(path, "rb") as fh:
         fh.seek(start)
         for line in iter(fh.readline, b""):
