@@ -4,8 +4,8 @@ Every writer (the line builder, :class:`~latentfast.cache.LatentCacheWriter` and
 and import builds) follows the same steps: write whole rows (:func:`pwrite_all`), ``fdatasync`` the
 data, then append their records to the progress log (:func:`append_log`: a record is never ahead of
 its data); on reopen, :func:`read_log` keeps a log only if its header matches this build (a torn
-last line is cut off), which is the one resume rule; reading the data back against the logged CRCs
-is the writer's, then :func:`publish` finishes: old meta out, index files in, data renamed into
+last line is cut off; :func:`iter_log` streams it, for a log too long to hold), which is the one
+resume rule; reading the data back against the logged CRCs is the writer's, then :func:`publish` finishes: old meta out, index files in, data renamed into
 place, the meta (the completion mark) last, the log removed.
 
 - :func:`pwrite_all` writes every byte or raises: ``os.pwrite`` may write fewer bytes than asked
@@ -28,11 +28,16 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import os
 import socket
 import sys
 import time
+import zlib
+from typing import NamedTuple
+
+import numpy as np
 
 from ...errors import CacheLockedError
 from . import format as fmt
@@ -55,22 +60,45 @@ def read_log(path: str, header: bytes) -> list[dict] | None:
     """The records (one JSON object a line) of the progress log at ``path`` after its ``header``.
     A torn last line (a crash mid-append) is cut off the file; a missing log, another header or an
     unreadable line gives None (nothing of it can be trusted: the build starts over)."""
+    records = iter_log(path, header)
+    if records is None:
+        return None
     try:
-        with open(path, "rb") as fh:
-            text = fh.read()
+        return list(records)
+    except ValueError:
+        return None
+
+
+def iter_log(path: str, header: bytes):
+    """:func:`read_log` one record at a time (the log is never held whole): None for a missing log or
+    another header, else an iterator of the records that raises ``ValueError`` at an unreadable line.
+    The torn last line, if any, is cut off the file first."""
+    try:
+        fh = open(path, "rb")
     except FileNotFoundError:
         return None
-    complete = text[: text.rfind(b"\n") + 1]
-    if not complete.startswith(header):
-        return None
-    records = []
-    for line in complete[len(header):].splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
+    with fh:
+        if fh.read(len(header)) != header:
             return None
-    os.truncate(path, len(complete))  # appending resumes after the last whole record
-    return records
+        end = fh.seek(0, os.SEEK_END)
+        while end > len(header):  # the end of the last whole line (reading back from the end)
+            start = max(len(header), end - (1 << 16))
+            fh.seek(start)
+            tail = fh.read(end - start)
+            cut = tail.rfind(b"\n")
+            if cut >= 0:
+                end = start + cut + 1
+                break
+            end = start
+    os.truncate(path, end)  # appending resumes after the last whole record
+    return _records(path, len(header))
+
+
+def _records(path: str, start: int):
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        for line in iter(fh.readline, b""):
+            yield json.loads(line)
 
 
 _LOG_ENCODER = json.JSONEncoder(sort_keys=True)  # json.dumps(r, sort_keys=True) without building an encoder per record
@@ -86,11 +114,99 @@ def rewrite_log(path: str, header: bytes, records=()) -> None:
     fmt.write_bytes_durably(path, log_bytes(header, records))
 
 
+def item_lines(keys, shape: list, crcs, hashes) -> str:
+    """The log lines of plain float16 items (no fields, no info): exactly ``log_bytes`` of their
+    records ``{"c": crc, "h": hash (if any), "k": key, "s": shape}``, made without a JSON encoder per
+    record (the bulk path of tiny items: the encoder alone would cost ~2 us an item)."""
+    quote, dims = json.encoder.encode_basestring_ascii, json.dumps(shape)
+    return "".join([f'{{"c": {c}, "k": {quote(k)}, "s": {dims}}}\n' if h is None else
+                    f'{{"c": {c}, "h": "{h}", "k": {quote(k)}, "s": {dims}}}\n' for k, c, h in zip(keys, crcs, hashes)])
+
+
 def append_log(fh, records) -> None:
     """Append ``records`` to the open log ``fh`` and make them durable (their data must already be)."""
-    fh.write(log_bytes(b"", records))
+    append_lines(fh, log_bytes(b"", records))
+
+
+def append_lines(fh, lines: bytes) -> None:
+    """Append whole log ``lines`` to the open log ``fh`` and make them durable (their data must already be)."""
+    fh.write(lines)
     fh.flush()
     os.fsync(fh.fileno())
+
+
+def rewrite_log_prefix(path: str, header: bytes, keep: int) -> None:
+    """The log at ``path`` cut to its header and first ``keep`` records, durably, through an atomic
+    rename (copied a line at a time: the log is never held whole)."""
+    with open(path, "rb") as src, DurableFile(path) as dst:
+        dst.write(src.read(len(header)))
+        for _ in range(keep):
+            dst.write(src.readline())
+    dst.written.publish(path)
+    fmt.fsync_dir(os.path.dirname(path) or ".")
+
+
+class Written(NamedTuple):
+    """A file written and fsynced at ``path`` (a temporary name) whose bytes have CRC-32 ``crc``: what
+    :func:`publish` renames into place, for an index file too large to hand over as bytes."""
+    path: str
+    crc: int
+
+    def publish(self, final: str) -> None:
+        os.replace(self.path, final)
+
+
+class DurableFile:
+    """A file written in order at ``partial_path(path)``, its CRC-32 kept as it goes; leaving the
+    ``with`` block without an error fsyncs it and sets :attr:`written` (a :class:`Written`)."""
+
+    def __init__(self, path: str):
+        self.tmp = fmt.partial_path(path)
+        self.fh = open(self.tmp, "wb")
+        self.crc, self.size, self.written = 0, 0, None
+
+    def write(self, payload) -> None:
+        self.crc = zlib.crc32(payload, self.crc)
+        self.size += len(memoryview(payload).cast("B"))
+        self.fh.write(payload)
+
+    def __enter__(self) -> "DurableFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.fh.flush()
+                os.fsync(self.fh.fileno())
+                self.written = Written(self.tmp, self.crc)
+        finally:
+            self.fh.close()
+
+
+class NpyFile(DurableFile):
+    """An ``.npy`` file of ``dtype`` ``shape`` written in chunks of rows: the bytes ``np.save`` writes
+    for the whole array (its version 1.0 header, then the C-order data). :attr:`header_bytes` is where
+    the data starts."""
+
+    def __init__(self, path: str, dtype, shape: tuple):
+        super().__init__(path)
+        self.dtype, self.shape = np.dtype(dtype), tuple(int(x) for x in shape)
+        head = io.BytesIO()
+        np.lib.format.write_array_header_1_0(head, {"descr": np.lib.format.dtype_to_descr(self.dtype),
+                                                     "fortran_order": False, "shape": self.shape})
+        self.header_bytes = len(head.getvalue())
+        self.write(head.getvalue())
+
+    def rows(self, array) -> None:
+        """Append rows (of the file's dtype and trailing shape)."""
+        self.write(np.ascontiguousarray(array, dtype=self.dtype).view(np.uint8))
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        expected = self.header_bytes + self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
+        if exc_type is None and self.size != expected:
+            self.fh.close()
+            raise RuntimeError(f"{self.tmp}: {self.size} bytes written, its header says {expected}")  # a writer bug, never data
+        super().__exit__(exc_type, exc, tb)
 
 
 def publish(paths: dict, data_src: str, files: dict, meta: dict, renames=()) -> None:
@@ -98,8 +214,12 @@ def publish(paths: dict, data_src: str, files: dict, meta: dict, renames=()) -> 
     index file of ``files`` (kind -> bytes, or None: remove a leftover of another cache) written
     durably, the data at ``data_src`` renamed to ``paths["data"]``, the meta (the completion mark)
     last, then the progress log removed. ``renames``: more ``(partial, final)`` data files (a
-    cache's fields) renamed with the data. The meta records the index files' CRC-32s (``files``)."""
-    meta = {**meta, "files": fmt.file_crcs(files)}
+    cache's fields) renamed with the data. The meta records the index files' CRC-32s (``files``).
+    A :class:`Written` payload is a file already written durably under a temporary name: renamed
+    into place (and covered by the same directory fsync before the meta)."""
+    crcs = {kind: p.crc for kind, p in files.items() if isinstance(p, Written)}
+    meta = {**meta, "files": dict(sorted({**fmt.file_crcs({k: p for k, p in files.items() if not isinstance(p, Written)}),
+                                          **crcs}.items()))}
     folder = os.path.dirname(paths["meta"]) or "."
     with contextlib.suppress(FileNotFoundError):
         os.remove(paths["meta"])
@@ -108,6 +228,8 @@ def publish(paths: dict, data_src: str, files: dict, meta: dict, renames=()) -> 
         if payload is None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(paths[kind])
+        elif isinstance(payload, Written):
+            payload.publish(paths[kind])
         else:
             fmt.write_bytes_durably(paths[kind], payload)
     if data_src != paths["data"]:

@@ -20,12 +20,20 @@ different header starts over. :meth:`finish` reads the data back and checks ever
 (``verify=True``), writes the index files, renames the data into place and writes the meta (the
 completion mark) last, each step durable. An exclusive lock on the split
 (:class:`~latentfast.cache.store.durable.BuildLock`) keeps a second writer out for the whole time.
+
+Bounded memory: the writer's per-item state lives in the progress log and in the tables of its build
+folder ``.{split}.latents.building`` (:mod:`~latentfast.cache.store.building`: shapes, CRCs, source
+hashes, info and keys appended to files, a mapped hash table of key hashes for the duplicate-key
+check), never in Python lists or dicts; resuming rebuilds the tables from the log, and ``finish``
+streams the index files from them.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
+import struct
 import warnings
 import zlib
 from typing import Any, Mapping
@@ -36,8 +44,10 @@ import torch
 from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
 from . import keytable, tables
+from .building import Column, HashSlots
 from .fields import LATENT, FieldStore, as_stored, check_name, field_path
-from .durable import HASH_BYTES, BuildLock, append_log, file_size, publish, pwrite_all, read_log, rewrite_log
+from .durable import (HASH_BYTES, BuildLock, DurableFile, NpyFile, Written, append_lines, file_size, item_lines, iter_log, log_bytes,
+                      publish, pwrite_all, rewrite_log, rewrite_log_prefix)
 
 _LOG_VERSION = 1
 
@@ -144,6 +154,15 @@ class LatentCacheWriter:
     ``latent_std`` have its latent's shape, ``latent_flipped_std`` its ``latent_flipped``'s; every float
     field's values are finite, as the latent's (NaN or inf raise :class:`~latentfast.errors.NonFiniteError`). ``key in writer`` tells whether a key is already written (durably or
     pending); :attr:`resumed` whether an interrupted run was picked up.
+
+    Memory: the writer holds no per-item Python objects. Each item's shape, CRC-32, source hash,
+    info and key go to tables in files of its build folder ``.{split}.latents.building`` (see
+    :mod:`~latentfast.cache.store.building`), the duplicate-key check looks the key's 64-bit hash up
+    in a mapped hash table and compares the key bytes of a hit, and the log lines of items not yet
+    flushed are held until :meth:`flush` (at most ``flush_every`` items, or one ``append_many``
+    batch). So the writer's own memory is the same at 10^3 and 10^9 items; the tables' pages are the
+    page cache's. (Records with named fields still keep each field's per-item log entry in memory,
+    ~150 bytes per item per field, and its distinct values' hashes.)
     """
 
     def __init__(self, out_dir, split: str = "train", *, encoder: Any = None, meta: dict | None = None,
@@ -161,11 +180,18 @@ class LatentCacheWriter:
         self._paths = {k: fmt.cache_path(self.out_dir, split, k) for k in
                        ("data", "meta", "offsets", "shapes", "keys", "hashes", "info", "checksums", "progress", "widths", "white")}
         self._partial = fmt.partial_path(self._paths["data"])
-        self._records: list[dict] = []  # every item written, in order (logged ones first)
-        self._index: dict[str, int] = {}
-        self._logged = 0  # records already in the progress log
+        self._building = os.path.join(self.out_dir, f".{split}.latents.building")  # the per-item tables (building.py)
+        self._tables: dict[str, Column] = {}
+        self._slots: HashSlots | None = None
+        self._first: dict | None = None  # the first item's key, shape, dtype and whether it is a record of fields
+        self._n = 0  # items written (logged ones first)
+        self._logged = 0  # items already in the progress log
+        self._pending: list[bytes] = []  # the log lines of the items not logged yet
         self._end = 0  # bytes of data written
+        self._key_end = self._info_end = 0  # bytes in the key and info tables
+        self._hashed = self._with_info = 0  # items with a source hash, with info
         self._fields: dict[str, FieldStore] = {}  # the named fields beside the latent, by name
+        self._entries: dict[str, list] = {}  # each field's log entry per item (None: the item lacks it)
         self._fd = -1
         self._log = None
         self.finished = False
@@ -191,35 +217,72 @@ class LatentCacheWriter:
                                  flush_every=self.flush_every, lock=self._lock, restart=restart, optional=self.optional)
 
     def _open(self, restart: bool) -> bool:
-        records = None if restart else self._read_log()
+        records = None if restart else iter_log(self._paths["progress"], self._header())
         if records is not None and not os.path.exists(self._partial) and not os.path.exists(self._paths["meta"]):
             # a crash inside finish() after the data was renamed into place: take it back
             with contextlib.suppress(FileNotFoundError):
                 os.replace(self._paths["data"], self._partial)
-        needed = sum(_itemsize(r) * int(np.prod(r["s"])) for r in records or [])
-        if records is None or file_size(self._partial) < needed or not self._open_fields(records):
+        self._new_tables()
+        try:
+            loaded = records is not None and self._load(records)
+        except (ValueError, KeyError, TypeError, AttributeError):  # an unreadable log: nothing of it can be trusted
+            loaded = False
+        if not loaded or file_size(self._partial) < self._end or not self._open_fields():
             self._start_over()
             return False
         self._fd = os.open(self._partial, os.O_RDWR)
-        os.ftruncate(self._fd, needed)  # drop a tail written after the last logged item
+        os.ftruncate(self._fd, self._end)  # drop a tail written after the last logged item
         self._log = open(self._paths["progress"], "ab")
-        for r in records:
-            self._remember(r)
-        self._logged, self._end = len(records), needed
-        return bool(records)
+        self._logged = self._n
+        return self._n > 0
 
-    def _open_fields(self, records: list[dict]) -> bool:
+    def _load(self, records) -> bool:
+        """Rebuild the tables from the logged ``records`` (streamed, a chunk at a time); the data they need in ``_end``."""
+        chunk: list[dict] = []
+        for record in records:
+            chunk.append(record)
+            if len(chunk) == _CHUNK:
+                self._load_chunk(chunk)
+                chunk = []
+        self._load_chunk(chunk)
+        return True
+
+    def _load_chunk(self, records: list[dict]) -> None:
+        if not records:
+            return
+        if self._first is None:
+            self._remember_first(records[0])
+        encoded = [r["k"].encode("utf-8") for r in records]
+        shapes = np.asarray([r["s"] for r in records], dtype=np.int64).reshape(len(records), -1)
+        dtypes = {r.get("d", "float16") for r in records}
+        if dtypes != {self._first["d"]}:
+            raise ValueError("a logged item of another dtype")
+        self._end += int(np.prod(shapes, axis=1).sum()) * fmt.LATENT_DTYPES[self._first["d"]]
+        infos = [_info_text(r["i"]) if "i" in r else b"" for r in records]
+        self._add_items(encoded, keytable.key_hashes(encoded), shapes, [r["c"] for r in records],
+                        [r.get("h") for r in records], infos, [r.get("f") for r in records])
+
+    def _remember_first(self, record: dict) -> None:
+        self._first = {"k": record["k"], "s": list(record["s"]), "d": record.get("d", "float16"), "f": "f" in record}
+        self._tables["shapes"] = Column(os.path.join(self._building, "shapes"), np.int64, len(record["s"]))
+
+    def _open_fields(self) -> bool:
         """Resume the field stores the logged records name (False: one cannot back its records)."""
-        names = dict.fromkeys(name for r in records or () for name in r.get("f", {}))  # (an optional one may come late)
-        for name in names:
+        for name, entries in self._entries.items():
             store = self._fields[name] = FieldStore(self.out_dir, self.split, name)
-            if not store.open(_entries(records, name), restart=False):
+            if not store.open(entries, restart=False):
                 return False
         return True
 
-    def _read_log(self) -> list[dict] | None:
-        """The logged records if the progress log exists with this writer's header, else None."""
-        return read_log(self._paths["progress"], self._header())
+    def _new_tables(self) -> None:
+        """Empty per-item tables in a fresh build folder (the log is the truth: they are rebuilt from it)."""
+        self._close_tables()
+        shutil.rmtree(self._building, ignore_errors=True)
+        os.makedirs(self._building)
+        self._tables = {name: Column(os.path.join(self._building, name), dtype, width) for name, dtype, width in _TABLES}
+        self._slots = HashSlots(os.path.join(self._building, "key_slots"))
+        self._first, self._n, self._end, self._key_end, self._info_end, self._hashed, self._with_info = None, 0, 0, 0, 0, 0, 0
+        self._entries, self._pending = {}, []
 
     def _start_over(self) -> None:
         """A fresh log (durably first), then an empty data file."""
@@ -227,29 +290,124 @@ class LatentCacheWriter:
         for store in self._fields.values():
             store.close()
         self._fields = {}
+        self._new_tables()
         self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         fmt.fsync_dir(self.out_dir)
         self._log = open(self._paths["progress"], "ab")
+        self._logged = 0
 
-    def _remember(self, record: dict) -> None:
-        self._index[record["k"]] = len(self._records)
-        self._records.append(record)
+    def _add_items(self, encoded: list[bytes], key_hashes: np.ndarray, shapes: np.ndarray, crcs: list[int], hashes: list,
+                   infos: list[bytes], fields: list) -> None:
+        """Put written items in the tables: their keys' UTF-8 bytes and hashes, ``shapes`` int64 ``[B, ndim]``,
+        ``hashes`` hex or None, ``infos`` each item's info JSON (b"": none), ``fields`` each item's field
+        entries (or None)."""
+        count, t = len(encoded), self._tables
+        t["shapes"].append(np.ascontiguousarray(shapes, dtype=np.int64), count)
+        t["crcs"].append(np.asarray(crcs, dtype=np.uint32), count)
+        sources = np.zeros((count, 1 + HASH_BYTES), dtype=np.uint8)
+        for i, h in enumerate(hashes):
+            if h is not None:
+                sources[i, 0] = 1
+                sources[i, 1:] = np.frombuffer(bytes.fromhex(h)[:HASH_BYTES].ljust(HASH_BYTES, b"\0"), dtype=np.uint8)
+        self._hashed += int(sources[:, 0].sum())
+        t["sources"].append(sources, count)
+        ends = self._key_end + np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=count))
+        t["key_bytes"].append(b"".join(encoded), int(ends[-1]) - self._key_end)
+        t["key_ends"].append(ends, count)
+        t["key_hashes"].append(key_hashes, count)
+        self._key_end = int(ends[-1])
+        ends = self._info_end + np.cumsum(np.fromiter(map(len, infos), dtype=np.int64, count=count))
+        t["info_bytes"].append(b"".join(infos), int(ends[-1]) - self._info_end)
+        t["info_ends"].append(ends, count)
+        self._with_info += sum(1 for x in infos if x)
+        self._info_end = int(ends[-1])
+        self._slots.add(key_hashes, np.arange(self._n, self._n + count))
+        for k, entries in enumerate(fields):
+            if entries or self._entries:
+                self._add_entries(self._n + k, entries or {})
+        self._n += count
 
-    # -- appending --------------------------------------------------------------------------
+    def _add_one(self, encoded: bytes, h: int, record: dict) -> None:
+        """:meth:`_add_items` of one item (its key's bytes and hash, its ``record``), without numpy's
+        per-call costs: the rows packed as bytes."""
+        t, source = self._tables, record.get("h")
+        t["shapes"].append(struct.pack(f"<{len(record['s'])}q", *record["s"]), 1)
+        t["crcs"].append(struct.pack("<I", record["c"]), 1)
+        t["sources"].append(b"\1" + bytes.fromhex(source)[:HASH_BYTES].ljust(HASH_BYTES, b"\0") if source else bytes(1 + HASH_BYTES), 1)
+        self._hashed += source is not None
+        self._key_end += len(encoded)
+        t["key_bytes"].append(encoded, len(encoded))
+        t["key_ends"].append(struct.pack("<q", self._key_end), 1)
+        t["key_hashes"].append(struct.pack("<Q", h), 1)
+        info = _info_text(record["i"]) if "i" in record else b""
+        self._info_end += len(info)
+        self._with_info += bool(info)
+        t["info_bytes"].append(info, len(info))
+        t["info_ends"].append(struct.pack("<q", self._info_end), 1)
+        self._slots.add_one(h, self._n)
+        if "f" in record or self._entries:
+            self._add_entries(self._n, record.get("f", {}))
+        self._n += 1
+
+    def _add_entries(self, item: int, entries: dict) -> None:
+        """Item ``item``'s field entries (a field first seen here: the items before it lack it)."""
+        for name in entries:
+            if name not in self._entries:
+                self._entries[name] = [None] * item
+        for name, column in self._entries.items():
+            column.append(entries.get(name))
+
+    def _field_entries(self, name: str) -> list:
+        """Field ``name``'s log entry of each item, None where the item lacks it."""
+        return self._entries.setdefault(name, [None] * self._n)
+
+    # -- looking items up in the tables ---------------------------------------------------------
+    def _find(self, key: str, h: int | None = None) -> int | None:
+        """The item whose key is ``key`` (``h``: its key hash, if known), or None."""
+        self._check_tables()
+        for item in self._slots.find_one(keytable.key_hash_of(key.encode("utf-8", "surrogatepass")) if h is None else h):
+            if self._key(item) == key:
+                return item
+        return None
+
+    def _key(self, i: int) -> str:
+        ends = self._tables["key_ends"].read(max(0, i - 1), i + 1)
+        start = int(ends[0]) if i else 0
+        return self._tables["key_bytes"].read(start, int(ends[-1])).tobytes().decode("utf-8")
+
+    def _key_chunks(self):
+        """``(keys, their source hashes as hex or None)`` of every item, a chunk at a time, in order."""
+        self._check_tables()
+        start = 0
+        for lo, ends in self._tables["key_ends"].chunks(_CHUNK):
+            raw = self._tables["key_bytes"].read(start, int(ends[-1])).tobytes()
+            cuts = (ends - start).tolist()
+            keys = [raw[a:b].decode("utf-8") for a, b in zip([0, *cuts[:-1]], cuts)]
+            sources = self._tables["sources"].read(lo, lo + len(ends))
+            yield keys, [row[1:].tobytes().hex() if row[0] else None for row in sources]
+            start = int(ends[-1])
+
     def __contains__(self, key: str) -> bool:
-        return key in self._index
+        return isinstance(key, str) and self._find(key) is not None
 
     def __len__(self) -> int:
-        return len(self._records)
+        return self._n
 
     @property
     def keys(self) -> list[str]:
-        return [r["k"] for r in self._records]
+        """Every key written, in order. This reads the whole key table into a list (~70 bytes per key):
+        ``key in writer`` and :meth:`source_hash` look one key up without it."""
+        return [k for keys, _ in self._key_chunks() for k in keys]
 
     def source_hash(self, key: str) -> str | None:
-        """The source hash recorded with ``key`` (hex), or None."""
-        return self._records[self._index[key]].get("h")
+        """The source hash recorded with ``key`` (hex), or None; ``KeyError`` for a key not written."""
+        item = self._find(key) if isinstance(key, str) else None
+        if item is None:
+            raise KeyError(key)
+        row = self._tables["sources"].read(item, item + 1)[0]
+        return row[1:].tobytes().hex() if row[0] else None
 
+    # -- appending --------------------------------------------------------------------------
     def append(self, key: str, latent: Any, *, source_hash: bytes | str | None = None, info: dict | None = None) -> None:
         """Write one item. ``latent``: a tensor or array of any float dtype (stored as float16), or a
         record ``{"latent": z, "text": e, ...}`` of named fields: ``latent`` float16, bfloat16 or float32,
@@ -263,7 +421,9 @@ class LatentCacheWriter:
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"key must be a non-empty str, got {key!r}")
         check_text_key(key)
-        if key in self._index:
+        encoded = key.encode("utf-8")
+        h = keytable.key_hash_of(encoded)
+        if self._find(key, h) is not None:
             raise InvalidArgumentError(f"key {key!r} was already written (check `key in writer` to resume)")
         latent, extra = self._split_record(key, latent)
         dtype, half = latent if isinstance(latent, tuple) else ("float16", as_float16(key, latent))
@@ -279,26 +439,40 @@ class LatentCacheWriter:
             record["i"] = json.loads(json.dumps(info, sort_keys=True))  # as a resumed log reads it back
         pwrite_all(self._fd, half, self._end)
         self._end += half.nbytes
-        self._remember(record)
-        if len(self._records) - self._logged >= self.flush_every:
+        if self._first is None:
+            self._remember_first(record)
+        self._add_one(encoded, h, record)
+        self._pending.append(log_bytes(b"", [record]))
+        if self._n - self._logged >= self.flush_every:
             self.flush()
 
     def append_many(self, keys, latents: Any, *, source_hashes=None) -> None:
         """Write many items of one shape at once, as :meth:`append` of each would (float16, the same records,
         log and durability): ``latents`` a ``[B, *shape]`` tensor or array of any float dtype, ``keys`` its B
         new distinct keys, ``source_hashes`` None or B of what :meth:`append` takes. Everything is checked
-        before anything is written, then one write: the bulk path of imports and builds of tiny items."""
+        before anything is written, then one write: the bulk path of imports and builds of tiny items
+        (its keys hashed, looked up and logged for the whole batch at once)."""
         self._check_open()
         keys = list(keys)
         for key in keys:
             if not isinstance(key, str) or not key:
                 raise InvalidArgumentError(f"key must be a non-empty str, got {key!r}")
-            if key in self._index:
-                raise InvalidArgumentError(f"key {key!r} was already written (check `key in writer` to resume)")
+        try:
+            encoded = [k.encode("utf-8") for k in keys]
+        except UnicodeEncodeError:
+            for key in keys:
+                check_text_key(key)
+            raise
+        key_hashes = keytable.key_hashes(encoded)
+        which, items = self._slots.find(key_hashes)
+        written = sorted(w for w, item in zip(which.tolist(), items.tolist()) if self._key(item) == keys[w])
+        if written:
+            raise InvalidArgumentError(f"key {keys[written[0]]!r} was already written (check `key in writer` to resume)")
         if len(set(keys)) != len(keys):
-            twice = next(k for k in keys if keys.count(k) > 1)
+            seen = set()
+            twice = next(k for k in keys if k in seen or seen.add(k))
             raise InvalidArgumentError(f"key {twice!r} appears twice in keys")
-        if self._records and "f" in self._records[0]:
+        if self._first is not None and self._first["f"]:
             raise InvalidArgumentError(f"this cache's items are records of the fields {[LATENT, *self._fields]}; append them one by one")
         if len(getattr(latents, "shape", ())) < 2 or len(latents) != len(keys):
             raise InvalidArgumentError(f"latents must be a [B, *shape] tensor or array with B = len(keys) = {len(keys)}, "
@@ -317,14 +491,14 @@ class LatentCacheWriter:
         self._check_shape(keys[0], tuple(shape), "float16")
         pwrite_all(self._fd, half, self._end)
         self._end += half.nbytes
-        rows = half.reshape(len(keys), -1)
-        records = [{"k": key, "s": shape, "c": zlib.crc32(row)} for key, row in zip(keys, rows)]  # (one shape list shared: records are never edited)
-        for record, h in zip(records, hashes):
-            if h is not None:
-                record["h"] = h
-        self._index.update(zip(keys, range(len(self._records), len(self._records) + len(keys))))  # as _remember, in bulk
-        self._records.extend(records)
-        if len(self._records) - self._logged >= self.flush_every:
+        crcs = [zlib.crc32(row) for row in half.reshape(len(keys), -1)]
+        if self._first is None:
+            self._remember_first({"k": keys[0], "s": shape})
+        shapes = np.empty((len(keys), len(shape)), dtype=np.int64)
+        shapes[:] = shape
+        self._add_items(encoded, key_hashes, shapes, crcs, hashes, [b""] * len(keys), [None] * len(keys))
+        self._pending.append(item_lines(keys, shape, crcs, hashes).encode())
+        if self._n - self._logged >= self.flush_every:
             self.flush()
 
     def _split_record(self, key: str, value: Any) -> tuple[Any, dict]:
@@ -338,13 +512,14 @@ class LatentCacheWriter:
             raise InvalidArgumentError(f"record of key {key!r} has no {LATENT!r} field (fields given: {sorted(value)})")
         latent = latent_as_stored(key, value[LATENT])
         names = [check_name(n) for n in value if n != LATENT]
-        if self._records:
+        first_key = self._first["k"] if self._first is not None else None
+        if self._first is not None:
             missing, new = set(self._fields) - set(names), set(names) - set(self._fields)
             refused = sorted(n for n in missing | new if not self._may_lack(n))
             if refused:
                 raise InvalidArgumentError(
                     f"record of key {key!r} has the fields {sorted(names)}, but this cache's records have {sorted(self._fields)} "
-                    f"(first item {self._records[0]['k']!r}); {refused} are not optional (LatentCacheWriter(optional=...) "
+                    f"(first item {first_key!r}); {refused} are not optional (LatentCacheWriter(optional=...) "
                     f"lets items lack a field)")
         extra = {}
         for name in names:
@@ -352,7 +527,7 @@ class LatentCacheWriter:
             if name not in self._fields:
                 self._fields[name] = FieldStore(self.out_dir, self.split, name)
                 self._fields[name].start_over()
-            self._fields[name].check(key, stored[0], stored[1], self._records[0]["k"] if self._records else None)
+            self._fields[name].check(key, stored[0], stored[1], first_key)
             extra[name] = stored
         shapes = {LATENT: tuple(latent[1].shape), **{name: stored[1] for name, stored in extra.items()}}
         for name, partner in SAME_SHAPE.items():  # what a draw puts in the latent's place, or draws over it
@@ -374,70 +549,87 @@ class LatentCacheWriter:
         self.append(key, latent, source_hash=source_hash, info=info)
 
     def _check_shape(self, key: str, shape: tuple, dtype: str) -> None:
-        if not self._records:
+        if self._first is None:
             return
-        first = self._records[0]["s"]
-        if dtype != self._records[0].get("d", "float16"):
+        first = self._first["s"]
+        if dtype != self._first["d"]:
             raise InvalidArgumentError(f"latent of key {key!r} is {dtype}, but this cache's latents are "
-                                       f"{self._records[0].get('d', 'float16')} (first item {self._records[0]['k']!r}); no silent cast")
+                                       f"{self._first['d']} (first item {self._first['k']!r}); no silent cast")
         if len(shape) != len(first) or shape[0] != first[0]:
             raise InvalidArgumentError(
                 f"latent of key {key!r} has shape {list(shape)}, but this cache's items are {len(first)}-D with "
-                f"{first[0]} channels (first item {self._records[0]['k']!r}: {first})"
+                f"{first[0]} channels (first item {self._first['k']!r}: {first})"
             )
 
     def flush(self) -> None:
         """Make every appended item durable: data first, then its records in the log."""
         self._check_open()
-        if self._logged == len(self._records):
+        if self._logged == self._n:
             return
         os.fdatasync(self._fd)
         for store in self._fields.values():
             store.sync()
-        append_log(self._log, self._records[self._logged:])
-        self._logged = len(self._records)
+        append_lines(self._log, b"".join(self._pending))
+        self._pending = []
+        self._logged = self._n
 
     # -- finishing ----------------------------------------------------------------------------
     def finish(self, *, verify: bool = True) -> str:
         """Complete the cache; returns the data file's path. ``verify`` reads the data back and checks
         every item against the CRC of the bytes that were meant to be written."""
         self._check_open()
-        if not self._records:
+        if not self._n:
             raise InvalidArgumentError(f"no items were appended to the cache {self.out_dir} (split {self.split!r})")
         self.flush()
-        shapes = np.asarray([r["s"] for r in self._records], dtype=np.int64)
-        offsets = fmt.shaped_offsets(shapes) * (_itemsize(self._records[0]) // 2)  # in 2-byte units
-        sums = np.asarray([r["c"] for r in self._records], dtype=np.uint32)
         if verify:
-            self._verify_written(offsets, sums)
+            self._verify_written()
         os.close(self._fd)
         self._fd = -1
         self._log.close()
         self._log = None
-        self._write_index(shapes, fmt.shaped_offsets(shapes), sums)
+        self._write_index()
+        self._close_tables()
+        shutil.rmtree(self._building, ignore_errors=True)
         self.finished = True
         self._lock.release()
         return self._paths["data"]
 
-    def _verify_written(self, offsets: np.ndarray, sums: np.ndarray) -> None:
+    def _item_bytes(self):
+        """``(first item, its items' byte sizes (list), their CRC-32s (list))`` a chunk at a time, in order."""
+        itemsize = fmt.LATENT_DTYPES[self._first["d"]]
+        for lo, shapes in self._tables["shapes"].chunks(_CHUNK):
+            crcs = self._tables["crcs"].read(lo, lo + len(shapes))
+            yield lo, (np.prod(shapes, axis=1) * itemsize).tolist(), crcs.tolist()
+
+    def _verify_written(self) -> None:
         """Every item's bytes on disk against the CRC of what was meant; the first bad item and all
         after it are dropped from the log (a rerun writes them again) before raising."""
-        with open(self._partial, "rb") as fh:
-            for i in range(len(self._records)):
-                start, end = int(offsets[i]) * 2, int(offsets[i + 1]) * 2
-                fh.seek(start)
-                if zlib.crc32(fh.read(end - start)) != int(sums[i]):
-                    raise self._dropped(i, start, self._partial)
+        start = 0
+        with open(self._partial, "rb", buffering=1 << 20) as fh:  # (items back to back: read in order)
+            for lo, sizes, crcs in self._item_bytes():
+                for k, (size, crc) in enumerate(zip(sizes, crcs)):
+                    if zlib.crc32(fh.read(size)) != crc:
+                        raise self._dropped(lo + k, start, self._partial)
+                    start += size
         for name, store in self._fields.items():
-            bad = store.verify(_entries(self._records, name))
+            bad = store.verify(self._field_entries(name))
             if bad is not None:
-                raise self._dropped(bad, int(offsets[bad]) * 2, store.partial)
+                raise self._dropped(bad, self._data_start(bad), store.partial)
+
+    def _data_start(self, i: int) -> int:
+        """Byte offset of item ``i``'s latent in the data file."""
+        start = 0
+        for lo, sizes, _ in self._item_bytes():
+            if i < lo + len(sizes):
+                return start + sum(sizes[: i - lo])
+            start += sum(sizes)
+        return start
 
     def _dropped(self, i: int, start: int, path: str) -> CacheCorruptError:
         """Drop item ``i`` (its latent starts at byte ``start``) and all after it; the error to raise."""
         error = CacheCorruptError(
-            f"latent cache {path}: item {i} (key {self._records[i]['k']!r}) on disk differs from what was written; it "
-            f"and the {len(self._records) - i - 1} items after it were dropped from the progress log: run the same build "
+            f"latent cache {path}: item {i} (key {self._key(i)!r}) on disk differs from what was written; it "
+            f"and the {self._n - i - 1} items after it were dropped from the progress log: run the same build "
             f"again to rewrite them"
         )
         self._truncate_log(i, start)
@@ -447,24 +639,41 @@ class LatentCacheWriter:
         """Forget every item from ``keep`` on (its data starts at byte ``end``), durably (log first,
         then data), so that appending resumes there."""
         self._log.close()
-        rewrite_log(self._paths["progress"], self._header(), self._records[:keep])
+        rewrite_log_prefix(self._paths["progress"], self._header(), keep)
         self._log = open(self._paths["progress"], "ab")
-        for record in self._records[keep:]:
-            del self._index[record["k"]]
-        del self._records[keep:]
+        t = self._tables
+        self._key_end = int(t["key_ends"].read(keep - 1, keep)[0]) if keep else 0
+        self._info_end = int(t["info_ends"].read(keep - 1, keep)[0]) if keep else 0
+        for name in ("shapes", "crcs", "sources", "key_ends", "key_hashes", "info_ends"):
+            t[name].truncate(keep)
+        t["key_bytes"].truncate(self._key_end)
+        t["info_bytes"].truncate(self._info_end)
+        self._hashed = sum(int(rows[:, 0].sum()) for _, rows in t["sources"].chunks(_CHUNK))
+        self._slots.clear()
+        for lo, hashes in t["key_hashes"].chunks(_CHUNK):
+            self._slots.add(hashes, np.arange(lo, lo + len(hashes)))
+        previous = 0
+        self._with_info = 0
+        for _, ends in t["info_ends"].chunks(_CHUNK):
+            self._with_info += int(np.count_nonzero(np.diff(ends, prepend=previous)))
+            previous = int(ends[-1])
         for name, store in self._fields.items():
-            store.rewind(_entries(self._records, name))
-        self._logged = keep
+            del self._field_entries(name)[keep:]
+            store.rewind(self._field_entries(name))
+        self._n = self._logged = keep
+        if not keep:
+            t.pop("shapes").close()
+            self._first = None
         self._end = end
         os.ftruncate(self._fd, self._end)
 
-    def _meta(self, shapes: np.ndarray) -> dict:
+    def _meta(self, n: int, ndim: int, channels: int, latent_h: int, w_max: int) -> dict:
         identity = self.identity or {}
         stamp = {
-            "n": len(shapes),
-            "channels": int(shapes[0, 0]),
-            "latent_h": int(shapes[:, -2].max()) if shapes.shape[1] > 1 else 1,
-            "w_max": int(shapes[:, -1].max()),
+            "n": n,
+            "channels": channels,
+            "latent_h": latent_h,
+            "w_max": w_max,
             "pretrained": str(identity.get("pretrained", "")),
             "subfolder": str(identity.get("subfolder", "")),
             "line_height": None,
@@ -473,31 +682,63 @@ class LatentCacheWriter:
         }
         return {
             **self.extra_meta, **stamp,
-            "format_version": fmt.FORMAT_VERSION, "layout": "shaped", "ndim": int(shapes.shape[1]),
-            "dtype": self._records[0].get("d", "float16"),
+            "format_version": fmt.FORMAT_VERSION, "layout": "shaped", "ndim": ndim,
+            "dtype": self._first["d"],
             "encoder": self.identity, "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_rows": 1},
             "complete": True,
             # what items may lack (a cache that joins shards lets one lack a field all of whose items lack it)
             **({} if self.optional is None else {"optional_fields": True if self.optional is True else sorted(self.optional)}),
         }
 
-    def _write_index(self, shapes: np.ndarray, offsets: np.ndarray, sums: np.ndarray) -> None:
-        """The index files, then the data renamed and the meta last (:func:`~.durable.publish`)."""
-        hashes = [r.get("h") for r in self._records]
-        info = [r.get("i", {}) for r in self._records]
-        files = {"shapes": fmt.npy_bytes(shapes), "offsets": fmt.npy_bytes(offsets), "checksums": fmt.npy_bytes(sums),
-                 "keys": _json_bytes(self.keys),
-                 "hashes": fmt.npy_bytes(_hash_array(hashes)) if any(hashes) else None,
-                 "info": _json_bytes(info) if any(info) else None,
-                 "widths": None, "white": None}  # a line cache's leftovers would contradict this one
-        paths, meta, renames = dict(self._paths), self._meta(shapes), []
-        key_files, meta["key_table"] = keytable.table_files(self.keys)  # what readers look keys up in, mapped
+    def _write_index(self) -> None:
+        """The index files, streamed from the tables into files at temporary names, then the data
+        renamed and the meta last (:func:`~.durable.publish`)."""
+        n, t = self._n, self._tables
+        ndim = t["shapes"].width
+        files, index_crcs, latent_h, w_max = {}, [], 1, 0
+        with NpyFile(self._paths["shapes"], np.int64, (n, ndim)) as shapes_out, \
+                NpyFile(self._paths["offsets"], np.int64, (n + 1,)) as offsets_out, \
+                NpyFile(self._paths["checksums"], np.uint32, (n,)) as crcs_out:
+            offsets_out.rows(np.zeros(1, np.int64))
+            last = 0
+            for lo, shapes in t["shapes"].chunks(_CHUNK):  # (_CHUNK: whole index blocks)
+                offsets = np.concatenate([[last], last + np.cumsum(np.prod(shapes, axis=1))])
+                shapes_out.rows(shapes)
+                offsets_out.rows(offsets[1:])
+                crcs_out.rows(t["crcs"].read(lo, lo + len(shapes)))
+                index_crcs += [tables._block_crc(shapes, offsets, r0, min(len(shapes), r0 + tables.BLOCK_ITEMS))
+                               for r0 in range(0, len(shapes), tables.BLOCK_ITEMS)]
+                if ndim > 1:
+                    latent_h = max(latent_h, int(shapes[:, -2].max()))
+                w_max, last = max(w_max, int(shapes[:, -1].max())), int(offsets[-1])
+        files.update(shapes=shapes_out.written, offsets=offsets_out.written, checksums=crcs_out.written)
+        with DurableFile(self._paths["keys"]) as out:  # the JSON key list older readers read
+            out.write(b"[")
+            for k, (keys, _) in enumerate(self._key_chunks()):
+                out.write((b"," if k else b"") + json.dumps(keys, separators=(",", ":"))[1:-1].encode())
+            out.write(b"]\n")
+        files["keys"] = out.written
+        files["hashes"] = None
+        if self._hashed:
+            with NpyFile(self._paths["hashes"], np.uint8, (n, HASH_BYTES)) as out:
+                for _, rows in t["sources"].chunks(_CHUNK):
+                    out.rows(rows[:, 1:])
+            files["hashes"] = out.written
+        files["info"] = self._info_file() if self._with_info else None
+        files.update(widths=None, white=None)  # a line cache's leftovers would contradict this one
+        paths, renames = dict(self._paths), []
+        meta = self._meta(n, ndim, int(self._first["s"][0]), latent_h, w_max)
+        t["key_bytes"].sync()
+        key_files, meta["key_table"] = keytable.write_table_files(self.out_dir, self.split, t["key_bytes"].path, t["key_ends"],
+                                                                   t["key_hashes"], n)
         files.update(key_files)
-        files[tables.CRC_KIND], meta["index_blocks"] = tables.index_files(shapes, offsets)  # readers check shapes per block
+        with NpyFile(fmt.cache_path(self.out_dir, self.split, tables.CRC_KIND), np.uint32, (len(index_crcs),)) as out:
+            out.rows(np.asarray(index_crcs, dtype=np.uint32))
+        files[tables.CRC_KIND], meta["index_blocks"] = out.written, {"block_items": tables.BLOCK_ITEMS}  # readers check shapes per block
         paths.update({kind: fmt.cache_path(self.out_dir, self.split, kind) for kind in (*key_files, tables.CRC_KIND)})
         for name, store in self._fields.items():
             spans, crc, present, meta.setdefault("fields", {})[name] = store.index_files(
-                _entries(self._records, name), optional=self.optional is not True and self._may_lack(name))
+                self._field_entries(name), optional=self.optional is not True and self._may_lack(name))
             for kind, label, payload in (("spans", "spans", spans), ("crc", "crc32", crc), ("present", "present", present)):
                 # label: as format.damaged_files finds it; a None payload removes an earlier build's file
                 paths[f"{name}.{label}"] = field_path(self.out_dir, self.split, name, kind)
@@ -506,7 +747,25 @@ class LatentCacheWriter:
             renames.append((store.partial, store.path))
         publish(paths, self._partial, files, meta, renames=renames)
 
+    def _info_file(self) -> Written:
+        """The JSON info list (``{}`` for an item without info), streamed from the info table."""
+        with DurableFile(self._paths["info"]) as out:
+            out.write(b"[")
+            start = 0
+            for lo, ends in self._tables["info_ends"].chunks(_CHUNK):
+                raw = self._tables["info_bytes"].read(start, int(ends[-1])).tobytes()
+                cuts = (ends - start).tolist()
+                out.write((b"," if lo else b"") + b",".join(raw[a:b] or b"{}" for a, b in zip([0, *cuts[:-1]], cuts)))
+                start = int(ends[-1])
+            out.write(b"]\n")
+        return out.written
+
     # -- closing ------------------------------------------------------------------------------
+    def _check_tables(self) -> None:
+        if self._slots is None:
+            raise CacheError(f"this writer of {self.out_dir} (split {self.split!r}) is {'finished' if self.finished else 'closed'}: "
+                             f"its tables of keys are gone; look keys up in the cache (LatentCache) or a new writer")
+
     def _check_open(self) -> None:
         if self._log is None:
             raise CacheError(f"this writer of {self.out_dir} (split {self.split!r}) is closed")
@@ -518,9 +777,18 @@ class LatentCacheWriter:
         self._close_files()
         self._lock.release()
 
+    def _close_tables(self) -> None:
+        for column in self._tables.values():
+            column.close()
+        self._tables = {}
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
+
     def _close_files(self) -> None:
         for store in self._fields.values():
             store.close()
+        self._close_tables()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -550,13 +818,21 @@ class LatentCacheWriter:
             self._lock.release()
 
 
+_CHUNK = 8 * tables.BLOCK_ITEMS  # items read from the tables at once (whole index blocks)
+# the per-item tables of the build folder: name, dtype, values per row (0: a flat run); "shapes" is
+# made with the first item (its ndim)
+_TABLES = (("crcs", np.uint32, 0), ("sources", np.uint8, 1 + HASH_BYTES), ("key_bytes", np.uint8, 0), ("key_ends", np.int64, 0),
+           ("key_hashes", np.uint64, 0), ("info_bytes", np.uint8, 0), ("info_ends", np.int64, 0))
+
+
 def open_for_sources(out_dir, split: str, *, encoder: Any, meta: dict, lock: BuildLock,
                      digests: dict[str, bytes]) -> LatentCacheWriter:
     """A writer that resumes an interrupted run only if every item it already holds still has its
     source (``digests``: key -> content hash) unchanged; otherwise it starts over."""
     writer = LatentCacheWriter(out_dir, split, encoder=encoder, meta=meta, lock=lock)
     try:
-        if any(writer.source_hash(k) != (digests[k].hex() if k in digests else None) for k in writer.keys):
+        if any(h != (digests[k].hex() if k in digests else None) for keys, hashes in writer._key_chunks()
+               for k, h in zip(keys, hashes)):
             writer = writer.reopen(restart=True)
     except BaseException:
         writer.close()
@@ -576,11 +852,6 @@ def checked_source_hash(key: str, source_hash) -> str:
         f"(e.g. durable.content_hash(path)), got {source_hash!r:.80}")
 
 
-def _entries(records: list[dict], name: str) -> list[dict | None]:
-    """Field ``name``'s log entry of each record, None where the record lacks it."""
-    return [r.get("f", {}).get(name) for r in records]
-
-
 def _optional_names(optional):
     """``optional=`` as True, a frozenset of field names, or None."""
     if optional is None or optional is True:
@@ -595,19 +866,6 @@ def _optional_names(optional):
     return names
 
 
-def _itemsize(record: dict) -> int:
-    """Bytes per element of a logged item's latent."""
-    return fmt.LATENT_DTYPES[record.get("d", "float16")]
-
-
-def _json_bytes(value) -> bytes:
-    return (json.dumps(value, separators=(",", ":")) + "\n").encode("utf-8")
-
-
-def _hash_array(hashes: list) -> np.ndarray:
-    """uint8 ``[N, 16]`` content hashes (zeros where an item has none)."""
-    out = np.zeros((len(hashes), HASH_BYTES), dtype=np.uint8)
-    for i, h in enumerate(hashes):
-        if h:
-            out[i] = np.frombuffer(bytes.fromhex(h)[:HASH_BYTES].ljust(HASH_BYTES, b"\0"), dtype=np.uint8)
-    return out
+def _info_text(info: dict) -> bytes:
+    """An item's info as it stands in the info file's JSON list."""
+    return json.dumps(info, separators=(",", ":")).encode()
