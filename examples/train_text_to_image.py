@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", default=None, help="a folder of images with a caption file (<stem>.txt) each "
                                                         "(default: --count generated ones)")
-    parser.add_argument("--count", type=int, default=16, help="images to generate when --images is not given")
+    parser.add_argument("--count", type=int, default=16, help="images to generate when --images is not given "
+                                                                "(those of an earlier run in --workdir are reused)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
@@ -247,7 +248,6 @@ def main(argv=None) -> int:
                      f"{f'--images {args.images} has' if args.images else '--count is'} {found}")
     if args.threads:
         torch.set_num_threads(args.threads)
-
     device = torch.device(args.device)
     args.size = 16 if args.tiny else 256
     workdir = args.workdir or tempfile.mkdtemp(prefix="latentfast-t2i-")

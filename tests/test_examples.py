@@ -121,13 +121,22 @@ def test_text_to_image_example_trains_on_a_folder_given_with_images(tmp_path, ca
         torch.testing.assert_close(stored.float(), expected.float(), atol=1e-3, rtol=1e-3)
 
 
-def test_text_to_image_example_refuses_an_images_argument_that_is_not_a_folder(tmp_path, capsys):
+def test_text_to_image_example_refuses_images_that_are_no_folder_or_fewer_than_a_batch(tmp_path, capsys):
     example = load_t2i()
     with pytest.raises(SystemExit) as exc:
         example.main(["--tiny", "--images", str(tmp_path / "12"), "--workdir", str(tmp_path)])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--images: expected a folder of images with a caption file (<stem>.txt) each" in err and "12" in err, err
+    from PIL import Image
+
+    for name in ("a", "b"):  # fewer images than a batch: no batch at all (drop_last), refused before any model is built
+        Image.new("RGB", (8, 8)).save(tmp_path / f"{name}.png")
+    with pytest.raises(SystemExit) as exc:
+        example.main(["--tiny", "--images", str(tmp_path), "--batch-size", "4", "--workdir", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--batch-size 4: expected at most as many images, and --images {tmp_path} has 2" in err, err
 
 
 def test_text_to_image_example_defaults_to_the_sd_vae_and_clip_l_at_256_px():
