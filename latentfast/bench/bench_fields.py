@@ -11,16 +11,15 @@
   would leave the bytes in safetensors' file map, untouched until the step reads them);
 - memcpy: one copy of the batch's true bytes (latents + texts, unpadded) into a fresh buffer: the ceiling.
 
-And the example's step (``examples/train_text_to_image.py``, tiny models on the CPU): median step
-time from the cache vs encoding on the fly, and the share of the step spent waiting for data
-(``--example``; the median and range over ``--runs`` runs of each mode).
+The example's step from the cache vs encoding every step is measured by the example itself
+(``python examples/train_text_to_image.py --compare 3``: both modes alternately in one process).
 
 Every reader allocates its batch. Hot: every file read once before timing. Cold: every file evicted
 from the page cache (``posix_fadvise(DONTNEED)``) before each pass. Ratios are per run (median and
 range of ``--runs`` runs). Bytes on disk: the cache with equal values stored once, the cache written
 with sharing disabled (the hash made unique per value), and the per-item pairs; file counts.
 
-    python -m latentfast.bench.bench_fields [--quick] [--runs 3] [--example]
+    python -m latentfast.bench.bench_fields [--quick] [--runs 3]
 """
 from __future__ import annotations
 
@@ -181,32 +180,6 @@ def summarize(per_run: list[dict]) -> dict:
     return out
 
 
-def example_report(runs: int = 3, steps: int = 12) -> dict:
-    """Median step (ms) and data-wait share of ``examples/train_text_to_image.py`` from the cache and on
-    the fly, each mode run ``runs`` times in a fresh process (alternating), one torch thread, 2 workers."""
-    import re
-    import subprocess
-
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_text_to_image.py")
-    found: dict[str, list[tuple[float, float]]] = {"from the cache": [], "on the fly": []}
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-        for _ in range(runs):
-            for flag in ([], ["--encode-on-the-fly"]):
-                out = subprocess.run([sys.executable, script, "--steps", str(steps), "--images", "64", "--batch-size", "8",
-                                      "--workers", "2", "--threads", "1", "--workdir", tmp, "--device", "cpu", *flag],
-                                     capture_output=True, text=True, check=True).stdout
-                mode, ms, share = re.search(r"^(from the cache|on the fly): .* median step ([\d.]+) ms, (\d+)%", out, re.M).groups()
-                found[mode].append((float(ms), float(share)))
-    result = {mode: {"step_ms": [v[0] for v in values], "wait_pct": [v[1] for v in values]} for mode, values in found.items()}
-    print(f"example (tiny UNet2DConditionModel, batch 8, CPU, {steps} steps, {runs} runs per mode, load {os.getloadavg()[0]:.1f}):")
-    for mode, r in result.items():
-        print(f"  {mode}: median step {statistics.median(r['step_ms']):.1f} ms (range {min(r['step_ms']):.1f}-{max(r['step_ms']):.1f}), "
-              f"waiting for data {statistics.median(r['wait_pct']):.0f}% (range {min(r['wait_pct']):.0f}-{max(r['wait_pct']):.0f})")
-    ratios = [b / a for a, b in zip(result["from the cache"]["step_ms"], result["on the fly"]["step_ms"])]
-    print(f"  on the fly / from the cache: {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
-    return result
-
-
 def print_report(result: dict) -> None:
     print(f"records: batches of {result['batch']} of latent [4,32,32] f16 + text [L,{result['dim']}] bf16 (L 50..512, "
           f"{result['distinct_captions']} distinct captions over {result['items']} items), {result['mib_per_batch']:.1f} MiB "
@@ -223,5 +196,3 @@ def print_report(result: dict) -> None:
 if __name__ == "__main__":
     runs = int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else 3
     run_report(quick="--quick" in sys.argv, runs=runs)
-    if "--example" in sys.argv:
-        example_report(runs=runs)
