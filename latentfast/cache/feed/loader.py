@@ -367,10 +367,11 @@ def _rank_and_world(rank, world_size) -> tuple[int, int]:
 def _sampler_for(cache, batch_size, *, shuffle, seed, buckets, drop_last, sample, rank, world_size, chunk_window):
     """The batch sampler of a LatentLoader: of one shape (a shaped cache, or drawn samples), of similar
     widths (a line cache), or unbucketed; shuffled or in order; chunk windows on object storage."""
-    labels = cache.shapes if buckets and (cache.shaped or sample) else None
+    # (a line cache's rows differ only in width: its widths bucket them as its [N, 3] shapes would, without making those)
+    labels = (cache.shapes if cache.shaped else cache.widths) if buckets and (cache.shaped or sample) else None
     common = dict(rank=rank, world_size=world_size, drop_last=drop_last)
     if not shuffle:
-        return InOrderBatchSampler(np.zeros(len(cache), np.int64) if labels is None else labels, batch_size, **common)
+        return InOrderBatchSampler(np.zeros(len(cache), np.uint8) if labels is None else labels, batch_size, **common)
     remote = getattr(cache, "remote", None) is not None or getattr(cache, "url", None) is not None
     if chunk_window == "auto":
         chunk_window = REMOTE_CHUNK_WINDOW if remote else None
@@ -378,7 +379,7 @@ def _sampler_for(cache, batch_size, *, shuffle, seed, buckets, drop_last, sample
         common.update(chunks=item_chunks(cache), chunk_window=chunk_window)
     if buckets and labels is None:
         return WidthBucketBatchSampler(cache.widths, batch_size, seed=seed, **common)
-    return ShapeBucketBatchSampler(np.zeros(len(cache), np.int64) if labels is None else labels, batch_size, seed=seed,
+    return ShapeBucketBatchSampler(np.zeros(len(cache), np.uint8) if labels is None else labels, batch_size, seed=seed,
                                    **common)
 
 
