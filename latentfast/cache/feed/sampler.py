@@ -32,6 +32,7 @@ from .coldread import DEFAULT_LOOKAHEAD
 
 SAMPLER_CHUNK_BYTES = 64 * CHUNK_BYTES  # 1 MiB: 64 of the local chunk cache's chunks, several items of any usual size
 PLAN_BLOCK = 1 << 20  # items (or shape rows) handled at once while planning: temporaries of a few MiB whatever N
+GROUP_RUNS = 4096  # up to this many keys, a block's items of each key are moved as one slice
 TABLE_KEYS = 1 << 24  # shape keys ranked by a lookup table up to this many (~80 MiB), else by a sorted list
 
 
@@ -206,16 +207,13 @@ class ShardedBatchSampler(Sampler[list[int]]):
         windows = int(window_of_chunk.max(initial=0)) + 1
         shuffled = np.arange(self.n_items, dtype=_index_dtype(self.n_items))
         rng.shuffle(shuffled)  # the draws (and the order) of rng.permutation(n_items), in 4 bytes an item
-
-        def window_keys(part: np.ndarray) -> np.ndarray:
-            return window_of_chunk[self._chunk_of[part]]
-
-        def bucket_window_keys(part: np.ndarray) -> np.ndarray:
-            return buckets[part].astype(np.int64) * windows + window_of_chunk[self._chunk_of[part]]
-
-        if buckets is None:
-            return _group(shuffled, window_keys, windows), window_of_chunk
-        return _group(shuffled, bucket_window_keys, windows * _id_count(buckets)), window_of_chunk
+        # each item's group, (bucket, window) as one int, made in item order (reads in order, not at random)
+        bound = windows * (1 if buckets is None else _id_count(buckets))
+        keys = np.empty(self.n_items, dtype=_id_dtype(bound))
+        for r0 in range(0, self.n_items, PLAN_BLOCK):
+            key = window_of_chunk[self._chunk_of[r0 : r0 + PLAN_BLOCK]]
+            keys[r0 : r0 + PLAN_BLOCK] = key if buckets is None else buckets[r0 : r0 + PLAN_BLOCK] * np.int64(windows) + key
+        return _group(keys, bound, shuffled), window_of_chunk
 
     @staticmethod
     def _in_window_order(batch_windows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -378,7 +376,7 @@ class _BucketedSampler(ShardedBatchSampler):
     def _grouped(self) -> np.ndarray:
         """Every item, bucket after bucket, ascending within each: ``np.argsort(buckets, kind="stable")``,
         in 4 bytes an item (below 2^31 items), a block at a time."""
-        return _group(None, self.buckets.__getitem__, len(self._sizes), n=self.n_items)
+        return _group(self.buckets, len(self._sizes))
 
     @property
     def _members(self) -> list[np.ndarray]:
@@ -488,32 +486,35 @@ def _stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
     return tagged % max(n, 1)
 
 
-def _group(seq: np.ndarray | None, keys_of, bound: int, n: int | None = None) -> np.ndarray:
-    """``seq`` (or ``arange(n)``) reordered stably by key: ``keys_of(part)`` gives a part's keys, ints
-    in ``[0, bound)``. A counting sort a block at a time: its temporaries are a block and ``bound``
-    counts, not ``[N]``; the result has seq's dtype (``arange``'s: :func:`_index_dtype`)."""
-    n = len(seq) if seq is not None else n
+def _group(keys: np.ndarray, bound: int, seq: np.ndarray | None = None) -> np.ndarray:
+    """``seq`` (default: every item, ascending) reordered stably by its items' ``keys`` (one int in
+    ``[0, bound)`` per item, indexed by item). A counting sort a block at a time: its temporaries are
+    a block and ``bound`` counts, not ``[N]``; the result has seq's dtype (else :func:`_index_dtype`'s)."""
+    n = len(keys)
     dtype = seq.dtype if seq is not None else _index_dtype(n)
-
-    def part_at(r0: int) -> np.ndarray:
-        return seq[r0 : r0 + PLAN_BLOCK] if seq is not None else np.arange(r0, min(n, r0 + PLAN_BLOCK), dtype=dtype)
-
-    counts = np.zeros(bound, dtype=np.int64)
-    for r0 in range(0, n, PLAN_BLOCK):
-        counts += np.bincount(keys_of(part_at(r0)), minlength=bound)
-    cursor = np.cumsum(counts) - counts  # where each key's next item goes
+    cursor = _counts(keys, bound)
+    cursor = np.cumsum(cursor) - cursor  # where each key's next item goes
     out = np.empty(n, dtype=dtype)
     for r0 in range(0, n, PLAN_BLOCK):
-        part = part_at(r0)
-        keys = keys_of(part)
-        order = _stable_order(keys, bound)
-        keys = keys[order]
-        first = np.ones(len(keys), dtype=bool)  # the first of each run of one key
-        first[1:] = keys[1:] != keys[:-1]
+        part = seq[r0 : r0 + PLAN_BLOCK] if seq is not None else None
+        part_keys = keys[part] if seq is not None else keys[r0 : r0 + PLAN_BLOCK]
+        order = _stable_order(part_keys, bound)
+        moved = part[order] if seq is not None else (order + r0).astype(dtype)
+        if bound <= GROUP_RUNS:  # few keys, long runs: each key's items of the block copied as one slice
+            block_counts = np.bincount(part_keys, minlength=bound)
+            present = np.flatnonzero(block_counts)
+            ends = np.cumsum(block_counts[present])
+            for key, start, end in zip(present.tolist(), (ends - block_counts[present]).tolist(), ends.tolist()):
+                out[cursor[key] : cursor[key] + end - start] = moved[start:end]
+            cursor += block_counts
+            continue
+        part_keys = part_keys[order]
+        first = np.ones(len(part_keys), dtype=bool)  # the first of each run of one key
+        first[1:] = part_keys[1:] != part_keys[:-1]
         run_starts = np.flatnonzero(first)
-        run_lengths = np.diff(np.append(run_starts, len(keys)))
-        out[cursor[keys] + np.arange(len(keys)) - np.repeat(run_starts, run_lengths)] = part[order]
-        cursor[keys[run_starts]] += run_lengths
+        run_lengths = np.diff(np.append(run_starts, len(part_keys)))
+        out[cursor[part_keys] + np.arange(len(part_keys)) - np.repeat(run_starts, run_lengths)] = moved
+        cursor[part_keys[run_starts]] += run_lengths
     return out
 
 
