@@ -43,7 +43,7 @@ index order); each also given for the full shuffle:
 Samplers at scale (``--scale``; issue 33): for N items, with **synthetic bucket-id arrays** (no
 cache: a 10^8-item cache does not fit this disk), each sampler's
 
-- ``build s``: constructing it (its per-item ids from the labels it is given);
+- ``build s``: constructing it (its per-item ids from the labels it is given, drawn before the clock starts);
 - ``plan s``: one epoch's plan (``epoch_batches()``), median [min-max] of ``--runs`` epochs, and
   ``/ perm``: its ratio to one bare ``numpy.random.Generator.permutation(N)`` timed in the same process
   right after it (the floor: the old code made that call too, and a plan with the old order must);
@@ -186,16 +186,17 @@ def scenario(name: str, n: int) -> dict:
 SCALE_KINDS = ("shape, 100 buckets", "shape, 1 bucket", "width", "shape windowed K=8")
 
 
-def scale_sampler(kind: str, n: int):
-    """The sampler of ``kind`` over ``n`` synthetic items (bucket ids, widths, chunks drawn here)."""
+def scale_inputs(kind: str, n: int):
+    """``(sampler class, args, kwargs)`` of ``kind`` over ``n`` synthetic items (labels, widths, chunks drawn here)."""
     rng = np.random.default_rng(0)
     if kind == "shape, 100 buckets":
-        return ShapeBucketBatchSampler(rng.integers(0, 100, n).astype(np.uint8), BATCH)
+        return ShapeBucketBatchSampler, (rng.integers(0, 100, n, dtype=np.uint8), BATCH), {}
     if kind == "shape, 1 bucket":
-        return ShapeBucketBatchSampler(np.zeros(n, np.uint8), BATCH)
+        return ShapeBucketBatchSampler, (np.zeros(n, np.uint8), BATCH), {}
     if kind == "width":
-        return WidthBucketBatchSampler(rng.integers(16, 241, n).astype(np.int16), BATCH)
-    return ShapeBucketBatchSampler(rng.integers(0, 3, n).astype(np.uint8), BATCH, chunks=np.arange(n) // 16, chunk_window=8)
+        return WidthBucketBatchSampler, (rng.integers(16, 241, n, dtype=np.int16), BATCH), {}
+    chunks = {"chunks": np.arange(n) // 16, "chunk_window": 8}
+    return ShapeBucketBatchSampler, (rng.integers(0, 3, n, dtype=np.uint8), BATCH), chunks
 
 
 def spread(times: list[float]) -> dict:
@@ -203,9 +204,11 @@ def spread(times: list[float]) -> dict:
 
 
 def scale_row(kind: str, n: int, runs: int) -> dict:
+    cls, args, kwargs = scale_inputs(kind, n)
     t0 = time.perf_counter()
-    sampler = scale_sampler(kind, n)
+    sampler = cls(*args, **kwargs)
     build = time.perf_counter() - t0
+    del args, kwargs
     plans, floors = [], []
     for epoch in range(runs):
         sampler.set_epoch(epoch)
