@@ -124,6 +124,15 @@ def test_shape_plan_is_the_reference(blocks, n, drop_last):
         assert list(sampler) == ref_shape_batches(shapes, bs, seed, epoch, drop_last)
 
 
+def test_one_bucket_and_one_window_plans_are_the_reference(blocks):
+    shapes = np.tile([4, 8, 8], (401, 1))  # one shape: what LatentLoader(buckets=False) and one-shape caches get
+    sampler = ShapeBucketBatchSampler(shapes, 16, seed=2)
+    assert list(sampler) == ref_shape_batches(shapes, 16, 2, 0, False)
+    chunks = np.arange(401) // 10
+    windowed = ShapeBucketBatchSampler(shapes, 16, seed=2, chunks=chunks, chunk_window=100)  # all 41 chunks in one window
+    assert list(windowed) == ref_windowed_shape_batches(shapes, 16, 2, 0, False, chunks, 100)
+
+
 @pytest.mark.parametrize("n", [0, 3, 499, 1000])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_width_plan_is_the_reference(blocks, n, drop_last):

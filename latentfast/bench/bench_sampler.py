@@ -59,7 +59,9 @@ mapped ``[N, 4]`` int64 shapes table (100 shapes, the ``.npy`` written to a temp
 opened with ``mmap_mode="r"``, read a block of rows at a time), for N up to ``--shapes-max``.
 
     python -m latentfast.bench.bench_sampler [--quick]
-    python -m latentfast.bench.bench_sampler --scale [--sizes 1e6,1e7,1e8] [--runs 3] [--shapes-max 1e7]
+    python -m latentfast.bench.bench_sampler --scale [--sizes 1e6,1e7,1e8] [--runs 3] [--shapes-max 1e7] [--kinds 0,1,2,3]
+
+(``--kinds``: which of the samplers, by their place in :data:`SCALE_KINDS`).
 
 ``run_report(quick)`` is the ``latentfast bench`` suite interface (the scale table at 10^6 items, 10^5
 with ``quick``).
@@ -255,10 +257,10 @@ def ids_from_shapes_seconds(n: int, runs: int) -> dict:
     return spread(times)
 
 
-def scale_report(sizes=(10**6, 10**7, 10**8), runs: int = 3, shapes_max: int = 10**7) -> dict:
+def scale_report(sizes=(10**6, 10**7, 10**8), runs: int = 3, shapes_max: int = 10**7, kinds=SCALE_KINDS) -> dict:
     result = {"batch": BATCH, "runs": runs, "rows": {}, "ids_from_shapes": {}}
     for n in sizes:
-        for kind in SCALE_KINDS:
+        for kind in kinds:
             result["rows"][f"{kind} @ {n:.0e}"] = row = scale_row(kind, n, runs)
             print(f"{kind} @ {n:.0e}: plan {row['plan_s']['median']:.2f} s ({row['plan_vs_permutation']['median']:.2f}x a "
                   f"permutation), load {row['load_average']:.1f}", flush=True)
@@ -321,7 +323,9 @@ def _option(args: list[str], name: str, default: str) -> str:
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--scale" in args:
+        kinds = [SCALE_KINDS[int(k)] for k in _option(args, "--kinds", ",".join(map(str, range(len(SCALE_KINDS))))).split(",")]
         scale_report(sizes=[int(float(x)) for x in _option(args, "--sizes", "1e6,1e7,1e8").split(",")],
-                     runs=int(_option(args, "--runs", "3")), shapes_max=int(float(_option(args, "--shapes-max", "1e7"))))
+                     runs=int(_option(args, "--runs", "3")), shapes_max=int(float(_option(args, "--shapes-max", "1e7"))),
+                     kinds=kinds)
     else:
         run_report(quick="--quick" in args)

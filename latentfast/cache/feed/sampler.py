@@ -492,6 +492,8 @@ def _group(keys: np.ndarray, bound: int, seq: np.ndarray | None = None) -> np.nd
     a block and ``bound`` counts, not ``[N]``; the result has seq's dtype (else :func:`_index_dtype`'s)."""
     n = len(keys)
     dtype = seq.dtype if seq is not None else _index_dtype(n)
+    if bound <= 1:  # one key (one bucket, one window): nothing moves
+        return seq.copy() if seq is not None else np.arange(n, dtype=dtype)
     cursor = _counts(keys, bound)
     cursor = np.cumsum(cursor) - cursor  # where each key's next item goes
     out = np.empty(n, dtype=dtype)
