@@ -40,12 +40,31 @@ index order); each also given for the full shuffle:
 - ``rho``: Spearman correlation of an item's position in the epoch with its position in the file
   (0: the epoch does not walk through the file).
 
-Also the time to compute one epoch's batches of 1M items (median of 3; the host's load average is
-printed beside it: a shared, noisy host).
+Samplers at scale (``--scale``; issue 33): for N items, with **synthetic bucket-id arrays** (no
+cache: a 10^8-item cache does not fit this disk), each sampler's
+
+- ``build s``: constructing it (its per-item ids from the labels it is given, drawn before the clock starts);
+- ``plan s``: one epoch's plan (``epoch_batches()``), median [min-max] of ``--runs`` epochs, and
+  ``/ perm``: its ratio to one bare ``numpy.random.Generator.permutation(N)`` timed in the same process
+  right after it (the floor: the old code made that call too, and a plan with the old order must);
+- ``first batch s``: ``next(iter(sampler))`` of a fresh epoch (the plan plus one batch);
+- ``kept B/item``: the bytes of the arrays the sampler keeps, per item (``sampler.nbytes / N``), and
+  ``plan B/item``: the plan's arrays (``Batches.nbytes / N``); ``peak B/item``: the most Python/numpy
+  memory traced (tracemalloc) while planning, per item, in one more untimed epoch.
+
+Samplers: ``shape, 100 buckets`` (uint8 ids drawn uniformly), ``shape, 1 bucket`` (what
+``LatentLoader(buckets=False)`` and a one-shape cache get), ``width`` (widths 16..240, like lines),
+``shape windowed K=8`` (3 buckets, chunks of 16 items). Also ``ids from shapes s``: bucket ids from a
+mapped ``[N, 4]`` int64 shapes table (100 shapes, the ``.npy`` written to a temporary directory and
+opened with ``mmap_mode="r"``, read a block of rows at a time), for N up to ``--shapes-max``.
 
     python -m latentfast.bench.bench_sampler [--quick]
+    python -m latentfast.bench.bench_sampler --scale [--sizes 1e6,1e7,1e8] [--runs 3] [--shapes-max 1e7] [--kinds 0,1,2,3]
 
-``run_report(quick)`` is the ``latentfast bench`` suite interface.
+(``--kinds``: which of the samplers, by their place in :data:`SCALE_KINDS`).
+
+``run_report(quick)`` is the ``latentfast bench`` suite interface (the scale table at 10^6 items, 10^5
+with ``quick``).
 """
 from __future__ import annotations
 
@@ -53,7 +72,9 @@ import collections
 import os
 import statistics
 import sys
+import tempfile
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -154,7 +175,7 @@ def scenario(name: str, n: int) -> dict:
             nodes = [node_fetches(batches, starts, ends, budget, unit) for batches in per_node]
             row[label] = {key: statistics.mean(node[key] for node in nodes) for key in nodes[0]}
         row["16K one node"] = node_fetches(list(make(**kw)), starts, ends, budget, CHUNK_BYTES)
-        row.update(quality(make(**kw)._all_batches(), n, chunk_of))
+        row.update(quality(make(**kw).epoch_batches(), n, chunk_of))
         rows["full shuffle" if window is None else f"K={window}"] = row
     full = rows["full shuffle"]
     for row in rows.values():
@@ -164,21 +185,104 @@ def scenario(name: str, n: int) -> dict:
             "sampler_chunks": int(len(np.unique(chunk_of))), "rows": rows}
 
 
-def order_seconds(n: int, repeat: int = 3) -> dict:
-    """Seconds to compute one epoch's batches of ``n`` images (3 buckets), full shuffle vs K=16."""
-    shapes, starts, _ = image_cache(n)
-    chunk_of = item_chunks(starts, SAMPLER_CHUNK)
-    out = {}
-    for label, kw in (("full shuffle", {}), ("K=16", {"chunks": chunk_of, "chunk_window": 16})):
-        sampler = ShapeBucketBatchSampler(shapes, BATCH, **kw)
+SCALE_KINDS = ("shape, 100 buckets", "shape, 1 bucket", "width", "shape windowed K=8")
+
+
+def scale_inputs(kind: str, n: int):
+    """``(sampler class, args, kwargs)`` of ``kind`` over ``n`` synthetic items (labels, widths, chunks drawn here)."""
+    rng = np.random.default_rng(0)
+    if kind == "shape, 100 buckets":
+        return ShapeBucketBatchSampler, (rng.integers(0, 100, n, dtype=np.uint8), BATCH), {}
+    if kind == "shape, 1 bucket":
+        return ShapeBucketBatchSampler, (np.zeros(n, np.uint8), BATCH), {}
+    if kind == "width":
+        return WidthBucketBatchSampler, (rng.integers(16, 241, n, dtype=np.int16), BATCH), {}
+    chunks = {"chunks": np.arange(n) // 16, "chunk_window": 8}
+    return ShapeBucketBatchSampler, (rng.integers(0, 3, n, dtype=np.uint8), BATCH), chunks
+
+
+def spread(times: list[float]) -> dict:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+def scale_row(kind: str, n: int, runs: int) -> dict:
+    cls, args, kwargs = scale_inputs(kind, n)
+    t0 = time.perf_counter()
+    sampler = cls(*args, **kwargs)
+    build = time.perf_counter() - t0
+    del args, kwargs
+    plans, floors = [], []
+    for epoch in range(runs):
+        sampler.set_epoch(epoch)
+        t0 = time.perf_counter()
+        plan = sampler.epoch_batches()
+        plans.append(time.perf_counter() - t0)
+        del plan
+        t0 = time.perf_counter()
+        np.random.default_rng(epoch).permutation(n)
+        floors.append(time.perf_counter() - t0)
+    sampler.set_epoch(runs)
+    t0 = time.perf_counter()
+    next(iter(sampler))
+    first = time.perf_counter() - t0
+    sampler.set_epoch(runs + 1)
+    tracemalloc.start()
+    plan = sampler.epoch_batches()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {"build_s": build, "plan_s": spread(plans), "plan_vs_permutation": spread([p / f for p, f in zip(plans, floors)]),
+            "permutation_s": spread(floors), "first_batch_s": first, "kept_bytes_per_item": sampler.nbytes / n,
+            "plan_bytes_per_item": plan.nbytes / n, "peak_bytes_per_item": peak / n, "load_average": os.getloadavg()[0]}
+
+
+def ids_from_shapes_seconds(n: int, runs: int) -> dict:
+    """Seconds to make the bucket ids of a mapped [n, 4] int64 shapes table of 100 shapes."""
+    rng = np.random.default_rng(0)
+    distinct = np.stack([np.full(100, 4), rng.integers(1, 9, 100), 8 * rng.integers(8, 64, 100), 8 * rng.integers(8, 64, 100)], 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "shapes.npy")
+        table = np.lib.format.open_memmap(path, mode="w+", dtype=np.int64, shape=(n, 4))
+        for r0 in range(0, n, 1 << 20):
+            table[r0 : r0 + (1 << 20)] = distinct[rng.integers(0, 100, min(n, r0 + (1 << 20)) - r0)]
+        table.flush()
+        del table
         times = []
-        for epoch in range(repeat):
-            sampler.set_epoch(epoch)
+        for _ in range(runs):
+            shapes = np.load(path, mmap_mode="r")
             t0 = time.perf_counter()
-            sampler._all_batches()
+            sampler = ShapeBucketBatchSampler(shapes, BATCH)
             times.append(time.perf_counter() - t0)
-        out[label] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
-    return out
+            assert sampler.buckets.dtype == np.uint8
+            del shapes, sampler
+    return spread(times)
+
+
+def scale_report(sizes=(10**6, 10**7, 10**8), runs: int = 3, shapes_max: int = 10**7, kinds=SCALE_KINDS) -> dict:
+    result = {"batch": BATCH, "runs": runs, "rows": {}, "ids_from_shapes": {}}
+    for n in sizes:
+        for kind in kinds:
+            result["rows"][f"{kind} @ {n:.0e}"] = row = scale_row(kind, n, runs)
+            print(f"{kind} @ {n:.0e}: plan {row['plan_s']['median']:.2f} s ({row['plan_vs_permutation']['median']:.2f}x a "
+                  f"permutation), load {row['load_average']:.1f}", flush=True)
+        if n <= shapes_max:
+            result["ids_from_shapes"][f"{n:.0e}"] = ids_from_shapes_seconds(n, runs)
+    print_scale(result)
+    return result
+
+
+def print_scale(result: dict) -> None:
+    def span(t: dict, digits: int = 2) -> str:
+        return f"{t['median']:.{digits}f} [{t['min']:.{digits}f}-{t['max']:.{digits}f}]"
+
+    rows = [[label, round(r["build_s"], 2), span(r["plan_s"]), span(r["plan_vs_permutation"]), span(r["permutation_s"]),
+             round(r["first_batch_s"], 2), r["kept_bytes_per_item"], r["plan_bytes_per_item"], r["peak_bytes_per_item"],
+             round(r["load_average"], 1)] for label, r in result["rows"].items()]
+    print(format_table(f"samplers at scale, synthetic bucket ids, batches of {result['batch']}, {result['runs']} epochs each",
+                       ["sampler @ N", "build s", "plan s", "/ perm", "perm s", "first batch s", "kept B/item",
+                        "plan B/item", "peak B/item", "load"], rows))
+    if result["ids_from_shapes"]:
+        print(format_table("bucket ids from a mapped [N, 4] int64 shapes table, 100 shapes", ["N", "ids from shapes s"],
+                           [[n, span(t)] for n, t in result["ids_from_shapes"].items()]))
 
 
 def run_report(quick: bool = False) -> dict:
@@ -186,9 +290,8 @@ def run_report(quick: bool = False) -> dict:
     result = {"nodes": NODES, "batch": BATCH, "sampler_chunk_bytes": SAMPLER_CHUNK, "local_chunk_bytes": CHUNK_BYTES,
               "scenarios": {name: scenario(name, n) for name, n in sizes.items()}}
     result["load_average"] = os.getloadavg()
-    result["order_seconds"] = order_seconds(100_000 if quick else 1_000_000)
-    result["order_items"] = 100_000 if quick else 1_000_000
     print_report(result)
+    result["scale"] = scale_report(sizes=(10**5 if quick else 10**6,), runs=3)
     return result
 
 
@@ -203,10 +306,6 @@ def print_report(result: dict) -> None:
                  f"{result['nodes']} nodes, local cache {sc['budget_mib']:.0f} MiB each (fetch/bytes per node; "
                  f"spread and nbr gap relative to the full shuffle)")
         print(format_table(title, header, rows) + "\n")
-    load = ", ".join(f"{x:.1f}" for x in result["load_average"])
-    rows = [[label, t["median_s"], t["min_s"], t["max_s"]] for label, t in result["order_seconds"].items()]
-    print(format_table(f"one epoch's batches of {result['order_items']} images, 3 buckets (load average {load})",
-                       ["order", "median s", "min s", "max s"], rows))
 
 
 @pytest.mark.parametrize("order", ["full shuffle", "K=16"])
@@ -214,8 +313,19 @@ def test_epoch_order(benchmark, order):
     """One epoch's batches of 100k images in 3 buckets (the cost set_epoch's first batch pays)."""
     shapes, starts, _ = image_cache(100_000)
     kw = {} if order == "full shuffle" else {"chunks": item_chunks(starts, SAMPLER_CHUNK), "chunk_window": 16}
-    benchmark(ShapeBucketBatchSampler(shapes, BATCH, **kw)._all_batches)
+    benchmark(ShapeBucketBatchSampler(shapes, BATCH, **kw).epoch_batches)
+
+
+def _option(args: list[str], name: str, default: str) -> str:
+    return args[args.index(name) + 1] if name in args else default
 
 
 if __name__ == "__main__":
-    run_report(quick="--quick" in sys.argv[1:])
+    args = sys.argv[1:]
+    if "--scale" in args:
+        kinds = [SCALE_KINDS[int(k)] for k in _option(args, "--kinds", ",".join(map(str, range(len(SCALE_KINDS))))).split(",")]
+        scale_report(sizes=[int(float(x)) for x in _option(args, "--sizes", "1e6,1e7,1e8").split(",")],
+                     runs=int(_option(args, "--runs", "3")), shapes_max=int(float(_option(args, "--shapes-max", "1e7"))),
+                     kinds=kinds)
+    else:
+        run_report(quick="--quick" in args)

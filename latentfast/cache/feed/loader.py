@@ -448,8 +448,9 @@ def _sampler_for(cache, batch_size, *, shuffle, seed, buckets, drop_last, sample
         values = np.asarray(values)
         return values if repeats == 1 else np.concatenate([values] * repeats)
 
-    labels = listed(cache.shapes) if buckets and (cache.shaped or sample) else None
-    plain = np.zeros(len(cache) * repeats, np.int64)
+    # (a line cache's rows differ only in width: its widths bucket them as its [N, 3] shapes would, without making those)
+    labels = listed(cache.shapes if cache.shaped else cache.widths) if buckets and (cache.shaped or sample) else None
+    plain = np.zeros(len(cache) * repeats, np.uint8)
     common = dict(rank=rank, world_size=world_size, drop_last=drop_last)
     if not shuffle:
         return InOrderBatchSampler(plain if labels is None else labels, batch_size, **common)

@@ -3,11 +3,19 @@
 resumable mid-epoch (also at another world size), optionally drawn from a window of a few chunks of
 the data file at a time (remote storage: each chunk fetched about once per epoch), and able to show
 the next batches to a reader that reads ahead; and :class:`LookaheadSampler`, which has the next
-batches' rows read into the page cache while the loop runs."""
+batches' rows read into the page cache while the loop runs.
+
+At scale (10^8-10^9 items) a sampler keeps one small integer per item (its bucket's id, its chunk's id,
+its width's rank, each in the smallest unsigned dtype that holds them), never ``[N, ndim]`` shapes: a
+shapes table (a cache's is mapped) is read :data:`PLAN_BLOCK` rows at a time. An epoch's plan is
+arrays (:class:`Batches`: the items in batch order, int32 below 2^31 items, and each batch's bounds),
+not a list per batch, computed with numpy a block at a time; its order is the one the list-building
+code of before gave for the same seed (the same generator calls, in the same order)."""
 from __future__ import annotations
 
 import collections
 import math
+import operator
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -23,6 +31,9 @@ from .coldread import DEFAULT_LOOKAHEAD
 
 
 SAMPLER_CHUNK_BYTES = 64 * CHUNK_BYTES  # 1 MiB: 64 of the local chunk cache's chunks, several items of any usual size
+PLAN_BLOCK = 1 << 20  # items (or shape rows) handled at once while planning: temporaries of a few MiB whatever N
+GROUP_RUNS = 4096  # up to this many keys, a block's items of each key are moved as one slice
+TABLE_KEYS = 1 << 24  # shape keys ranked by a lookup table up to this many (~80 MiB), else by a sorted list
 
 
 def item_chunks(cache, chunk_bytes: int = SAMPLER_CHUNK_BYTES) -> np.ndarray:
@@ -41,21 +52,73 @@ def item_chunks(cache, chunk_bytes: int = SAMPLER_CHUNK_BYTES) -> np.ndarray:
     if hasattr(cache, "shard_chunks"):  # a sharded cache: each shard's file cut apart (store/shards.py)
         return cache.shard_chunks(chunk_bytes)
     if hasattr(cache, "row_starts"):
-        starts = np.asarray(cache.row_starts[:-1], dtype=np.int64) * ELEMENT_BYTES
+        starts, unit, n = cache.row_starts, ELEMENT_BYTES, len(cache.row_starts) - 1
     else:
         starts = np.asarray(cache)
         if starts.ndim != 1 or (starts.size and starts.dtype.kind not in "iu"):
             raise InvalidArgumentError(f"item_chunks takes a LatentCache or int byte offsets [N], got {starts.dtype} {list(starts.shape)}")
         if starts.size and starts.min() < 0:
             raise InvalidArgumentError(f"item byte offsets must be >= 0, got {int(starts.min())}")
-    return starts.astype(np.int64) // chunk_bytes
+        unit, n = 1, len(starts)
+    chunks = np.empty(n, dtype=np.int64)
+    for r0 in range(0, n, PLAN_BLOCK):  # (a block at a time: the mapped offsets are never copied whole)
+        chunks[r0 : r0 + PLAN_BLOCK] = np.asarray(starts[r0 : min(n, r0 + PLAN_BLOCK)], dtype=np.int64) * unit // chunk_bytes
+    return chunks
+
+
+class Batches(Sequence):
+    """An epoch's batches held as arrays, not as a list of lists (Python ints cost ~36 bytes an item;
+    this, the bytes of ``items``' dtype): batch ``k`` is ``items[starts[k]:ends[k]]``. Indexing gives
+    a batch as a list of ints, slicing a list of them, iteration every batch in order; it compares
+    equal to a list of the same batches. ``nbytes``: the bytes of its arrays."""
+
+    def __init__(self, items: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+        self.items, self.starts, self.ends = items, starts, ends
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self._batch(j) for j in range(*k.indices(len(self)))]
+        k = operator.index(k)
+        k = k + len(self) if k < 0 else k
+        if not 0 <= k < len(self):
+            raise IndexError(f"batch {k} out of range: the plan has {len(self)} batches")
+        return self._batch(k)
+
+    def _batch(self, k: int) -> list[int]:
+        return self.items[self.starts[k] : self.ends[k]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for first in range(0, len(self), 4096):  # (bounds as Python ints a few thousand at a time)
+            for start, end in zip(self.starts[first : first + 4096].tolist(), self.ends[first : first + 4096].tolist()):
+                yield self.items[start:end].tolist()
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(mine == list(theirs) for mine, theirs in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Batches({len(self)} batches of {int((self.ends - self.starts).sum())} items)"
+
+    def select(self, index) -> Batches:
+        """The batches ``index`` (int positions), in that order (the items are shared, not copied)."""
+        return Batches(self.items, self.starts[index], self.ends[index])
+
+    @property
+    def nbytes(self) -> int:
+        return self.items.nbytes + self.starts.nbytes + self.ends.nbytes
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
-    """What both samplers share: a subclass says how an epoch's batches are made (``_all_batches``,
-    seeded by ``(seed, epoch)``) and how many there are (``_total_batches``); this class shards them.
+    """What both samplers share: a subclass says how an epoch's batches are made (``_plan``, from a
+    generator seeded by ``(seed, epoch)``) and how many there are (``_total_batches``); this class shards them.
 
-    The epoch's batches are one global list, the same at any world size. From the global position
+    The epoch's batches are one global list (:meth:`epoch_batches`), the same at any world size. From the global position
     ``p`` where the pass starts (0, or where a resumed run left off), rank ``r`` of ``world_size``
     takes batches ``p + r, p + r + world_size, ...``; every rank gets the same number of batches:
     with ``drop_last`` the batches that do not divide evenly are dropped, without it the epoch's
@@ -82,6 +145,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
     so a window holds a batch of each bucket: a bucket with fewer items per window waits for later
     windows, and the chunks its batches come from may be fetched again. The order is the same at
     any world size, so every node reads from every chunk of a window (not a share of the chunks).
+    The sampler keeps each item's chunk as a dense id in the smallest dtype that holds them.
+
+    Memory: :attr:`nbytes` is what the sampler keeps per item (a few bytes an item: ids in small
+    dtypes); an epoch's plan adds its items (4 bytes each below 2^31 items) and 16 bytes per batch,
+    for as long as the epoch is iterated.
     """
 
     def __init__(self, n_items: int, batch_size: int, *, seed: int, rank: int, world_size: int, drop_last: bool,
@@ -97,11 +165,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self.start = 0  # global position (batches of the epoch, all ranks) where this pass began
         self.consumed = 0  # batches this rank handed out since ``start``
-        self._epoch_batches: list[list[int]] | None = None  # this rank's batches of the epoch being iterated
+        self._epoch_batches: Batches | None = None  # this rank's batches of the epoch being iterated
         self._set_chunks(chunks, chunk_window)
 
     def _set_chunks(self, chunks, chunk_window) -> None:
-        self.chunk_window = self._chunk_fingerprint = None
+        self.chunk_window = self._chunk_fingerprint = self._chunk_of = None
         if chunks is None:
             if chunk_window is not None:
                 raise InvalidArgumentError(f"chunk_window={chunk_window!r} needs chunks= (each item's chunk, see item_chunks)")
@@ -114,45 +182,64 @@ class ShardedBatchSampler(Sampler[list[int]]):
             raise InvalidArgumentError(f"chunks must be one chunk id per item ({self.n_items}), got shape {list(ids.shape)}")
         if ids.size and ids.dtype.kind not in "iu":
             raise ArgumentTypeError(f"chunks must be integers, got {ids.dtype}")
-        ids = ids.astype(np.int64)
-        self._chunk_fingerprint = zlib.crc32(ids.tobytes())  # a resumed run must window the same chunks
-        _, self._chunk_of = np.unique(ids, return_inverse=True)  # dense 0..n_chunks-1
-        self._n_chunks = int(self._chunk_of.max(initial=-1)) + 1
+        crc = 0  # of the ids as int64 bytes, a block at a time: a resumed run must window the same chunks
+        for r0 in range(0, len(ids), PLAN_BLOCK):
+            crc = zlib.crc32(np.ascontiguousarray(ids[r0 : r0 + PLAN_BLOCK], dtype=np.int64), crc)
+        self._chunk_fingerprint = crc
+        self._chunk_of = _bucket_ids(ids)  # dense 0..n_chunks-1, in file order
+        self._n_chunks = _id_count(self._chunk_of)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-item arrays this sampler keeps (its ids; not the caller's arrays, not a plan)."""
+        return sum(a.nbytes for a in self._per_item_arrays())
+
+    def _per_item_arrays(self) -> list[np.ndarray]:
+        return [] if self._chunk_of is None else [self._chunk_of]
 
     def _stream(self, rng: np.random.Generator, buckets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``(items, windows)``: every item, grouped by window of ``chunk_window`` chunks (windows in
-        the epoch's random chunk order), in random order within a window; with ``buckets``, grouped by
-        bucket first. ``windows``: each listed item's window."""
+        """``(items, window_of_chunk)``: every item, grouped by window of ``chunk_window`` chunks (windows
+        in the epoch's random chunk order), in random order within a window; with ``buckets``, grouped
+        by bucket first. ``window_of_chunk``: each chunk's window."""
         rank_of_chunk = np.empty(self._n_chunks, dtype=np.int64)
         rank_of_chunk[rng.permutation(self._n_chunks)] = np.arange(self._n_chunks)
-        window = rank_of_chunk[self._chunk_of] // self.chunk_window
-        shuffled = rng.permutation(self.n_items)
-        key = window if buckets is None else buckets * (int(window.max(initial=0)) + 1) + window  # < n**2: fits int64
-        items = shuffled[np.argsort(key[shuffled], kind="stable")]  # stable: random order within a group
-        return items, window[items]
+        window_of_chunk = rank_of_chunk // self.chunk_window
+        windows = int(window_of_chunk.max(initial=0)) + 1
+        shuffled = np.arange(self.n_items, dtype=_index_dtype(self.n_items))
+        rng.shuffle(shuffled)  # the draws (and the order) of rng.permutation(n_items), in 4 bytes an item
+        # each item's group, (bucket, window) as one int, made in item order (reads in order, not at random)
+        bound = windows * (1 if buckets is None else _id_count(buckets))
+        keys = np.empty(self.n_items, dtype=_id_dtype(bound))
+        for r0 in range(0, self.n_items, PLAN_BLOCK):
+            key = window_of_chunk[self._chunk_of[r0 : r0 + PLAN_BLOCK]]
+            keys[r0 : r0 + PLAN_BLOCK] = key if buckets is None else buckets[r0 : r0 + PLAN_BLOCK] * np.int64(windows) + key
+        return _group(keys, bound, shuffled), window_of_chunk
 
     @staticmethod
     def _in_window_order(batch_windows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The order of batches: by window, shuffled within each."""
         return np.lexsort((rng.permutation(len(batch_windows)), batch_windows))
 
-    def _all_batches(self) -> list[list[int]]:
+    def _plan(self, rng: np.random.Generator) -> Batches:
         raise NotImplementedError
 
     def _total_batches(self) -> int:
         raise NotImplementedError
 
-    def rank_batches(self) -> list[list[int]]:
+    def epoch_batches(self) -> Batches:
+        """Every batch of the current epoch in order, all ranks' (the same at any world size)."""
+        return self._plan(np.random.default_rng([self.seed, self.epoch]))
+
+    def rank_batches(self) -> Batches:
         """This rank's batches of the current epoch from the position the pass began at, in order
-        (ignoring what was consumed since)."""
-        batches = self._all_batches()
-        rest = batches[self.start :]
+        (ignoring what was consumed since): a :class:`Batches` (a sequence of lists of ints)."""
+        batches = self.epoch_batches()
+        rest = np.arange(min(self.start, len(batches)), len(batches))
         if self.drop_last:
             rest = rest[: len(rest) - len(rest) % self.world_size]
-        elif rest:
-            fill = -len(rest) % self.world_size
-            rest = rest + [batches[k % len(batches)] for k in range(fill)]
-        return rest[self.rank :: self.world_size]
+        elif len(rest):  # the last round filled with the epoch's first batches
+            rest = np.concatenate([rest, np.arange(-len(rest) % self.world_size) % len(batches)])
+        return batches.select(rest[self.rank :: self.world_size])
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self._epoch_batches = self.rank_batches()
@@ -213,6 +300,7 @@ class WidthBucketBatchSampler(ShardedBatchSampler):
     together, cutting padding) and cut into batches; the batch order is then shuffled, a short last
     batch kept last (or dropped with ``drop_last``). With ``chunks``, the same within each window of
     chunks (a window's rows left over from whole batches open the next window's first batch).
+    The sampler keeps each row's width rank (among the distinct widths) in the smallest dtype.
     """
 
     def __init__(self, widths: Sequence[int] | np.ndarray, batch_size: int, *, seed: int = 0, rank: int = 0,
@@ -226,56 +314,98 @@ class WidthBucketBatchSampler(ShardedBatchSampler):
         super().__init__(len(self.widths), batch_size, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last,
                          chunks=chunks, chunk_window=chunk_window)
         self.bucket_batches = as_int("bucket_batches", bucket_batches, minimum=1)
+        self._width_rank = _bucket_ids(self.widths)  # sorting by it is sorting by width (ties kept in order)
+        self._widths_count = _id_count(self._width_rank)
 
-    def _all_batches(self) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, self.epoch])
+    def _per_item_arrays(self) -> list[np.ndarray]:
+        return [self._width_rank, *super()._per_item_arrays()]
+
+    def _plan(self, rng: np.random.Generator) -> Batches:
         if self.chunk_window is not None:
-            return self._windowed_batches(rng)
-        order = rng.permutation(len(self.widths))
-        chunk = self.batch_size * self.bucket_batches
-        batches = []
-        for start in range(0, len(order), chunk):
-            part = order[start : start + chunk]
-            part = part[np.argsort(self.widths[part], kind="stable")]
-            batches += [part[k : k + self.batch_size].tolist() for k in range(0, len(part), self.batch_size)]
-        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
-            batches.pop()  # only the very last batch can be short (chunks are whole batches)
-        # shuffle the batch order, but keep a short batch last so drop_last-free shards stay full-sized
-        short = batches.pop() if batches and len(batches[-1]) < self.batch_size else None
-        batches = [batches[k] for k in rng.permutation(len(batches))]
-        if short is not None:
-            batches.append(short)
-        return batches
+            return self._windowed_plan(rng)
+        n, bs = self.n_items, self.batch_size
+        items = np.arange(n, dtype=_index_dtype(n))
+        rng.shuffle(items)  # rng.permutation(n)'s draws and order
+        part = bs * self.bucket_batches
+        _sort_segments(items, np.append(np.arange(0, n, part), n), self._width_rank, self._widths_count)
+        whole = n // bs * bs  # (only the very last batch can be short: the parts are whole batches)
+        # shuffle the order of the whole batches, a short one kept last so drop_last-free shards stay full-sized
+        starts = rng.permutation(whole // bs) * bs
+        if whole < n and not self.drop_last:
+            starts = np.append(starts, whole)
+        return Batches(items, starts, np.minimum(starts + bs, n))
 
-    def _windowed_batches(self, rng: np.random.Generator) -> list[list[int]]:
+    def _windowed_plan(self, rng: np.random.Generator) -> Batches:
         # the rows in window order; window w's pool is its rows plus the rows the windows before left
         # over from whole batches: stream positions up to the last whole batch its rows reach
-        stream, windows = self._stream(rng)
-        bs = self.batch_size
-        pool_ends = np.cumsum(np.bincount(windows, minlength=int(windows.max(initial=0)) + 1)) // bs * bs
-        whole = int(pool_ends[-1]) if len(pool_ends) else 0
-        position = np.arange(whole)
-        pool = np.searchsorted(pool_ends, position, side="right")
-        part = (position - np.concatenate([[0], pool_ends[:-1]])[pool]) // (bs * self.bucket_batches)
-        segment = np.cumsum((np.diff(part, prepend=-1) != 0) | (np.diff(pool, prepend=-1) != 0))  # parts numbered along the stream
-        rows = stream[:whole][np.lexsort((self.widths[stream[:whole]], segment))]  # each part of a pool by width
-        order = self._in_window_order(pool[::bs], rng)
-        batches = [rows[k * bs : (k + 1) * bs].tolist() for k in order.tolist()]
-        short = stream[whole:]
-        if len(short) and not self.drop_last:
-            batches.append(short[np.argsort(self.widths[short], kind="stable")].tolist())  # the short batch, last
-        return batches
+        items, window_of_chunk = self._stream(rng)
+        bs, n = self.batch_size, self.n_items
+        rows_per_window = np.bincount(window_of_chunk, weights=_counts(self._chunk_of, self._n_chunks),
+                                      minlength=int(window_of_chunk.max(initial=0)) + 1).astype(np.int64)
+        pool_ends = np.cumsum(rows_per_window) // bs * bs
+        pool_starts = np.concatenate([[0], pool_ends[:-1]])
+        whole = int(pool_ends[-1])
+        # each pool cut into parts of bs * bucket_batches rows, each part sorted by width
+        part = bs * self.bucket_batches
+        parts = -(-(pool_ends - pool_starts) // part)
+        firsts = np.repeat(pool_starts, parts) + (np.arange(parts.sum()) - np.repeat(np.cumsum(parts) - parts, parts)) * part
+        _sort_segments(items, np.append(firsts, whole), self._width_rank, self._widths_count)
+        starts = self._in_window_order(np.searchsorted(pool_ends, np.arange(0, whole, bs), side="right"), rng) * bs
+        if whole < n and not self.drop_last:  # the short batch, last, sorted by width
+            tail = items[whole:]
+            items[whole:] = tail[_stable_order(self._width_rank[tail], self._widths_count)]
+            starts = np.append(starts, whole)
+        return Batches(items, starts, np.minimum(starts + bs, n))
 
     def _total_batches(self) -> int:
         return self.n_items // self.batch_size if self.drop_last else -(-self.n_items // self.batch_size)
 
 
-class ShapeBucketBatchSampler(ShardedBatchSampler):
+class _BucketedSampler(ShardedBatchSampler):
+    """What the shape-bucket and in-order samplers share: one bucket id per item (``buckets``, the
+    smallest unsigned dtype holding them) and the bucket sizes."""
+
+    def __init__(self, buckets, batch_size: int, **kwargs):
+        self.buckets = _bucket_ids(buckets)
+        super().__init__(len(self.buckets), batch_size, **kwargs)
+        self._sizes = _counts(self.buckets, _id_count(self.buckets))
+
+    def _per_item_arrays(self) -> list[np.ndarray]:
+        return [self.buckets, *super()._per_item_arrays()]
+
+    def _grouped(self) -> np.ndarray:
+        """Every item, bucket after bucket, ascending within each: ``np.argsort(buckets, kind="stable")``,
+        in 4 bytes an item (below 2^31 items), a block at a time."""
+        return _group(self.buckets, len(self._sizes))
+
+    @property
+    def _members(self) -> list[np.ndarray]:
+        """Each bucket's items, ascending (made when asked: the sampler keeps only the bucket ids)."""
+        return np.split(self._grouped(), np.cumsum(self._sizes)[:-1]) if len(self._sizes) else []
+
+    def _bucket_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, ends)`` of each bucket's batches in the grouped order (bucket after bucket, each cut
+        from its first item into batches of ``batch_size``, its last short, or dropped with ``drop_last``)."""
+        sizes, bs = self._sizes, self.batch_size
+        firsts = np.cumsum(sizes) - sizes
+        per = -(-(sizes - sizes % bs if self.drop_last else sizes) // bs)
+        starts = np.repeat(firsts, per) + (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)) * bs
+        return starts, np.minimum(starts + bs, np.repeat(firsts + sizes, per))
+
+    def _total_batches(self) -> int:
+        if self.drop_last:
+            return int((self._sizes // self.batch_size).sum())
+        return int((-(-self._sizes // self.batch_size)).sum())
+
+
+class ShapeBucketBatchSampler(_BucketedSampler):
     """Batches of item indices of one shape (see :class:`ShardedBatchSampler` for sharding, epochs,
     resuming and ``chunks``/``chunk_window``).
 
-    ``shapes``: int ``[N, ndim]`` (e.g. ``LatentCache.shapes``), or one hashable bucket label per
-    item. Each epoch, with a generator seeded by ``(seed, epoch)``: every bucket's items are
+    ``shapes``: int ``[N, ndim]`` (e.g. ``LatentCache.shapes``, a mapped table: read a block of rows at
+    a time, never copied whole), or one hashable bucket label per item. The sampler keeps one bucket
+    id per item (``buckets``: the rank of its shape among the distinct shapes, lexicographic, in the
+    smallest unsigned dtype). Each epoch, with a generator seeded by ``(seed, epoch)``: every bucket's items are
     shuffled and cut into batches of ``batch_size`` (a bucket's last batch may be smaller, or is
     dropped with ``drop_last``); then the batches of all buckets are shuffled together, so buckets
     are seen in proportion to their size. With ``chunks``, the same within each window of chunks: a
@@ -285,104 +415,208 @@ class ShapeBucketBatchSampler(ShardedBatchSampler):
 
     def __init__(self, shapes, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
                  drop_last: bool = False, chunks=None, chunk_window: int | None = None):
-        self.buckets = _bucket_ids(shapes)
-        super().__init__(len(self.buckets), batch_size, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last,
+        super().__init__(shapes, batch_size, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last,
                          chunks=chunks, chunk_window=chunk_window)
-        # every bucket's items in ascending order: one stable sort (a radix sort for 16-bit ids), cut at the bucket sizes
-        count = int(self.buckets.max(initial=-1)) + 1
-        ids = self.buckets.astype(np.uint16) if count <= 2**16 else self.buckets
-        ends = np.cumsum(np.bincount(self.buckets, minlength=count))[:-1]
-        self._members = np.split(np.argsort(ids, kind="stable"), ends) if count else []
 
-    def _all_batches(self) -> list[list[int]]:
-        rng = np.random.default_rng([self.seed, self.epoch])
+    def _plan(self, rng: np.random.Generator) -> Batches:
         if self.chunk_window is not None:
-            return self._windowed_batches(rng)
-        batches = []
-        for members in self._members:
-            order = members[rng.permutation(len(members))]
-            stop = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
-            batches += [order[k : k + self.batch_size].tolist() for k in range(0, stop, self.batch_size)]
-        return [batches[k] for k in rng.permutation(len(batches))]
+            return self._windowed_plan(rng)
+        items = self._grouped()
+        first = 0
+        for size in self._sizes.tolist():  # (a loop per bucket, not per item)
+            rng.shuffle(items[first : first + size])  # in place: the draws and order of members[rng.permutation(size)]
+            first += size
+        starts, ends = self._bucket_bounds()
+        order = rng.permutation(len(starts))
+        return Batches(items, starts[order], ends[order])
 
-    def _windowed_batches(self, rng: np.random.Generator) -> list[list[int]]:
+    def _windowed_plan(self, rng: np.random.Generator) -> Batches:
         # each bucket's items in window order, cut into batches in that order: a bucket's items left
         # over from one window open its next batch; a batch belongs to the window of its last item
-        stream, windows = self._stream(rng, self.buckets)
-        sizes = np.array([len(m) for m in self._members], dtype=np.int64)
-        firsts = np.cumsum(sizes) - sizes
-        stops = sizes - sizes % self.batch_size if self.drop_last else sizes
-        starts = np.concatenate([first + np.arange(0, stop, self.batch_size) for first, stop in zip(firsts, stops)] or [np.zeros(0, np.int64)])
-        ends = np.minimum(starts + self.batch_size, np.repeat(firsts + sizes, (stops + self.batch_size - 1) // self.batch_size))
-        last_window = int(windows.max(initial=0))
-        batch_windows = np.where(ends - starts == self.batch_size, windows[ends - 1], last_window)  # short ones: the last window
-        return [stream[starts[k] : ends[k]].tolist() for k in self._in_window_order(batch_windows, rng).tolist()]
-
-    def _total_batches(self) -> int:
-        if self.drop_last:
-            return sum(len(m) // self.batch_size for m in self._members)
-        return sum(-(-len(m) // self.batch_size) for m in self._members)
+        items, window_of_chunk = self._stream(rng, self.buckets)
+        starts, ends = self._bucket_bounds()
+        last_window = int(window_of_chunk.max(initial=0))
+        ends_window = window_of_chunk[self._chunk_of[items[ends - 1]]]
+        batch_windows = np.where(ends - starts == self.batch_size, ends_window, last_window)  # short ones: the last window
+        order = self._in_window_order(batch_windows, rng)
+        return Batches(items, starts[order], ends[order])
 
 
-class InOrderBatchSampler(ShardedBatchSampler):
+class InOrderBatchSampler(_BucketedSampler):
     """Batches in item order, unshuffled (see :class:`ShardedBatchSampler` for sharding, epochs and
     resuming): each bucket's items (``buckets``: one label per item, or int shapes ``[N, ndim]``)
     ascending, cut into batches of ``batch_size`` (a bucket's last may be short, or dropped with
     ``drop_last``), the batches ordered by their first item. The same every epoch."""
 
     def __init__(self, buckets, batch_size: int, *, rank: int = 0, world_size: int = 1, drop_last: bool = False):
-        self.buckets = _bucket_ids(buckets)
-        super().__init__(len(self.buckets), batch_size, seed=0, rank=rank, world_size=world_size, drop_last=drop_last)
-        order = np.argsort(self.buckets, kind="stable")
-        ends = np.cumsum(np.bincount(self.buckets, minlength=int(self.buckets.max(initial=-1)) + 1))[:-1]
-        self._members = np.split(order, ends) if len(order) else []
+        super().__init__(buckets, batch_size, seed=0, rank=rank, world_size=world_size, drop_last=drop_last)
 
-    def _all_batches(self) -> list[list[int]]:
-        batches = []
-        for members in self._members:
-            stop = len(members) - len(members) % self.batch_size if self.drop_last else len(members)
-            batches += [members[k : k + self.batch_size].tolist() for k in range(0, stop, self.batch_size)]
-        return sorted(batches, key=lambda batch: batch[0])
+    def _plan(self, rng: np.random.Generator) -> Batches:
+        items = self._grouped()
+        starts, ends = self._bucket_bounds()
+        order = np.argsort(items[starts])  # (first items are distinct)
+        return Batches(items, starts[order], ends[order])
 
-    def _total_batches(self) -> int:
-        if self.drop_last:
-            return sum(len(m) // self.batch_size for m in self._members)
-        return sum(-(-len(m) // self.batch_size) for m in self._members)
+
+# ---- planning a block at a time --------------------------------------------------------------
+def _index_dtype(n: int) -> type:
+    """The dtype of item numbers of a plan of ``n`` items: int32 (4 bytes an item) below 2^31, else int64."""
+    return np.int32 if n < 2**31 else np.int64
+
+
+def _counts(values: np.ndarray, length: int) -> np.ndarray:
+    """``np.bincount(values, minlength=length)`` a block at a time (bincount copies its input to int64 first)."""
+    counts = np.zeros(length, dtype=np.int64)
+    for r0 in range(0, len(values), PLAN_BLOCK):
+        counts += np.bincount(values[r0 : r0 + PLAN_BLOCK], minlength=length)
+    return counts
+
+
+def _stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` of ints in ``[0, bound)``, faster: numpy's radix sort for
+    16-bit keys, else one plain sort of the distinct values ``key * n + position`` (numpy's stable
+    sort of wider ints is a merge sort, several times slower than its default sort)."""
+    n = len(keys)
+    if bound <= 2**16:
+        return np.argsort(keys.astype(np.uint16, copy=False), kind="stable")
+    if n and bound * n >= 2**63:
+        return np.argsort(keys, kind="stable")
+    tagged = keys.astype(np.int64) * n + np.arange(n)
+    tagged.sort()
+    return tagged % max(n, 1)
+
+
+def _group(keys: np.ndarray, bound: int, seq: np.ndarray | None = None) -> np.ndarray:
+    """``seq`` (default: every item, ascending) reordered stably by its items' ``keys`` (one int in
+    ``[0, bound)`` per item, indexed by item). A counting sort a block at a time: its temporaries are
+    a block and ``bound`` counts, not ``[N]``; the result has seq's dtype (else :func:`_index_dtype`'s)."""
+    n = len(keys)
+    dtype = seq.dtype if seq is not None else _index_dtype(n)
+    if bound <= 1:  # one key (one bucket, one window): nothing moves
+        return seq.copy() if seq is not None else np.arange(n, dtype=dtype)
+    cursor = _counts(keys, bound)
+    cursor = np.cumsum(cursor) - cursor  # where each key's next item goes
+    out = np.empty(n, dtype=dtype)
+    for r0 in range(0, n, PLAN_BLOCK):
+        part = seq[r0 : r0 + PLAN_BLOCK] if seq is not None else None
+        part_keys = keys[part] if seq is not None else keys[r0 : r0 + PLAN_BLOCK]
+        order = _stable_order(part_keys, bound)
+        moved = part[order] if seq is not None else (order + r0).astype(dtype)
+        if bound <= GROUP_RUNS:  # few keys, long runs: each key's items of the block copied as one slice
+            block_counts = np.bincount(part_keys, minlength=bound)
+            present = np.flatnonzero(block_counts)
+            ends = np.cumsum(block_counts[present])
+            for key, start, end in zip(present.tolist(), (ends - block_counts[present]).tolist(), ends.tolist()):
+                out[cursor[key] : cursor[key] + end - start] = moved[start:end]
+            cursor += block_counts
+            continue
+        part_keys = part_keys[order]
+        first = np.ones(len(part_keys), dtype=bool)  # the first of each run of one key
+        first[1:] = part_keys[1:] != part_keys[:-1]
+        run_starts = np.flatnonzero(first)
+        run_lengths = np.diff(np.append(run_starts, len(part_keys)))
+        out[cursor[part_keys] + np.arange(len(part_keys)) - np.repeat(run_starts, run_lengths)] = moved
+        cursor[part_keys[run_starts]] += run_lengths
+    return out
+
+
+def _sort_segments(items: np.ndarray, bounds: np.ndarray, ranks: np.ndarray, count: int) -> None:
+    """Sort each segment ``items[bounds[s]:bounds[s + 1]]`` stably by ``ranks`` of its items (ints in
+    ``[0, count)``), in place, the segments of about :data:`PLAN_BLOCK` items at once."""
+    s = 0
+    while s < len(bounds) - 1:
+        t = max(s + 1, int(np.searchsorted(bounds, bounds[s] + PLAN_BLOCK, side="right")) - 1)
+        r0, r1 = int(bounds[s]), int(bounds[t])
+        part = items[r0:r1]
+        segment = np.repeat(np.arange(t - s, dtype=np.int64), np.diff(bounds[s : t + 1]))
+        items[r0:r1] = part[_stable_order(segment * count + ranks[part], (t - s) * count)]
+        s = t
+
+
+# ---- bucket ids ---------------------------------------------------------------------------------
+def _id_dtype(count: int) -> np.dtype:
+    """The smallest unsigned dtype holding ids ``0 .. count - 1``."""
+    return np.min_scalar_type(max(count - 1, 0))
+
+
+def _id_count(ids: np.ndarray) -> int:
+    """How many ids ``0 .. max`` an array of ids numbers."""
+    return int(ids.max()) + 1 if len(ids) else 0
 
 
 def _bucket_ids(shapes) -> np.ndarray:
-    """One small int per item: the index of its shape (or label) among the distinct ones."""
-    array = np.asarray(shapes)
-    if array.ndim == 2 and array.dtype.kind in "iu":
-        ids = _row_ids(array)
-    elif array.ndim == 1:
+    """One small unsigned int per item: the index of its shape (or label) among the distinct ones
+    (lexicographic), in the smallest dtype that holds them. Int shapes ``[N, ndim]`` and int labels are
+    read :data:`PLAN_BLOCK` rows at a time (a mapped table is never copied whole)."""
+    array = shapes if isinstance(shapes, np.ndarray) else np.asarray(shapes)
+    if array.ndim in (1, 2) and array.dtype.kind in "iu":
+        return _row_ids(array[:, None] if array.ndim == 1 else array)
+    if array.ndim == 1:
         _, ids = np.unique(np.asarray([str(s) for s in shapes]) if array.dtype == object else array, return_inverse=True)
-    else:
-        raise InvalidArgumentError(f"shapes must be an int array [N, ndim] or one bucket label per item, got {array.dtype} {list(array.shape)}")
-    return np.asarray(ids, dtype=np.int64).reshape(-1)
+        return ids.reshape(-1).astype(_id_dtype(_id_count(ids)))
+    raise InvalidArgumentError(f"shapes must be an int array [N, ndim] or one bucket label per item, got {array.dtype} {list(array.shape)}")
 
 
 def _row_ids(rows: np.ndarray) -> np.ndarray:
     """Each row's index among the distinct rows in lexicographic order (what ``np.unique(rows,
-    axis=0, return_inverse=True)`` gives, ~50x faster on many rows): the rows' offsets from each
-    column's minimum as one mixed-radix integer, then that integer's rank among those present
-    (a table lookup when the key range is small, else a 1-D unique). Rows whose ranges do not fit
-    63 bits take the slow way."""
-    columns = [rows[:, c] for c in range(rows.shape[1])]
-    lows = [int(c.min()) for c in columns] if len(rows) else [0] * len(columns)
-    spans = [int(c.max()) - low + 1 for c, low in zip(columns, lows)] if len(rows) else [1] * len(columns)
+    axis=0, return_inverse=True)`` gives, ~50x faster on many rows), a block of rows at a time: the
+    rows' offsets from each column's minimum as one mixed-radix integer, then that integer's rank
+    among those present (a table lookup when the key range is small, else a sorted list of the
+    distinct keys). Rows whose ranges do not fit 63 bits take the slow way, still by blocks."""
+    n, ndim = rows.shape
+    if n == 0:
+        return np.zeros(0, dtype=np.uint8)
+    blocks = range(0, n, PLAN_BLOCK)
+    lows, highs = [], []
+    for r0 in blocks:  # each column's range, one pass
+        block = rows[r0 : r0 + PLAN_BLOCK]
+        low, high = block.min(axis=0).tolist(), block.max(axis=0).tolist()
+        lows, highs = (low, high) if not lows else ([min(a, b) for a, b in zip(lows, low)], [max(a, b) for a, b in zip(highs, high)])
+    spans = [high - low + 1 for low, high in zip(lows, highs)]
     if math.prod(spans) >= 2**63:
-        return np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1)
-    keys = np.zeros(len(rows), dtype=np.int64)
-    for column, low, span in zip(columns, lows, spans):
-        if span > 1:  # constant columns add nothing
-            keys *= span
-            keys += column.astype(np.int64) - low  # fits int64: span < 2**63
-    if math.prod(spans) <= 4 * len(rows) + 1024:  # a table as long as the data at most: O(n), no sort
-        present = np.zeros(math.prod(spans), dtype=bool)
-        present[keys] = True
-        return (np.cumsum(present) - 1)[keys]
-    return np.unique(keys, return_inverse=True)[1]
+        return _wide_row_ids(rows)
+
+    def keys_of(r0: int) -> np.ndarray:
+        block, keys = rows[r0 : r0 + PLAN_BLOCK], np.zeros(min(n, r0 + PLAN_BLOCK) - r0, dtype=np.int64)
+        for c, (low, span) in enumerate(zip(lows, spans)):
+            if span > 1:  # constant columns add nothing
+                column = block[:, c]  # offsets from the minimum: in the column's dtype if unsigned (exact), else int64
+                keys *= span
+                keys += (column - column.dtype.type(low)).astype(np.int64) if column.dtype.kind == "u" else column.astype(np.int64) - low
+        return keys
+
+    size = math.prod(spans)
+    if size <= min(TABLE_KEYS, 4 * n + 1024):  # a table of the key range: no sort at all
+        present = np.zeros(size, dtype=bool)
+        for r0 in blocks:
+            present[keys_of(r0)] = True
+        rank = (np.cumsum(present, dtype=np.int64) - 1).astype(_id_dtype(int(np.count_nonzero(present))))
+        ids = np.empty(n, dtype=rank.dtype)  # (absent keys' entries of rank are never read)
+        for r0 in blocks:
+            ids[r0 : r0 + PLAN_BLOCK] = rank[keys_of(r0)]
+        return ids
+    distinct, pending, held = np.zeros(0, dtype=np.int64), [], 0
+    for r0 in blocks:  # the distinct keys, merged when the blocks' add up to as many (O(N log N) even if all differ)
+        pending.append(np.unique(keys_of(r0)))
+        held += len(pending[-1])
+        if held > len(distinct):
+            distinct, pending, held = np.unique(np.concatenate([distinct, *pending])), [], 0
+    distinct = np.unique(np.concatenate([distinct, *pending]))
+    ids = np.empty(n, dtype=_id_dtype(len(distinct)))
+    for r0 in blocks:
+        ids[r0 : r0 + PLAN_BLOCK] = np.searchsorted(distinct, keys_of(r0))
+    return ids
+
+
+def _wide_row_ids(rows: np.ndarray) -> np.ndarray:
+    """:func:`_row_ids` for rows whose value ranges need more than 63 bits: ``np.unique(axis=0)`` a block at a time."""
+    blocks = range(0, len(rows), PLAN_BLOCK)
+    distinct = np.unique(np.concatenate([np.unique(rows[r0 : r0 + PLAN_BLOCK], axis=0) for r0 in blocks]), axis=0)
+    ids = np.empty(len(rows), dtype=_id_dtype(len(distinct)))
+    for r0 in blocks:  # a block's rows are among the distinct ones: its inverse after them is its rows' indices there
+        inverse = np.unique(np.concatenate([distinct, rows[r0 : r0 + PLAN_BLOCK]]), axis=0, return_inverse=True)[1]
+        ids[r0 : r0 + PLAN_BLOCK] = inverse.reshape(-1)[len(distinct) :]
+    return ids
 
 
 class LookaheadSampler:
