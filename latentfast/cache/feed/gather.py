@@ -18,6 +18,7 @@ none goes back to the cache for geometry.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -275,6 +276,11 @@ def _field_values(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
         return torch.empty((B, *batch.shape), dtype=batch.dtype, device=device)
     final = None if out is None else take(out, name, (B, *batch.shape), batch.dtype, device)
     whole_units = nbytes % ELEMENT_BYTES == 0
+    # a 2-byte value pads in the gather itself (its bits are one unit, the kernel's white column):
+    # no second pass over the batch; other dtypes are padded with zeros, then filled below
+    pad_in_gather = batch.pad is not None and batch.pad != 0 and batch.dtype.itemsize == ELEMENT_BYTES
+    if pad_in_gather:
+        table.white = _pad_unit(batch.dtype, batch.pad)
     target = None  # the gather's [B, 1, 1, units] output: the final tensor's bytes, when they are whole units
     if final is not None:
         target = (_as_units(final, B, table.width) if whole_units
@@ -284,11 +290,18 @@ def _field_values(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
     if raw.shape[1] != nbytes:  # a 1-byte dtype with an odd count: drop the unit's spare byte
         raw = raw[:, :nbytes].contiguous() if final is None else final.view(B, -1).view(torch.uint8).copy_(raw[:, :nbytes])
     values = raw.view(batch.dtype).view(B, *batch.shape)
-    if batch.pad is not None and batch.pad != 0 and batch.shape[0]:
+    if batch.pad is not None and batch.pad != 0 and batch.shape[0] and not pad_in_gather:
         lengths = torch.from_numpy(batch.shapes[:, 0]).to(values.device)
         tail = torch.arange(batch.shape[0], device=values.device)[None, :] >= lengths[:, None]
         values.view(B, batch.shape[0], -1).masked_fill_(tail[:, :, None], batch.pad)
     return values
+
+
+@functools.lru_cache(maxsize=64)
+def _pad_unit(dtype: torch.dtype, value) -> torch.Tensor:
+    """A 2-byte pad value's bits as the gather's float16 ``[1, 1, 1]`` white column (one tensor per value:
+    the CUDA path keeps a device copy per white column it is given)."""
+    return torch.tensor([value], dtype=dtype).view(torch.float16).view(1, 1, 1)
 
 
 def _field_packed(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
