@@ -95,6 +95,23 @@ def test_streamed_batch_of_one_long_line_per_row_matches_numpy_and_reference(shi
     assert bool(buffer[shift + out.numel():].isnan().all())
 
 
+@pytest.mark.parametrize("shift", [0, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streamed_packed_gather_matches_numpy(shift, threads):
+    """A packed field's gather of 20 MiB: ragged rows of odd unit counts back to back, into a staging
+    buffer off a 32-byte boundary with guards on both sides."""
+    rng = np.random.default_rng(11)
+    rows, widths, (data, offsets, widths_t, _) = flat_rows(rng, 9, 1, 1, 1 << 21, "ragged", [1 << 21, 1, 3, 4095])
+    indices = [0, 4, 1, 8, 8, 2, 6, 5, 7, 3, 0]
+    needed = int(widths[indices].sum())
+    assert needed * 2 >= STREAM_BYTES
+    buffer = torch.full((shift + needed + 64,), float("nan"), dtype=torch.float16)
+    with torch_threads(threads):
+        packed = ops.gather_rows_packed(data, offsets, widths_t, 0, indices, channels=1, latent_h=1, out=buffer[shift:])
+    assert torch.equal(packed, torch.from_numpy(np.concatenate([rows[i].reshape(-1) for i in indices])))
+    assert bool(buffer[:shift].isnan().all() and buffer[shift + needed:].isnan().all())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_large_batches_that_cast_match_numpy(dtype):
     """A cast batch of the same size takes the plain stores (streaming is for float16 copies only)."""

@@ -358,12 +358,20 @@ void gather_rows_packed_into_cpu(const Tensor& data, const Tensor& row_offsets, 
   const int64_t B = static_cast<int64_t>(rows.size());
   const int64_t mean_row_bytes = starts.back() * static_cast<int64_t>(sizeof(Half)) / std::max<int64_t>(1, B);
   const auto [grain, threads] = split(B, mean_row_bytes, max_threads);
+  // (a packed record field: values of whole MiBs back to back, streamed as the padded gather's are)
+  const bool stream = use_streaming_stores(starts.back() * static_cast<int64_t>(sizeof(Half)), mean_row_bytes);
   parallel_for(B, grain, threads, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const RowSpan& row = rows[b];
       Half* row_dst = dst + starts[b];
       if (row.width == 0) continue;  // nothing to copy (its line loop could be 2^62 lines long)
       if (row.line_pitch == row.width) {  // ragged layout, or a full-width padded row: one block
+#ifdef LATENTFAST_F16C
+        if (stream) {
+          stream_halves_avx2(row.src, row_dst, lines * row.width);
+          continue;
+        }
+#endif
         std::memcpy(row_dst, row.src, lines * row.width * sizeof(Half));
         continue;
       }
@@ -379,6 +387,7 @@ void gather_rows_packed_into_cpu(const Tensor& data, const Tensor& row_offsets, 
         std::memcpy(row_dst + l * row.width, row.src + l * row.line_pitch, row.width * sizeof(Half));
       }
     }
+    fence_streaming_stores(stream);
   });
 }
 
