@@ -15,6 +15,8 @@
 // copied by inlined vector moves rather than a memcpy call per line, and a batch is split between
 // threads only when each gets at least kMinThreadBytes.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -292,6 +294,72 @@ inline void fence_streaming_stores(bool stream) {
 #endif
 }
 
+// On a host with more runnable threads than cores (other ranks, DataLoader workers, other jobs), a
+// pool worker that claimed a chunk can be taken off the CPU before it finishes it, and the caller then
+// waits for it: measured on the shared CI VM, 2 threads ran a hot 8 MiB batch at 0.5-0.7x the speed of
+// 1. So the gathers time themselves: per size class of batch (powers of 2 from 256 KiB), the
+// picoseconds per KiB of gathers on the caller alone and with the pool's threads, each a running
+// average, and a gather takes the way that has been faster, the other way every kExploreEvery-th
+// gather of its class (so a host that quiets down, or gets busy, is noticed). Which thread copies
+// which row never changes a result.
+constexpr uint64_t kExploreEvery = 8;
+constexpr int kSizeClasses = 8;
+
+class ThreadChoice {
+ public:
+  // Whether the next gather of `bytes` uses the pool's threads.
+  bool use_threads(int64_t bytes) {
+    Class& c = classes_[size_class(bytes)];
+    const uint64_t call = c.calls.fetch_add(1, std::memory_order_relaxed);
+    const int64_t solo = c.solo_ps.load(std::memory_order_relaxed), pool = c.pool_ps.load(std::memory_order_relaxed);
+    if (pool == 0) return true;  // each way measured once first
+    if (solo == 0) return false;
+    const bool faster = pool <= solo;
+    return call % kExploreEvery == 0 ? !faster : faster;
+  }
+
+  // A gather of `bytes` took `ns`, with the pool's threads or on the caller alone.
+  void record(bool threads, int64_t bytes, int64_t ns) {
+    Class& c = classes_[size_class(bytes)];
+    std::atomic<int64_t>& average = threads ? c.pool_ps : c.solo_ps;
+    const int64_t ps_per_kib = std::max<int64_t>(1, ns * 1000 / std::max<int64_t>(1, bytes >> 10));
+    const int64_t old = average.load(std::memory_order_relaxed);
+    average.store(old == 0 ? ps_per_kib : old + (ps_per_kib - old) / 4, std::memory_order_relaxed);
+  }
+
+ private:
+  struct Class {
+    std::atomic<uint64_t> calls{0};
+    std::atomic<int64_t> solo_ps{0}, pool_ps{0};  // picoseconds per KiB (0: not measured yet)
+  };
+
+  static int size_class(int64_t bytes) {
+    int c = 0;
+    for (int64_t b = std::max<int64_t>(bytes, 1) >> 19; b > 0 && c < kSizeClasses - 1; b >>= 1) ++c;
+    return c;  // 0: < 512 KiB, 1: < 1 MiB, ..., 7: >= 32 MiB
+  }
+
+  Class classes_[kSizeClasses];
+};
+
+ThreadChoice gather_threads;
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// parallel_for over a gather's rows (`bytes` written in all), on the pool's `threads` threads or on the
+// caller alone, as ThreadChoice picks.
+template <typename Fn>
+void parallel_rows(int64_t rows, int64_t grain, int64_t threads, int64_t bytes, const Fn& fn) {
+  if (threads <= 1 || rows <= grain) return parallel_for(rows, grain, 1, fn);
+  const bool pool = gather_threads.use_threads(bytes);
+  const int64_t start = now_ns();
+  parallel_for(rows, grain, pool ? threads : 1, fn);
+  gather_threads.record(pool, bytes, now_ns() - start);
+}
+
 // (rows per chunk, threads) for rows of `row_bytes` bytes
 std::pair<int64_t, int64_t> split(int64_t rows, int64_t row_bytes, int64_t max_threads) {
   row_bytes = std::max<int64_t>(row_bytes, 1);
@@ -313,7 +381,7 @@ void gather_padded(const std::vector<RowSpan>& rows, const Half* white, int64_t 
   if (!mul_fits(B, row_bytes, &total_bytes)) total_bytes = std::numeric_limits<int64_t>::max();
   const bool stream = std::is_same_v<out_t, Half> &&
                       use_streaming_stores(total_bytes, W * static_cast<int64_t>(sizeof(out_t)));
-  parallel_for(B, grain, threads, [&](int64_t begin, int64_t end) {
+  parallel_rows(B, grain, threads, total_bytes, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       copy_row<out_t>(rows[b], b + 1 < end ? &rows[b + 1] : nullptr, white, lines, out + b * row_elems, W, stream);
     }
@@ -360,7 +428,7 @@ void gather_rows_packed_into_cpu(const Tensor& data, const Tensor& row_offsets, 
   const auto [grain, threads] = split(B, mean_row_bytes, max_threads);
   // (a packed record field: values of whole MiBs back to back, streamed as the padded gather's are)
   const bool stream = use_streaming_stores(starts.back() * static_cast<int64_t>(sizeof(Half)), mean_row_bytes);
-  parallel_for(B, grain, threads, [&](int64_t begin, int64_t end) {
+  parallel_rows(B, grain, threads, starts.back() * static_cast<int64_t>(sizeof(Half)), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const RowSpan& row = rows[b];
       Half* row_dst = dst + starts[b];
