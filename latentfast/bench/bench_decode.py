@@ -344,7 +344,7 @@ def measure_contended(root: str, busy_counts=(0, 1), n_batches: int = 24, repeat
                  "latentfast 1 thr": (1, lambda idx: read_batch(cache, idx)[0]),
                  "per-row reader": (1, lambda idx: per_row_reader(padded, idx)),
                  "latentfast out= 1 thr": (1, lambda idx: read_batch(cache, idx, out=out)[0]),
-                 "numpy take(out=)": (1, lambda idx: np.take(padded["mm"], idx, axis=0, out=floor))}
+                 "numpy take(out=)": (1, lambda idx: np.take(padded["mm"], idx, axis=0, out=floor, mode="clip"))}
     table = {}
     for busy in busy_counts:
         with busy_cores(busy):

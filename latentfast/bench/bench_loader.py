@@ -170,8 +170,8 @@ def run_report(quick: bool = False, runs: int = 3, loader: bool = True) -> dict:
         txt_buf = np.empty((BATCH, *txt_mm.shape[1:]), dtype=txt_mm.dtype)
 
         def numpy_out(b):
-            np.take(lat_mm, np.sort(b), axis=0, out=lat_buf)
-            np.take(txt_mm, np.sort(b), axis=0, out=txt_buf)
+            np.take(lat_mm, np.sort(b), axis=0, out=lat_buf, mode="clip")  # (mode="raise" buffers out)
+            np.take(txt_mm, np.sort(b), axis=0, out=txt_buf, mode="clip")
 
         readers = {
             "read_batch": lambda b: read_batch(cache, b, **spec),
