@@ -11,9 +11,11 @@
 // Every index, width and offset is checked against the data before the first byte is copied, so a
 // bad request raises instead of reading outside the memmap. The copy itself runs with the GIL
 // released (other Python threads, e.g. a training loop, keep running) on the native pool's threads.
-// Batches are small (64 rows of a few KiB are ~0.5 MiB), so fixed costs matter: a row's lines are
-// copied by inlined vector moves rather than a memcpy call per line, and a batch is split between
-// threads only when each gets at least kMinThreadBytes.
+// Batches of line caches are small (64 rows of a few KiB are ~0.5 MiB), so fixed costs matter: a
+// row's lines are copied by inlined vector moves rather than a memcpy call per line, and a batch is
+// split between threads only when each gets at least kMinThreadBytes, and only while threads have
+// measured faster than the caller alone (ThreadChoice). Batches of records' fields are large (a padded
+// text field of 64 items is ~256 MiB): those are written with streaming stores (stream_halves_avx2).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
