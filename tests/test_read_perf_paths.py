@@ -187,7 +187,9 @@ def assert_same(got: dict, want: dict) -> None:
         assert torch.equal(got[key], want[key]), key
 
 
-PAD = {"text": 0.0, "mask": 3, "scores": 0.5, "ids": -7}
+# text -1.5 (bf16 bits that are a finite float16) is padded by the gather; ids -7 (int16 bits that read as a
+# float16 NaN), mask (1 byte) and scores (4 bytes) are filled after it
+PAD = {"text": -1.5, "mask": 3, "scores": 0.5, "ids": -7}
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -220,7 +222,7 @@ def test_records_into_given_tensors_full_of_garbage(records_cache):
     got = read_batch(cache, indices, fields=names, pad=pad, pad_to=LONGEST + 9, out=given)
     assert all(got[name].data_ptr() == given[name].data_ptr() for name in given)
     assert_same(got, fresh)
-    assert torch.equal(got["text"][:, LONGEST:], torch.zeros((len(indices), 9, 2048), dtype=torch.bfloat16))
+    assert torch.equal(got["text"][:, LONGEST:], torch.full((len(indices), 9, 2048), -1.5, dtype=torch.bfloat16))
 
 
 def test_a_non_contiguous_given_output_is_refused_by_name(records_cache):

@@ -283,9 +283,10 @@ def _field_values(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
     whole_units = nbytes % ELEMENT_BYTES == 0
     # a 2-byte value pads in the gather itself (its bits are one unit, the kernel's white column):
     # no second pass over the batch; other dtypes are padded with zeros, then filled below
-    pad_in_gather = batch.pad is not None and batch.pad != 0 and batch.dtype.itemsize == ELEMENT_BYTES
+    unit = _pad_unit(batch.dtype, batch.pad) if batch.pad is not None and batch.pad != 0 else None
+    pad_in_gather = unit is not None
     if pad_in_gather:
-        table.white = _pad_unit(batch.dtype, batch.pad)
+        table.white = unit
     target = None  # the gather's [B, 1, 1, units] output: the final tensor's bytes, when they are whole units
     if final is not None:
         target = (_as_units(final, B, table.width) if whole_units
@@ -303,10 +304,14 @@ def _field_values(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _pad_unit(dtype: torch.dtype, value) -> torch.Tensor:
+def _pad_unit(dtype: torch.dtype, value) -> torch.Tensor | None:
     """A 2-byte pad value's bits as the gather's float16 ``[1, 1, 1]`` white column (one tensor per value:
-    the CUDA path keeps a device copy per white column it is given)."""
-    return torch.tensor([value], dtype=dtype).view(torch.float16).view(1, 1, 1)
+    the CUDA path keeps a device copy per white column it is given); None for other dtypes, and for bits
+    that read as a float16 NaN (a gather that pads through float32, without AVX2, would not keep them)."""
+    if dtype.itemsize != ELEMENT_BYTES:
+        return None
+    unit = torch.tensor([value], dtype=dtype).view(torch.float16)
+    return None if bool(unit.isnan()) else unit.view(1, 1, 1)
 
 
 def _field_packed(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
