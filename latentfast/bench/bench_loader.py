@@ -3,8 +3,9 @@
 Records like a text-to-image trainer's (the issue's case): a latent ``[16, 64, 64]`` bf16 and a T5
 text ``[L, 4096]`` bf16 (L 50..512, every item its own text), batches of 64, the text padded to the
 batch's longest. Hot: every file read once before timing. Per run, each reader passes over the same
-batches (round robin, median of 3 passes); the table gives the median and range over ``--runs`` runs
-of seconds per batch and of the ratios.
+batches (round robin, median of 4 passes, every other one in reverse order; the shaped rows in a round
+robin of their own); the table gives the median and range over ``--runs`` runs of seconds per batch and
+of the ratios.
 
 - ``read_batch``: ``read_batch(idx, fields=("latent", "text"), pad={"text": 0.0})``, a fresh batch each;
 - ``read_batch(out=)``: the same into one reused :class:`~latentfast.cache.BatchBuffers`, at torch's
@@ -87,10 +88,13 @@ def timed(fn, batches) -> float:
 
 
 def one_run(readers: dict, batches) -> dict[str, float]:
+    """Seconds per batch of each reader: the median of 4 round-robin passes (a busy neighbour slows
+    every reader alike), every other pass in reverse order (a reader is slowed by the one before it:
+    measured, a read right after a 150 MB packed read ran 1.35x slower, whichever it was)."""
     times: dict[str, list[float]] = {name: [] for name in readers}
-    for _ in range(3):  # round robin: a busy neighbour slows every reader alike
-        for name, fn in readers.items():
-            times[name].append(timed(fn, batches))
+    for k in range(4):
+        for name in list(readers) if k % 2 == 0 else list(readers)[::-1]:
+            times[name].append(timed(readers[name], batches))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -181,12 +185,12 @@ def run_report(quick: bool = False, runs: int = 3, loader: bool = True) -> dict:
             "numpy gather": lambda b: (lat_mm[np.sort(b)], txt_mm[np.sort(b)]),
             "numpy gather(out=)": numpy_out,
             "packed(out=)": lambda b: read_batch(cache, b, fields=("latent", "text"), packed=("text",), out=packed_out),
-            **shaped_readers(cache, tmp),
         }
-        for fn in readers.values():  # hot: every page read once, every reused buffer made
+        shaped = shaped_readers(cache, tmp)  # (a round robin of their own, away from the 256 MB readers)
+        for fn in (*readers.values(), *shaped.values()):  # hot: every page read once, every reused buffer made
             for b in batches:
                 fn(b)
-        per_run = [one_run(readers, batches) for _ in range(runs)]
+        per_run = [{**one_run(readers, batches), **one_run(shaped, batches)} for _ in range(runs)]
         loops = []
         for _ in range(runs if loader else 0):
             every = [b["index"].clone() for b in LatentLoader(cache, LOADER_BATCH, seed=0, drop_last=True, **spec)]
