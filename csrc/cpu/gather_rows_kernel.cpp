@@ -15,7 +15,8 @@
 // row's lines are copied by inlined vector moves rather than a memcpy call per line, and a batch is
 // split between threads only when each gets at least kMinThreadBytes, and only while threads have
 // measured faster than the caller alone (ThreadChoice). Batches of records' fields are large (a padded
-// text field of 64 items is ~256 MiB): those are written with streaming stores (stream_halves_avx2).
+// text field of 64 items is ~256 MiB): those are written with streaming stores (stream_halves_avx2)
+// where their pages are already in memory (a reused buffer: stream_into).
 #include <sys/mman.h>
 #include <unistd.h>
 

@@ -6,8 +6,8 @@ threads with the GIL released. A batch of small rows costs about as much in fixe
 in copying, so that path is kept short: the kernel, which checks every index before copying
 anyway, is the one that validates a plain int64 vector (see :func:`~latentfast.cache.store.layout.resolve`).
 A batch far larger than the CPU caches (a padded text field of a batch of records: hundreds of MiB)
-is written with streaming stores, padding included, and a 2-byte field's pad value is padded by the
-gather itself; the gather takes its threads only where they have measured faster than its caller
+is written into reused buffers with streaming stores, padding included, and a 2-byte field's pad
+value is padded by the gather itself; the gather takes its threads only where they have measured faster than its caller
 alone (a busy host preempts pool workers mid-batch). Into reused buffers (``out=``) such a batch
 costs about a memcpy of its useful bytes (``bench/RESULTS.md``).
 
