@@ -11,10 +11,18 @@
 // Every index, width and offset is checked against the data before the first byte is copied, so a
 // bad request raises instead of reading outside the memmap. The copy itself runs with the GIL
 // released (other Python threads, e.g. a training loop, keep running) on the native pool's threads.
-// Batches are small (64 rows of a few KiB are ~0.5 MiB), so fixed costs matter: a row's lines are
-// copied by inlined vector moves rather than a memcpy call per line, and a batch is split between
-// threads only when each gets at least kMinThreadBytes.
+// Batches of line caches are small (64 rows of a few KiB are ~0.5 MiB), so fixed costs matter: a
+// row's lines are copied by inlined vector moves rather than a memcpy call per line, and a batch is
+// split between threads only when each gets at least kMinThreadBytes, and only while threads have
+// measured faster than the caller alone (ThreadChoice). Batches of records' fields are large (a padded
+// text field of 64 items is ~256 MiB): those are written with streaming stores (stream_halves_avx2)
+// where their pages are already in memory (a reused buffer: stream_into).
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -121,9 +129,15 @@ inline void copy_line(const Half* src, out_t* dst, int64_t n) {
 // Rows sit at random places of a file larger than the caches. While row b is copied, the same line
 // of row b + 1 is prefetched (into L2): a row's lines are then found there when it is copied, and the
 // hardware prefetcher, which needs a few lines of a stride to catch on, is not relied on.
+// Only a line's first kPrefetchBytes are asked for: a longer line (a record field's value is one line
+// of up to megabytes) is found by the hardware prefetcher once its copy starts, and asking for all of
+// it would pull the next row through L2 ahead of time, evicting it again before it is read (the
+// source read twice).
+constexpr int64_t kPrefetchBytes = 2048;
+
 inline void prefetch_line_of(const RowSpan* next, int64_t l) {
   const char* start = reinterpret_cast<const char*>(next->src + l * next->line_pitch);
-  const char* end = reinterpret_cast<const char*>(next->src + l * next->line_pitch + next->width);
+  const char* end = start + std::min<int64_t>(next->width * static_cast<int64_t>(sizeof(Half)), kPrefetchBytes);
   for (const char* p = start; p < end; p += 64) __builtin_prefetch(p, 0, 2);
 }
 
@@ -170,6 +184,51 @@ __attribute__((target("avx2"))) void copy_row_half_avx2(const RowSpan& row, cons
   }
 }
 
+// Streaming (non-temporal) stores, for batches far larger than the CPU caches (a padded text field of a
+// batch of records: tens to hundreds of MiB). A plain store first reads the destination's cache line
+// (for ownership), which for an output that leaves the caches before it is read doubles the memory
+// traffic of the write; a streaming store writes whole lines without reading them, and leaves the
+// caches to the source. Filling the padding of such a batch measured 3x faster streamed than with
+// plain stores (or memset) on the CI VM; the copy ~10%. The head up to the first 32-byte boundary
+// is stored plainly; the caller fences (sfence) before the output is handed on.
+__attribute__((target("avx2"))) void stream_halves_avx2(const Half* src, Half* dst, int64_t n) {
+  constexpr int64_t V = 16;  // halves per vector
+  int64_t k = 0;
+  for (; k < n && (reinterpret_cast<uintptr_t>(dst + k) & 31); ++k) dst[k] = src[k];
+  for (; k + 4 * V <= n; k += 4 * V) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + V));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + 2 * V));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + 3 * V));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k + V), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k + 2 * V), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k + 3 * V), d);
+  }
+  for (; k + V <= n; k += V) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
+  }
+  for (; k < n; ++k) dst[k] = src[k];
+}
+
+__attribute__((target("avx2"))) void stream_fill_avx2(Half* dst, Half value, int64_t n) {
+  constexpr int64_t V = 16;
+  const __m256i fill = _mm256_set1_epi16(static_cast<short>(value.x));
+  int64_t k = 0;
+  for (; k < n && (reinterpret_cast<uintptr_t>(dst + k) & 31); ++k) dst[k] = value;
+  for (; k + V <= n; k += V) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k), fill);
+  for (; k < n; ++k) dst[k] = value;
+}
+
+// One row -> out rows [lines, W] with streaming stores: real columns, then the white column up to W.
+__attribute__((target("avx2"))) void stream_row_half_avx2(const RowSpan& row, const Half* white, int64_t lines,
+                                                          Half* dst, int64_t W) {
+  for (int64_t l = 0; l < lines; ++l, dst += W) {
+    stream_halves_avx2(row.src + l * row.line_pitch, dst, row.width);
+    if (row.width < W) stream_fill_avx2(dst + row.width, white[l], W - row.width);
+  }
+}
+
 // One row's real columns, back to back as [lines, w] (the packed staging of the GPU path).
 __attribute__((target("avx2"))) void pack_row_half_avx2(const RowSpan& row, const RowSpan* next, int64_t lines,
                                                         Half* dst) {
@@ -186,9 +245,15 @@ bool cpu_has_avx2() {
 #endif
 
 // One requested row -> out rows [lines, W]: real columns (cast), then the white column up to W.
+// `stream`: a float16 batch far larger than the caches (see stream_halves_avx2).
 template <typename out_t>
 void copy_row(const RowSpan& row, const RowSpan* next, const Half* white, int64_t lines, out_t* dst,
-              int64_t W) {
+              int64_t W, bool stream) {
+#ifdef LATENTFAST_F16C
+  if constexpr (std::is_same_v<out_t, Half>) {
+    if (stream) return stream_row_half_avx2(row, white, lines, dst, W);
+  }
+#endif
   if (row.width == W && row.line_pitch == W) {  // a full-width row stored contiguously: one block
     copy_line<out_t>(row.src, dst, lines * W);
     return;
@@ -211,6 +276,112 @@ void copy_row(const RowSpan& row, const RowSpan* next, const Half* white, int64_
 constexpr int64_t kMinThreadBytes = 256 * 1024;
 constexpr int64_t kChunkBytes = 64 * 1024;
 
+// A float16 batch is written with streaming stores when it is at least kStreamBytes (far past what
+// the caches keep for the reader of the batch) and its lines at least kStreamLineBytes (whole cache
+// lines: a streamed partial line costs a read-modify-write in memory).
+constexpr int64_t kStreamBytes = 16 << 20;
+constexpr int64_t kStreamLineBytes = 4096;
+
+bool use_streaming_stores(int64_t total_bytes, int64_t line_bytes) {
+#ifdef LATENTFAST_F16C
+  return total_bytes >= kStreamBytes && line_bytes >= kStreamLineBytes && cpu_has_avx2();
+#else
+  (void)total_bytes, (void)line_bytes;
+  return false;
+#endif
+}
+
+// Streaming pays only into pages already in memory (a reused buffer). Into a fresh allocation each
+// first touch faults, and the kernel's zero-fill of the page leaves its lines in cache, where plain
+// stores then land and a streaming store first evicts them: measured, a fresh 256 MiB padded batch
+// read 1.6x slower streamed. So a row is streamed when the first and last pages it writes are resident
+// (mincore); an address mincore cannot answer for counts as not resident.
+bool page_resident(const void* address) {
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  unsigned char present = 0;
+  void* start = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(address) & ~(page - 1));
+  return mincore(start, 1, &present) == 0 && (present & 1);
+}
+
+bool stream_into(bool stream, const void* first, const void* last) {
+  return stream && page_resident(first) && page_resident(last);
+}
+
+// Streaming stores are weakly ordered: each thread fences its own before its chunk counts as done.
+inline void fence_streaming_stores(bool stream) {
+#ifdef LATENTFAST_F16C
+  if (stream) _mm_sfence();
+#else
+  (void)stream;
+#endif
+}
+
+// On a host with more runnable threads than cores (other ranks, DataLoader workers, other jobs), a
+// pool worker that claimed a chunk can be taken off the CPU before it finishes it, and the caller then
+// waits for it: measured on the shared CI VM, 2 threads ran a hot 8 MiB batch at 0.5-0.7x the speed of
+// 1. So the gathers time themselves: per size class of batch (powers of 2 from 256 KiB), the
+// picoseconds per KiB of gathers on the caller alone and with the pool's threads, each a running
+// average, and a gather takes the way that has been faster, the other way every kExploreEvery-th
+// gather of its class (so a host that quiets down, or gets busy, is noticed). Which thread copies
+// which row never changes a result.
+constexpr uint64_t kExploreEvery = 8;
+constexpr int kSizeClasses = 8;
+
+class ThreadChoice {
+ public:
+  // Whether the next gather of `bytes` uses the pool's threads.
+  bool use_threads(int64_t bytes) {
+    Class& c = classes_[size_class(bytes)];
+    const uint64_t call = c.calls.fetch_add(1, std::memory_order_relaxed);
+    const int64_t solo = c.solo_ps.load(std::memory_order_relaxed), pool = c.pool_ps.load(std::memory_order_relaxed);
+    if (pool == 0) return true;  // each way measured once first
+    if (solo == 0) return false;
+    const bool faster = pool <= solo;
+    return call % kExploreEvery == 0 ? !faster : faster;
+  }
+
+  // A gather of `bytes` took `ns`, with the pool's threads or on the caller alone.
+  void record(bool threads, int64_t bytes, int64_t ns) {
+    Class& c = classes_[size_class(bytes)];
+    std::atomic<int64_t>& average = threads ? c.pool_ps : c.solo_ps;
+    const int64_t ps_per_kib = std::max<int64_t>(1, ns * 1000 / std::max<int64_t>(1, bytes >> 10));
+    const int64_t old = average.load(std::memory_order_relaxed);
+    average.store(old == 0 ? ps_per_kib : old + (ps_per_kib - old) / 4, std::memory_order_relaxed);
+  }
+
+ private:
+  struct Class {
+    std::atomic<uint64_t> calls{0};
+    std::atomic<int64_t> solo_ps{0}, pool_ps{0};  // picoseconds per KiB (0: not measured yet)
+  };
+
+  static int size_class(int64_t bytes) {
+    int c = 0;
+    for (int64_t b = std::max<int64_t>(bytes, 1) >> 19; b > 0 && c < kSizeClasses - 1; b >>= 1) ++c;
+    return c;  // 0: < 512 KiB, 1: < 1 MiB, ..., 7: >= 32 MiB
+  }
+
+  Class classes_[kSizeClasses];
+};
+
+ThreadChoice gather_threads;
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// parallel_for over a gather's rows (`bytes` written in all), on the pool's `threads` threads or on the
+// caller alone, as ThreadChoice picks.
+template <typename Fn>
+void parallel_rows(int64_t rows, int64_t grain, int64_t threads, int64_t bytes, const Fn& fn) {
+  if (threads <= 1 || rows <= grain) return parallel_for(rows, grain, 1, fn);
+  const bool pool = gather_threads.use_threads(bytes);
+  const int64_t start = now_ns();
+  parallel_for(rows, grain, pool ? threads : 1, fn);
+  gather_threads.record(pool, bytes, now_ns() - start);
+}
+
 // (rows per chunk, threads) for rows of `row_bytes` bytes
 std::pair<int64_t, int64_t> split(int64_t rows, int64_t row_bytes, int64_t max_threads) {
   row_bytes = std::max<int64_t>(row_bytes, 1);
@@ -226,11 +397,19 @@ void gather_padded(const std::vector<RowSpan>& rows, const Half* white, int64_t 
   // A null white means no row needs padding (checked by the caller).
   const int64_t B = static_cast<int64_t>(rows.size());
   const int64_t row_elems = lines * W;
-  const auto [grain, threads] = split(B, row_elems * static_cast<int64_t>(sizeof(out_t)), max_threads);
-  parallel_for(B, grain, threads, [&](int64_t begin, int64_t end) {
+  const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(out_t));
+  const auto [grain, threads] = split(B, row_bytes, max_threads);
+  int64_t total_bytes = 0;
+  if (!mul_fits(B, row_bytes, &total_bytes)) total_bytes = std::numeric_limits<int64_t>::max();
+  const bool stream = std::is_same_v<out_t, Half> &&
+                      use_streaming_stores(total_bytes, W * static_cast<int64_t>(sizeof(out_t)));
+  parallel_rows(B, grain, threads, total_bytes, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      copy_row<out_t>(rows[b], b + 1 < end ? &rows[b + 1] : nullptr, white, lines, out + b * row_elems, W);
+      out_t* row_out = out + b * row_elems;
+      copy_row<out_t>(rows[b], b + 1 < end ? &rows[b + 1] : nullptr, white, lines, row_out, W,
+                      stream_into(stream, row_out, row_out + row_elems - 1));
     }
+    fence_streaming_stores(stream);
   });
 }
 
@@ -271,12 +450,20 @@ void gather_rows_packed_into_cpu(const Tensor& data, const Tensor& row_offsets, 
   const int64_t B = static_cast<int64_t>(rows.size());
   const int64_t mean_row_bytes = starts.back() * static_cast<int64_t>(sizeof(Half)) / std::max<int64_t>(1, B);
   const auto [grain, threads] = split(B, mean_row_bytes, max_threads);
-  parallel_for(B, grain, threads, [&](int64_t begin, int64_t end) {
+  // (a packed record field: values of whole MiBs back to back, streamed as the padded gather's are)
+  const bool stream = use_streaming_stores(starts.back() * static_cast<int64_t>(sizeof(Half)), mean_row_bytes);
+  parallel_rows(B, grain, threads, starts.back() * static_cast<int64_t>(sizeof(Half)), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const RowSpan& row = rows[b];
       Half* row_dst = dst + starts[b];
       if (row.width == 0) continue;  // nothing to copy (its line loop could be 2^62 lines long)
       if (row.line_pitch == row.width) {  // ragged layout, or a full-width padded row: one block
+#ifdef LATENTFAST_F16C
+        if (stream_into(stream, row_dst, row_dst + lines * row.width - 1)) {
+          stream_halves_avx2(row.src, row_dst, lines * row.width);
+          continue;
+        }
+#endif
         std::memcpy(row_dst, row.src, lines * row.width * sizeof(Half));
         continue;
       }
@@ -292,6 +479,7 @@ void gather_rows_packed_into_cpu(const Tensor& data, const Tensor& row_offsets, 
         std::memcpy(row_dst + l * row.width, row.src + l * row.line_pitch, row.width * sizeof(Half));
       }
     }
+    fence_streaming_stores(stream);
   });
 }
 

@@ -28,9 +28,11 @@ evicted cache with lookahead (the README's loop) and without, and reports how lo
 for its batch.
 
 Contended section -- hot read_batch of 64 random full-width 32 KiB rows at torch's default threads and
-at one thread, and the per-row reader, with 0, 1 and one-per-core other processes each spinning on a
-core (``while True: pass``); median [min-max] ms per batch over 7 passes (the fastest pass would hide
-the stalls this measures).
+at one thread, and the per-row reader (all allocating their output), then read_batch(out=) and
+``np.take(memmap, idx, axis=0, out=)`` (one C loop of row copies into a reused array: the in-process
+floor of the copy), with 0, 1 and one-per-core other processes each spinning on a core
+(``while True: pass``); median [min-max] ms per batch over 7 passes (the fastest pass would hide the
+stalls this measures).
 
 Per-call section -- microseconds per call on tiny inputs (the fixed cost of dispatch and of entering
 the compiled kernel): the gather_rows_into op per backend and read_batch of 4 small rows, uncontended
@@ -336,9 +338,13 @@ def measure_contended(root: str, busy_counts=(0, 1), n_batches: int = 24, repeat
     rng = np.random.default_rng(3)
     batches = [rng.integers(0, n_rows, size=BATCH) for _ in range(n_batches)]
     default_threads = torch.get_num_threads()
+    out = torch.empty((BATCH, channels, latent_h, w_max), dtype=torch.float16)
+    floor = np.empty((BATCH, channels, latent_h, w_max), dtype=np.float16)
     providers = {f"latentfast {default_threads} thr (default)": (default_threads, lambda idx: read_batch(cache, idx)[0]),
                  "latentfast 1 thr": (1, lambda idx: read_batch(cache, idx)[0]),
-                 "per-row reader": (1, lambda idx: per_row_reader(padded, idx))}
+                 "per-row reader": (1, lambda idx: per_row_reader(padded, idx)),
+                 "latentfast out= 1 thr": (1, lambda idx: read_batch(cache, idx, out=out)[0]),
+                 "numpy take(out=)": (1, lambda idx: np.take(padded["mm"], idx, axis=0, out=floor, mode="clip"))}
     table = {}
     for busy in busy_counts:
         with busy_cores(busy):
@@ -352,7 +358,7 @@ def measure_contended(root: str, busy_counts=(0, 1), n_batches: int = 24, repeat
 def print_contended(c: dict) -> dict:
     """The table (median [min-max] ms per batch) and the ratios the issue targets, per busy count."""
     names = list(c["ms_per_batch"])
-    default, one, seed = names
+    default, one, seed, reused, floor = names
     print(f"\nhot read_batch under contention: 64 x 32 KiB rows, {c['cores']} cores, busy = other processes "
           "each spinning on a core (median [min-max] ms per batch over the passes)")
     print(f"  {'provider':<28}" + "".join(f"{f'busy={b}':>26}" for b in c["busy_counts"]))
@@ -363,9 +369,11 @@ def print_contended(c: dict) -> dict:
     ratios = {}
     for b in c["busy_counts"]:
         med = {n: statistics.median(c["ms_per_batch"][n][b]) for n in names}
-        ratios[b] = {"default_vs_1thread": med[one] / med[default], "default_vs_per_row": med[seed] / med[default]}
+        ratios[b] = {"default_vs_1thread": med[one] / med[default], "default_vs_per_row": med[seed] / med[default],
+                     "out_vs_numpy_take_out": med[floor] / med[reused]}
         print(f"  busy={b}: default threads run at {ratios[b]['default_vs_1thread']:.2f}x one thread's speed and "
-              f"{ratios[b]['default_vs_per_row']:.2f}x the per-row reader's")
+              f"{ratios[b]['default_vs_per_row']:.2f}x the per-row reader's; out= at "
+              f"{ratios[b]['out_vs_numpy_take_out']:.2f}x numpy take(out=) (one C loop of row copies: the floor)")
     return ratios
 
 

@@ -5,6 +5,11 @@ columns from the memmap straight into the output, pads with the white column and
 threads with the GIL released. A batch of small rows costs about as much in fixed per-call work as
 in copying, so that path is kept short: the kernel, which checks every index before copying
 anyway, is the one that validates a plain int64 vector (see :func:`~latentfast.cache.store.layout.resolve`).
+A batch far larger than the CPU caches (a padded text field of a batch of records: hundreds of MiB)
+is written into reused buffers with streaming stores, padding included, and a 2-byte field's pad
+value is padded by the gather itself; the gather takes its threads only where they have measured faster than its caller
+alone (a busy host preempts pool workers mid-batch). Into reused buffers (``out=``) such a batch
+costs about a memcpy of its useful bytes (``bench/RESULTS.md``).
 
 CUDA target (:mod:`latentfast.cache.feed.device`): the same rows' real columns only are gathered
 back to back into a slot of a pinned ring buffer, copied to the device on a side stream (bytes over
@@ -18,6 +23,7 @@ none goes back to the cache for geometry.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -275,6 +281,12 @@ def _field_values(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
         return torch.empty((B, *batch.shape), dtype=batch.dtype, device=device)
     final = None if out is None else take(out, name, (B, *batch.shape), batch.dtype, device)
     whole_units = nbytes % ELEMENT_BYTES == 0
+    # a 2-byte value pads in the gather itself (its bits are one unit, the kernel's white column):
+    # no second pass over the batch; other dtypes are padded with zeros, then filled below
+    unit = _pad_unit(batch.dtype, batch.pad) if batch.pad is not None and batch.pad != 0 else None
+    pad_in_gather = unit is not None
+    if pad_in_gather:
+        table.white = unit
     target = None  # the gather's [B, 1, 1, units] output: the final tensor's bytes, when they are whole units
     if final is not None:
         target = (_as_units(final, B, table.width) if whole_units
@@ -284,11 +296,22 @@ def _field_values(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
     if raw.shape[1] != nbytes:  # a 1-byte dtype with an odd count: drop the unit's spare byte
         raw = raw[:, :nbytes].contiguous() if final is None else final.view(B, -1).view(torch.uint8).copy_(raw[:, :nbytes])
     values = raw.view(batch.dtype).view(B, *batch.shape)
-    if batch.pad is not None and batch.pad != 0 and batch.shape[0]:
+    if batch.pad is not None and batch.pad != 0 and batch.shape[0] and not pad_in_gather:
         lengths = torch.from_numpy(batch.shapes[:, 0]).to(values.device)
         tail = torch.arange(batch.shape[0], device=values.device)[None, :] >= lengths[:, None]
         values.view(B, batch.shape[0], -1).masked_fill_(tail[:, :, None], batch.pad)
     return values
+
+
+@functools.lru_cache(maxsize=64)
+def _pad_unit(dtype: torch.dtype, value) -> torch.Tensor | None:
+    """A 2-byte pad value's bits as the gather's float16 ``[1, 1, 1]`` white column (one tensor per value:
+    the CUDA path keeps a device copy per white column it is given); None for other dtypes, and for bits
+    that read as a float16 NaN (a gather that pads through float32, without AVX2, would not keep them)."""
+    if dtype.itemsize != ELEMENT_BYTES:
+        return None
+    unit = torch.tensor([value], dtype=dtype).view(torch.float16)
+    return None if bool(unit.isnan()) else unit.view(1, 1, 1)
 
 
 def _field_packed(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
