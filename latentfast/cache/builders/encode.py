@@ -241,7 +241,7 @@ class BatchBuffers:
 
 def owned(t: torch.Tensor | None, pixels: torch.Tensor) -> torch.Tensor | None:
     """``t``, copied if it shares memory with ``pixels`` (an encoder may return a view of its input,
-    which on the CPU the next batch's normalize overwrites)."""
+    which on the CPU a later batch's normalize overwrites)."""
     if t is not None and t.untyped_storage().data_ptr() == pixels.untyped_storage().data_ptr():
         return t.clone()
     return t
