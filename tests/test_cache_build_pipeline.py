@@ -347,7 +347,7 @@ def test_a_cuda_build_sends_uint8_over_its_copy_stream_bit_equal(tmp_path, monke
 
 
 def test_latents_that_are_views_of_the_reused_pixels_are_kept_as_they_were(tmp_path, monkeypatch):
-    """A CPU build normalizes every batch into one of two reused outputs; an encoder returning a view
+    """A CPU build normalizes every batch into one of (at most) two reused outputs; an encoder returning a view
     of its input must not see its latents overwritten by a later batch before they are written (the
     writer here waits for the normalize of the batch after next, which reuses this batch's output)."""
     class ViewEncoder(ToyVAE):

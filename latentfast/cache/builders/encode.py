@@ -142,9 +142,10 @@ class BatchBuffers:
 
     On CUDA, :meth:`send` copies the uint8 bytes on a stream of its own and :meth:`take` runs the fused
     normalize on the encoder's stream. On the CPU the host is the device: :meth:`send` normalizes the
-    batch at once, on the feed thread, into one of two float outputs allocated once (a new 100 MB
-    tensor per batch costs more in page faults than the normalize itself), so the encoder's thread only
-    encodes; :meth:`done` hands the output back once the batch is encoded."""
+    batch at once, on the feed thread, into one of at most two recycled float outputs (a fresh 100 MB
+    tensor costs ten times the normalize in page faults: the second is made only when the first is
+    still being encoded), so the encoder's thread only encodes; :meth:`done` hands the output back once
+    the batch is encoded."""
 
     outputs = 2  # CPU: one batch being encoded, the next one normalized beside it
 
@@ -158,9 +159,7 @@ class BatchBuffers:
         self.free: queue.Queue = queue.Queue()
         for _ in range(count):
             self.free.put(_Buffer(nbytes, device))
-        self.free_outputs: queue.Queue = queue.Queue()
-        for _ in range(0 if self.cuda else self.outputs):
-            self.free_outputs.put(torch.empty(nbytes, dtype=dtype))
+        self.nbytes, self.made_outputs, self.free_outputs = nbytes, 0, queue.Queue()
 
     def shape(self, batch: int, size: tuple) -> tuple:
         """The layout of a batch of ``batch`` items of ``size`` ((h, w) or (T, h, w)) in a buffer."""
@@ -193,7 +192,7 @@ class BatchBuffers:
         now, into a free output (and the buffer handed back)."""
         nbytes = math.prod(shape)
         if not self.cuda:
-            output = self.stages.get(self.free_outputs)
+            output = self._output()
             return Sent(self.normalize(buf, buf.host[:nbytes].view(shape), output), None, output)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(buf.consumed)  # the last normalize out of these device bytes is done
@@ -202,6 +201,16 @@ class BatchBuffers:
             buf.copied.record(self.stream)
             buf.timed = True
         return Sent(buf.device[:nbytes].view(shape), buf, None)
+
+    def _output(self) -> torch.Tensor:
+        """A free CPU output: one handed back, else a new one while fewer than :attr:`outputs` exist,
+        else the next one handed back (only the feed thread calls this)."""
+        with contextlib.suppress(queue.Empty):
+            return self.free_outputs.get_nowait()
+        if self.made_outputs < self.outputs:
+            self.made_outputs += 1
+            return torch.empty(self.nbytes, dtype=self.dtype)
+        return self.stages.get(self.free_outputs)
 
     def take(self, sent: Sent) -> torch.Tensor:
         """The encoder thread's half: the batch ``[B, 3, ...]`` in [-1, 1] of the encoder's dtype,
