@@ -173,8 +173,9 @@ def test_every_frame_a_clip_uses_is_decoded_once_and_no_other(tmp_path, clips, d
 
 
 def test_video_batches_use_a_few_buffers_allocated_once(tmp_path, clips, monkeypatch):
-    """9 batches, one clip each, 1 decode worker: 4 uint8 buffers allocated (lookahead 2 + 2) and reused,
-    every batch normalized from one of them by the fused op into one of 2 float outputs allocated once."""
+    """9 batches, one clip each, 1 decode worker: at most 4 uint8 buffers allocated (lookahead 2 + 2; a
+    CPU build frees each once normalized, so 3 do) and reused, every batch normalized from one of them
+    by the fused op into one of at most 2 float outputs, each allocated once."""
     made, calls, normalize = [], [], ops.normalize_uint8
     buffer = encode_module._Buffer.__init__
 
@@ -190,7 +191,7 @@ def test_video_batches_use_a_few_buffers_allocated_once(tmp_path, clips, monkeyp
     monkeypatch.setattr(encode_module.ops, "normalize_uint8", spy)
     vae, out = ToyVAE(seed=2), str(tmp_path / "out")
     build_video_cache(vae, clips, out, buckets=BUCKETS, batch_size=1, num_workers=1, quiet=True)
-    assert len(calls) == 9 and len(made) == 4
+    assert len(calls) == 9 and 2 <= len(made) <= 4
     assert all(dtype == torch.uint8 and shape[1] == 3 and len(shape) == 5 for dtype, shape, _, _ in calls)
     assert {ptr for _, _, ptr, _ in calls} <= set(made)
     assert len({out_ptr for *_, out_ptr in calls}) <= encode_module.BatchBuffers.outputs == 2

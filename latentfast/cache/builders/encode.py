@@ -136,8 +136,9 @@ class Sent(NamedTuple):
 
 
 class BatchBuffers:
-    """``count`` uint8 batch buffers of ``nbytes`` each, allocated once and recycled (no per-batch
-    allocation), and the host -> device step, in two halves: :meth:`send` (the feed thread) and
+    """At most ``count`` uint8 batch buffers of ``nbytes`` each, each allocated once, when first needed
+    (a CPU build, which frees a buffer as soon as it is normalized, makes fewer), and recycled (no
+    per-batch allocation); and the host -> device step, in two halves: :meth:`send` (the feed thread) and
     :meth:`take` (the encoder's thread).
 
     On CUDA, :meth:`send` copies the uint8 bytes on a stream of its own and :meth:`take` runs the fused
@@ -156,9 +157,7 @@ class BatchBuffers:
         self.channels_last = self.cuda
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_s = 0.0  # seconds the copies took on the device
-        self.free: queue.Queue = queue.Queue()
-        for _ in range(count):
-            self.free.put(_Buffer(nbytes, device))
+        self.count, self.made, self.free = count, 0, queue.Queue()
         self.nbytes, self.made_outputs, self.free_outputs = nbytes, 0, queue.Queue()
 
     def shape(self, batch: int, size: tuple) -> tuple:
@@ -175,6 +174,11 @@ class BatchBuffers:
 
     def acquire(self) -> _Buffer:
         """A free buffer whose host bytes may be written (the last copy out of them is done)."""
+        # (only the feed thread acquires) CUDA: all made, so a copy in flight out of one has the others' time
+        # to finish; CPU: a new one only when none is free
+        if self.made < self.count and (self.cuda or self.free.empty()):
+            self.made += 1
+            return _Buffer(self.nbytes, self.device)
         buf = self.stages.get(self.free)
         if self.cuda:
             buf.copied.synchronize()
