@@ -190,13 +190,12 @@ class BatchBuffers:
             self.h2d_s += buf.copy_start.elapsed_time(buf.copied) / 1000
             buf.timed = False
 
-    def send(self, buf: _Buffer, shape: tuple) -> Sent:
+    def send(self, buf: _Buffer, shape: tuple, output: torch.Tensor | None) -> Sent:
         """The feed thread's half: the buffer's first ``prod(shape)`` bytes, a batch of ``shape``, on
         their way to the device. CUDA: copied there asynchronously on the copy stream; CPU: normalized
-        now, into a free output (and the buffer handed back)."""
+        now into ``output`` (from :meth:`output`), and the buffer handed back."""
         nbytes = math.prod(shape)
         if not self.cuda:
-            output = self._output()
             return Sent(self.normalize(buf, buf.host[:nbytes].view(shape), output), None, output)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(buf.consumed)  # the last normalize out of these device bytes is done
@@ -206,9 +205,12 @@ class BatchBuffers:
             buf.timed = True
         return Sent(buf.device[:nbytes].view(shape), buf, None)
 
-    def _output(self) -> torch.Tensor:
-        """A free CPU output: one handed back, else a new one while fewer than :attr:`outputs` exist,
-        else the next one handed back (only the feed thread calls this)."""
+    def output(self) -> torch.Tensor | None:
+        """For :meth:`send` on the CPU (None on CUDA): a free output, one handed back, else a new one
+        while fewer than :attr:`outputs` exist, else the next one handed back (only the feed thread
+        calls this; the wait is the encoder's, not the feed's work)."""
+        if self.cuda:
+            return None
         with contextlib.suppress(queue.Empty):
             return self.free_outputs.get_nowait()
         if self.made_outputs < self.outputs:

@@ -519,8 +519,9 @@ class _Runner:
         self.counts["decode_s"] += sum(seconds for _, seconds in loads)
         sent = None
         if to_encode:
+            output = buffers.output()  # (CPU) waited for outside feed_s: a slow encoder holds the outputs
             with timed(self.counts, "feed_s"):
-                sent = buffers.send(buf, buffers.shape(len(to_encode), to_encode[0].bucket))
+                sent = buffers.send(buf, buffers.shape(len(to_encode), to_encode[0].bucket), output)
         return batch, copies, to_encode, [info for info, _ in loads], sent
 
     # -- the caller's thread: (on CUDA, normalize and) encode ----------------------------------------
