@@ -410,7 +410,7 @@ class _Runner:
     Stages, overlapped (see :mod:`.encode`): a feed thread plans each batch (old latents read and
     checked for copying), has the decode pool write its images (every frame of a clip, each decoded
     once) into a recycled uint8 buffer, and copies the finished buffer to the device (a CPU build
-    normalizes it there, into one of two recycled outputs); the caller's thread normalizes (CUDA) and
+    normalizes it there, into one of at most two recycled outputs); the caller's thread normalizes (CUDA) and
     encodes; a writer thread
     appends and makes each batch durable, in order. Queues of ``_QUEUE`` batches join them, and
     ``ahead`` batches decode in advance (enough to keep every decode worker busy).
