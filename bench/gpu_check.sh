@@ -87,19 +87,22 @@ quick_flag="--quick"
 [ "${FULL:-0}" = 1 ] && quick_flag=""
 # normalize (vs eager and vs a device copy), decode (batch to device vs pinned H2D), replay (peak
 # memory; scatter one launch vs the loop), build (image build with an SDXL-class VAE vs the encoder
-# alone on device batches); cache and balance have no GPU side
+# alone on device batches: the build target, >= 0.9x); cache and balance have no GPU side
 for suite in normalize decode replay build; do
   rm -rf "/tmp/latentfast-bench-$suite"
   timeout "$(cap 120)" "$PY" -m latentfast.cli bench $quick_flag --suite "$suite" --out "/tmp/latentfast-bench-$suite" \
     >>"$OUT/bench.log" 2>&1
   rc=$?
   cp "/tmp/latentfast-bench-$suite/bench.json" "$OUT/bench_$suite.json" 2>/dev/null
-  if [ $rc = 0 ]; then RESULT[$suite]="ran"; else RESULT[$suite]="FAILED (exit $rc; see bench.log)" status=1; fi
+  # (keyed bench-<suite>: RESULT[build] is the native library's build above)
+  if [ $rc = 0 ]; then RESULT[bench-$suite]="ran"; else RESULT[bench-$suite]="FAILED (exit $rc; see bench.log)" status=1; fi
 done
 grep -v "^\s*$" "$OUT/bench.log" | grep -A14 "^normalize_uint8\|^hot: B=\|^pinned-h2d\|^latentfast-cuda\|^scatter\|^replay\|^image build\|^vae-build" | head -120
 
 step "results"
 "$PY" -m latentfast.bench.gpu_check_summary bench "$OUT"
-for key in build tests normalize decode replay; do printf '  %-10s %s\n' "$key" "${RESULT[$key]:-not run}"; done
+for key in build tests bench-normalize bench-decode bench-replay bench-build; do
+  printf '  %-16s %s\n' "$key" "${RESULT[$key]:-not run}"
+done
 echo "gpu_check: $([ $status = 0 ] && echo PASSED || echo FAILED) in ${SECONDS}s"
 exit $status

@@ -8,12 +8,16 @@ warm. Photo-like sources (1/f noise) of 2560x1920 (1280x960 in --quick), one 4:3
 (448x576) that shrinks them a little over 2x, so the JPEGs decode at 1/2 scale in both; JPEG (quality
 90) and PNG. Each side runs ``--runs`` times (>= 3) alternately; median and range of images/s, and
 the ratio of the medians; also the build's rate after its plan (listing, probing and hashing every
-file, which the ceiling does not do; ``stats["plan_s"]``). The builder's ``stats`` say which stage
-bounds it.
+file, which the ceiling does not do; ``stats["plan_s"]``). Writing a decoded image into its slot, the
+decoders' way against the transposing copy, both into one reused slot. The builder's ``stats`` say which stage
+bounds it. CPU seconds per image of each side (every thread of the process) and their ratio: on a
+host whose cores the decoders fill, the throughput ratio tends to it, and it moves far less with
+other jobs' load than wall time does.
 
 Main-thread host time -- the caller thread's CPU seconds per image outside the encoder (taking the
-batch, the normalize, splitting the latents), per 1024x1024 image; on a CPU build the normalize is
-the device's step and runs there (on the native kernel's threads too), so its own wall time
+batch, on CUDA launching the normalize, splitting the latents), per 1024x1024 image. A CPU build
+normalizes on the feed thread, beside the encoder (the host is the device there; its time is in
+``stats["feed_s"]``), so the main thread does not; the normalize's own wall time
 (``ops.normalize_uint8`` of one planar 1024^2 image to float32) is printed beside it.
 
 With CUDA -- an SDXL-class VAE (random weights, bfloat16): ``build_image_cache`` images/s against the
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -67,7 +72,7 @@ class FreeEncoder:
 @contextlib.contextmanager
 def main_thread_cpu():
     """Counts the CPU seconds the caller's thread spends in each batch's encode stage (taking the
-    batch, the normalize, the encoder, splitting the latents): CPU time, not wall time, so that
+    batch, on CUDA the normalize, the encoder, splitting the latents): CPU time, not wall time, so that
     waiting for a core on a busy machine is not counted. Yields a one-item list."""
     from latentfast.cache.builders.images import _Runner
 
@@ -138,6 +143,12 @@ def build_pass(folder: str, out: str, bucket: tuple[int, int], workers: int, bat
     return seconds, stats, spent[0] - encoder.seconds
 
 
+def process_cpu() -> float:
+    """CPU seconds of this process, every thread (the decoders', the native kernels') counted."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -154,10 +165,14 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
             folder = os.path.join(tmp, fmt)
             paths = write_sources(folder, n, size, fmt)
             ceiling_pass(paths, bucket, workers)  # warm the page cache and the decoders
-            ceiling, build, phase, host, stats = [], [], [], [], None
+            ceiling, build, phase, host, cpu, stats = [], [], [], [], {"ceiling": [], "build": []}, None
             for _ in range(runs):
+                c0 = process_cpu()
                 ceiling.append(n / ceiling_pass(paths, bucket, workers))
+                c1 = process_cpu()
                 seconds, stats, host_s = build_pass(folder, os.path.join(tmp, "out"), bucket, workers, batch_size)
+                cpu["ceiling"].append((c1 - c0) / n)
+                cpu["build"].append((process_cpu() - c1) / n)
                 build.append(n / seconds)
                 phase.append(n / (seconds - stats["plan_s"]))
                 host.append(host_s / n / (bucket[0] * bucket[1] / 2**20))
@@ -166,22 +181,50 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
                 "ratio": statistics.median(build) / statistics.median(ceiling),
                 "after_plan_images_s": _spread(phase), "after_plan_ratio": statistics.median(phase) / statistics.median(ceiling),
                 "main_thread_ms_per_1024sq": 1000 * statistics.median(host),
+                "cpu_ms_per_image": {side: 1000 * statistics.median(v) for side, v in cpu.items()},
+                "cpu_ratio": statistics.median(cpu["ceiling"]) / statistics.median(cpu["build"]),
                 "last_stats": {k: v for k, v in stats.items() if k.endswith("_s") or k in ("bound", "decode_workers")},
                 "file_mib": sum(os.path.getsize(p) for p in paths) / n / 2**20,
             }
     if torch.cuda.is_available():
         result["vae"] = vae_report("cuda", quick)
+    result["slot_write_ms_per_1024sq"] = slot_write_report(bucket)
     one = torch.randint(0, 256, (1, 3, 1024, 1024), dtype=torch.uint8)
     result["cpu_normalize_ms_per_1024sq"] = 1000 * median_seconds(lambda: ops.normalize_uint8(one), repeat=7, warmup=2)
     result["load_average"] = os.getloadavg()
     result["summary"] = {f"{fmt.lower()}_build_over_ceiling": round(r["ratio"], 3) for fmt, r in result["formats"].items()}
     result["summary"].update({f"{fmt.lower()}_after_plan_over_ceiling": round(r["after_plan_ratio"], 3)
                               for fmt, r in result["formats"].items()})
+    result["summary"].update({f"{fmt.lower()}_cpu_ceiling_over_build": round(r["cpu_ratio"], 3)
+                              for fmt, r in result["formats"].items()})
     result["summary"]["main_thread_cpu_ms_per_1024sq"] = round(result["formats"]["JPEG"]["main_thread_ms_per_1024sq"], 3)
     if "vae" in result:
         result["summary"]["vae_build_over_encoder_alone"] = round(result["vae"]["ratio"], 3)
     print_report(result)
     return result
+
+
+def slot_write_report(bucket: tuple[int, int]) -> dict:
+    """CPU ms per 1024^2 to write one decoded RGB image into its planar slot of a batch buffer (a CPU build's
+    layout): Pillow packing each plane (``media.write_rgb``, what the decoders do) against the
+    transposing copy of its ``[h, w, 3]`` array (what they did before); both into the same reused slot."""
+    from PIL import Image
+
+    image = Image.fromarray(photo_like(np.random.default_rng(1), bucket[1], bucket[0]))
+    slot = np.empty((3, *bucket), dtype=np.uint8)
+    per = bucket[0] * bucket[1] / 2**20
+
+    def cpu_ms(fn, repeat: int = 15) -> float:  # the thread's CPU time: a loaded host's waits are not counted
+        fn()
+        samples = []
+        for _ in range(repeat):
+            t0 = time.thread_time()
+            fn()
+            samples.append(time.thread_time() - t0)
+        return 1000 * statistics.median(samples) / per
+
+    return {"pillow_planes": cpu_ms(lambda: media.write_rgb(image, slot, planar=True)),
+            "transposing_copy": cpu_ms(lambda: np.copyto(slot, np.moveaxis(media.to_uint8(image), -1, 0)))}
 
 
 def sdxl_class_vae(tiny: bool = False):
@@ -239,6 +282,7 @@ def print_report(result: dict) -> None:
         rows.append([fmt, f"{r['file_mib']:.1f}", f"{c['median']:.1f} [{c['min']:.1f}-{c['max']:.1f}]",
                      f"{b['median']:.1f} [{b['min']:.1f}-{b['max']:.1f}]", f"{r['ratio']:.2f}",
                      f"{p['median']:.1f} [{p['min']:.1f}-{p['max']:.1f}]", f"{r['after_plan_ratio']:.2f}",
+                     f"{r['cpu_ms_per_image']['ceiling']:.1f} / {r['cpu_ms_per_image']['build']:.1f} = {r['cpu_ratio']:.2f}",
                      f"{r['main_thread_ms_per_1024sq']:.2f}", s["bound"],
                      " ".join(f"{k.removesuffix('_s')} {s[k]:.2f}" for k in ("plan_s", "decode_s", "feed_s", "encode_s",
                                                                             "write_s", "encode_wait_s"))])
@@ -247,10 +291,13 @@ def print_report(result: dict) -> None:
         f"image build, near-free encoder, {result['images']} images {w}x{h} -> bucket {result['bucket']}, batch "
         f"{result['batch_size']}, {result['workers']} decode workers; images/s median [min-max] of {result['runs']} runs",
         ["format", "MiB/file", "PIL+draft ceiling", "build_image_cache", "build/ceiling", "build after its plan",
-         "after plan/ceiling", "main-thread CPU ms/1024^2",
+         "after plan/ceiling", "CPU ms/image ceiling / build", "main-thread CPU ms/1024^2",
          "bound", "last run's stage seconds"], rows))
     load = ", ".join(f"{x:.1f}" for x in result["load_average"])
-    print(f"(the CPU normalize of one 1024^2 image, part of the main thread's time on a CPU build: "
+    w = result["slot_write_ms_per_1024sq"]
+    print(f"(writing a decoded image into its planar slot: {w['pillow_planes']:.2f} CPU ms per 1024^2 by Pillow's planes, "
+          f"{w['transposing_copy']:.2f} by the transposing copy of its array)")
+    print(f"(the CPU normalize of one 1024^2 image, on the feed thread of a CPU build: "
           f"{result['cpu_normalize_ms_per_1024sq']:.2f} ms; load average {load})")
 
 

@@ -5,14 +5,17 @@ A build runs in stages beside each other (:class:`Stages`): decode workers write
 their slots of a recycled host batch buffer (:class:`BatchBuffers`; pinned when the device is CUDA), one thread copies a
 finished batch to the device on a CUDA stream of its own, the caller's thread normalizes it there to the
 encoder's dtype with the fused :func:`latentfast.ops.normalize_uint8` and encodes it, and a writer thread
-stores the latents. Only uint8 pixels cross to the device (a quarter of the bytes of float32 ones).
+stores the latents. Only uint8 pixels cross to the device (a quarter of the bytes of float32 ones). On a
+CPU build the feed thread normalizes (the host is the device), so the caller's thread only encodes.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +23,7 @@ from ... import ops
 from ...devices import as_device
 from ...errors import InvalidArgumentError
 from ...encoders import DiffusersVAE
+from . import media
 
 _POLL_S = 0.05  # how often a blocked stage looks whether another one failed
 
@@ -122,38 +126,58 @@ class _Buffer:
         self.timed = False  # copy_start/copied hold a copy whose time is not counted yet
 
 
-class BatchBuffers:
-    """``count`` uint8 batch buffers of ``nbytes`` each, allocated once and recycled (no per-batch
-    allocation), and the host -> device step: one copy of the uint8 bytes on a stream of its own,
-    then the fused normalize on the encoder's stream."""
+class Sent(NamedTuple):
+    """A batch on its way to the encoder (:meth:`BatchBuffers.send`)."""
 
-    def __init__(self, count: int, nbytes: int, device: torch.device, stages: Stages):
-        self.device, self.stages, self.cuda = device, stages, device.type == "cuda"
+    pixels: torch.Tensor  # CUDA: uint8 on the device, in the buffer's layout; CPU: normalized already
+    buf: _Buffer | None  # CUDA: the buffer whose bytes are being copied
+    output: torch.Tensor | None  # CPU: the recycled output holding the normalized batch
+
+
+class BatchBuffers:
+    """At most ``count`` uint8 batch buffers of ``nbytes`` each, each allocated once, when first needed
+    (a CPU build, which frees a buffer as soon as it is normalized, makes fewer), and recycled (no
+    per-batch allocation); and the host -> device step, in two halves: :meth:`send` (the feed thread) and
+    :meth:`take` (the encoder's thread).
+
+    On CUDA, :meth:`send` copies the uint8 bytes on a stream of its own and :meth:`take` runs the fused
+    normalize on the encoder's stream. On the CPU the host is the device: :meth:`send` normalizes the
+    batch at once, on the feed thread, into one of at most two recycled float outputs (a fresh 100 MB
+    tensor costs ten times the normalize in page faults: the second is made only when the first is
+    still being encoded), so the encoder's thread only encodes; :meth:`done` hands the output back once
+    the batch is encoded."""
+
+    outputs = 2  # CPU: one batch being encoded, the next one normalized beside it
+
+    def __init__(self, count: int, nbytes: int, device: torch.device, stages: Stages, dtype: torch.dtype = torch.float32):
+        self.device, self.stages, self.cuda, self.dtype = device, stages, device.type == "cuda", dtype
         # a GPU reads channels-last bytes through strides at full speed, so the decoders' [h, w, 3] go as
         # they are; the CPU kernel is ~4x faster on planar input, so there the decoders write [3, h, w]
         self.channels_last = self.cuda
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_s = 0.0  # seconds the copies took on the device
-        # on the CPU the normalized batch is host memory too: one output reused (a new 100 MB tensor per
-        # batch costs more in page faults than the normalize itself); CUDA's caching allocator reuses its own
-        self.nbytes, self.out = nbytes, None
-        self.free: queue.Queue = queue.Queue()
-        for _ in range(count):
-            self.free.put(_Buffer(nbytes, device))
+        self.count, self.made, self.free = count, 0, queue.Queue()
+        self.nbytes, self.made_outputs, self.free_outputs = nbytes, 0, queue.Queue()
 
     def shape(self, batch: int, size: tuple) -> tuple:
         """The layout of a batch of ``batch`` items of ``size`` ((h, w) or (T, h, w)) in a buffer."""
         return (batch, *size, 3) if self.channels_last else (batch, 3, *size)
 
-    def place(self, slot: torch.Tensor, pixels) -> None:
-        """Copy one item's decoded uint8 ``[..., 3]`` pixels into its ``slot`` of a buffer (numpy
-        releases the GIL for the copy, so decode workers do this beside each other)."""
-        import numpy as np
-
-        np.copyto(slot.numpy(), pixels if self.channels_last else np.moveaxis(pixels, -1, 0))
+    def place(self, slot: torch.Tensor, frames: list) -> None:
+        """Write one item's decoded RGB frames (PIL images: one for an image, T for a clip) into its
+        ``slot`` of a buffer, each straight from Pillow's memory (:func:`~.media.write_rgb`)."""
+        array = slot.numpy()
+        for t, image in enumerate(frames):
+            target = array if array.ndim == 3 else array[t] if self.channels_last else array[:, t]
+            media.write_rgb(image, target, planar=not self.channels_last)
 
     def acquire(self) -> _Buffer:
         """A free buffer whose host bytes may be written (the last copy out of them is done)."""
+        # (only the feed thread acquires) CUDA: all made, so a copy in flight out of one has the others' time
+        # to finish; CPU: a new one only when none is free
+        if self.made < self.count and (self.cuda or self.free.empty()):
+            self.made += 1
+            return _Buffer(self.nbytes, self.device)
         buf = self.stages.get(self.free)
         if self.cuda:
             buf.copied.synchronize()
@@ -165,40 +189,61 @@ class BatchBuffers:
             self.h2d_s += buf.copy_start.elapsed_time(buf.copied) / 1000
             buf.timed = False
 
-    def to_device(self, buf: _Buffer, shape: tuple) -> torch.Tensor:
-        """The buffer's first ``prod(shape)`` bytes as a uint8 tensor of ``shape`` on the device: copied
-        there asynchronously on the copy stream (CUDA), or the host bytes themselves (CPU)."""
-        nbytes = 1
-        for side in shape:
-            nbytes *= side
+    def send(self, buf: _Buffer, shape: tuple, output: torch.Tensor | None) -> Sent:
+        """The feed thread's half: the buffer's first ``prod(shape)`` bytes, a batch of ``shape``, on
+        their way to the device. CUDA: copied there asynchronously on the copy stream; CPU: normalized
+        now into ``output`` (from :meth:`output`), and the buffer handed back."""
+        nbytes = math.prod(shape)
         if not self.cuda:
-            return buf.host[:nbytes].view(shape)
+            return Sent(self.normalize(buf, buf.host[:nbytes].view(shape), output), None, output)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(buf.consumed)  # the last normalize out of these device bytes is done
             buf.copy_start.record(self.stream)
             buf.device[:nbytes].copy_(buf.host[:nbytes], non_blocking=True)
             buf.copied.record(self.stream)
             buf.timed = True
-        return buf.device[:nbytes].view(shape)
+        return Sent(buf.device[:nbytes].view(shape), buf, None)
 
-    def normalize(self, buf: _Buffer, pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A batch of uint8 pixels in the buffer's layout -> ``[B, 3, ...]`` in [-1, 1] of ``dtype``,
-        contiguous, on the device (the fused op reads channels-last bytes through strides); the
-        buffer is handed back for reuse. On the CPU the result is one tensor overwritten by the next
-        batch: see :func:`owned`."""
+    def output(self) -> torch.Tensor | None:
+        """For :meth:`send` on the CPU (None on CUDA): a free output, one handed back, else a new one
+        while fewer than :attr:`outputs` exist, else the next one handed back (only the feed thread
+        calls this; the wait is the encoder's, not the feed's work)."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(buf.copied)
+            return None
+        with contextlib.suppress(queue.Empty):
+            return self.free_outputs.get_nowait()
+        if self.made_outputs < self.outputs:
+            self.made_outputs += 1
+            return torch.empty(self.nbytes, dtype=self.dtype)
+        return self.stages.get(self.free_outputs)
+
+    def take(self, sent: Sent) -> torch.Tensor:
+        """The encoder thread's half: the batch ``[B, 3, ...]`` in [-1, 1] of the encoder's dtype,
+        contiguous, on the device (on the CPU, normalized by :meth:`send` already)."""
+        if not self.cuda:
+            return sent.pixels
+        torch.cuda.current_stream(self.device).wait_event(sent.buf.copied)
+        return self.normalize(sent.buf, sent.pixels)
+
+    def normalize(self, buf: _Buffer, pixels: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A batch of uint8 pixels in the buffer's layout -> ``[B, 3, ...]`` in [-1, 1] of the encoder's
+        dtype by the fused op (which reads channels-last bytes through strides), into the first bytes
+        of ``out`` when given; the buffer is handed back for reuse."""
         x = pixels.movedim(-1, 1) if self.channels_last else pixels
-        if self.cuda:
-            out = ops.normalize_uint8(x, dtype=dtype)
+        if out is None:
+            out = ops.normalize_uint8(x, dtype=self.dtype)
         else:
-            if self.out is None or self.out.dtype != dtype:
-                self.out = torch.empty(self.nbytes, dtype=dtype)
-            out = ops.normalize_uint8(x, dtype=dtype, out=self.out[: x.numel()].view(x.shape))
+            out = ops.normalize_uint8(x, dtype=self.dtype, out=out[: x.numel()].view(x.shape))
         if self.cuda:
             buf.consumed.record(torch.cuda.current_stream(self.device))
         self.free.put(buf)
         return out
+
+    def done(self, sent: Sent) -> None:
+        """``sent``'s batch is encoded: on the CPU its output may be overwritten now (see :func:`owned`
+        for latents that view it)."""
+        if sent.output is not None:
+            self.free_outputs.put(sent.output)
 
     def close(self) -> None:
         """Wait for the copies in flight and count their time."""
@@ -210,7 +255,7 @@ class BatchBuffers:
 
 def owned(t: torch.Tensor | None, pixels: torch.Tensor) -> torch.Tensor | None:
     """``t``, copied if it shares memory with ``pixels`` (an encoder may return a view of its input,
-    which on the CPU the next batch's normalize overwrites)."""
+    which on the CPU a later batch's normalize overwrites)."""
     if t is not None and t.untyped_storage().data_ptr() == pixels.untyped_storage().data_ptr():
         return t.clone()
     return t

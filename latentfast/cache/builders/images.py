@@ -62,7 +62,7 @@ class _Job:
 
     kind: str  # "image" | "video"
     bucket_of: Callable[[media.Item], tuple]
-    load: Callable[[media.Item], tuple[torch.Tensor, dict]]
+    load: Callable[[media.Item], tuple[list, dict]]  # item -> (its frames as RGB PIL images, resized and cropped; info)
     encode: Callable  # encoder method: (batch, **kw) -> latents
     store_std: bool = False  # the encoder's sample="store": fields latent and latent_std
     flip: bool = False  # also encode each image's mirror: field latent_flipped (and latent_flipped_std)
@@ -117,8 +117,9 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     source hash, so a rebuild with the other one re-encodes exactly the drafted items; the meta's
     ``jpeg_draft`` says it was on.
     ``stats`` (a dict) receives counts and timings: each stage's busy seconds (``decode_s``, summed
-    over the decode workers; ``feed_s``, planning batches and issuing the copies to the device;
-    ``h2d_s``, the copies on the device; ``encode_s``, normalizing and encoding; ``write_s``),
+    over the decode workers; ``feed_s``, planning batches and issuing the copies to the device, and on
+    a CPU build the normalize; ``h2d_s``, the copies on the device; ``encode_s``, encoding, and on CUDA
+    the normalize before it; ``write_s``),
     ``encode_wait_s`` (the encoder waiting for pixels), ``bound``, the stage that bounds the build
     (the most busy seconds per thread), and ``plan_s`` (listing, probing and hashing, before them). ``latent_dtype``
     (``"float16"``, ``"bfloat16"`` or ``"float32"``): the stored dtype of the latent and the fields
@@ -156,7 +157,7 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
         raise ArgumentTypeError(f"flip must be a bool, got {type(flip).__name__} ({flip!r})")
     if not isinstance(jpeg_draft, bool):
         raise ArgumentTypeError(f"jpeg_draft must be a bool, got {type(jpeg_draft).__name__} ({jpeg_draft!r})")
-    job = _Job("image", bucket_of, media.load_image, encoder.encode, flip=flip, latent_dtype=_latent_dtype(latent_dtype),
+    job = _Job("image", bucket_of, lambda item: _one_frame(*media.fitted_image(item)), encoder.encode, flip=flip, latent_dtype=_latent_dtype(latent_dtype),
                jpeg_draft=jpeg_draft)
     settings = {"buckets": [list(b) for b in bucket_list], "resize": "lanczos-cover-center-crop",
                 "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
@@ -192,7 +193,7 @@ def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
         raise InvalidArgumentError(f"frame_stride must be a positive int, got {frame_stride!r}")
     bucket_list = media.check_buckets(buckets, video=True, factor=getattr(encoder, "spatial_downscale", None))
     job = _Job("video", lambda item: media.clip_bucket(item, bucket_list, frame_stride),
-               lambda item: media.load_clip(item, frame_stride), encoder.encode_video,
+               lambda item: media.fitted_clip(item, frame_stride), encoder.encode_video,
                latent_dtype=_latent_dtype(latent_dtype))
     settings = {"buckets": [list(b) for b in bucket_list], "frame_stride": frame_stride,
                 "resize": "lanczos-cover-center-crop", "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
@@ -200,6 +201,11 @@ def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     return _build(job, encoder, source, out_dir, split, settings, batch_size=batch_size, device=device,
                   autocast_dtype=autocast_dtype, num_workers=num_workers, skip_bad=skip_bad_clips, quiet=quiet,
                   lock_timeout=lock_timeout, stats=stats)
+
+
+def _one_frame(image, info: dict) -> tuple[list, dict]:
+    """An image as a clip of one frame (what :attr:`_Job.load` gives)."""
+    return [image], info
 
 
 def _as_latent_dtype(items, name: str, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -400,8 +406,10 @@ class _Runner:
     """Runs the planned batches: skip what the writer has, copy what the old cache holds, encode the rest.
 
     Stages, overlapped (see :mod:`.encode`): a feed thread plans each batch (old latents read and
-    checked for copying), has the decode pool write its images into a recycled uint8 buffer, and copies
-    the finished buffer to the device; the caller's thread normalizes and encodes; a writer thread
+    checked for copying), has the decode pool write its images (every frame of a clip, each decoded
+    once) into a recycled uint8 buffer, and copies the finished buffer to the device (a CPU build
+    normalizes it there, into one of at most two recycled outputs); the caller's thread normalizes (CUDA) and
+    encodes; a writer thread
     appends and makes each batch durable, in order. Queues of ``_QUEUE`` batches join them, and
     ``ahead`` batches decode in advance (enough to keep every decode worker busy).
     """
@@ -427,7 +435,8 @@ class _Runner:
         biggest = max(len(batch) for batch in work)
         ahead = max(self.lookahead, -(-2 * self.workers // biggest))
         stages = Stages()
-        buffers = BatchBuffers(ahead + 2, max(len(b) * math.prod(b[0].bucket) * 3 for b in work), self.device, stages)
+        buffers = BatchBuffers(ahead + 2, max(len(b) * math.prod(b[0].bucket) * 3 for b in work), self.device, stages,
+                               self.dtype)
         encoded, written = queue.Queue(_QUEUE), queue.Queue(_QUEUE)
         stages.start("feed", self._feed, work, ahead, buffers, stages, encoded)
         writer = stages.start("write", self._write, written, bar)
@@ -493,29 +502,31 @@ class _Runner:
                                                for j, item in enumerate(to_encode)]
 
     def _load_into(self, item, buffers, slot: torch.Tensor):
-        """Decode one item straight into its slot of the batch buffer; ``(info, seconds)``."""
+        """Decode one item (each frame once) straight into its slot of the batch buffer; ``(info, seconds)``."""
         t0 = time.perf_counter()
-        pixels, info = self.job.load(item)
-        buffers.place(slot, pixels)
+        frames, info = self.job.load(item)
+        buffers.place(slot, frames)
         return info, time.perf_counter() - t0
 
     def _finish(self, plan, buffers, stages):
-        """The batch's decodes waited for, its buffer copied to the device."""
+        """The batch's decodes waited for, its buffer sent to the device (on the CPU: normalized)."""
         batch, copies, to_encode, buf, futures = plan
         loads = [stages.result(future) for future in futures]
         self.counts["decode_s"] += sum(seconds for _, seconds in loads)
-        pixels = None
+        sent = None
         if to_encode:
+            output = buffers.output()  # (CPU) waited for outside feed_s: a slow encoder holds the outputs
             with timed(self.counts, "feed_s"):
-                pixels = buffers.to_device(buf, buffers.shape(len(to_encode), to_encode[0].bucket))
-        return batch, copies, to_encode, [info for info, _ in loads], buf, pixels
+                sent = buffers.send(buf, buffers.shape(len(to_encode), to_encode[0].bucket), output)
+        return batch, copies, to_encode, [info for info, _ in loads], sent
 
-    # -- the caller's thread: normalize and encode -------------------------------------------------
-    def _encode_batch(self, buffers, batch, copies, to_encode, infos, buf, pixels):
+    # -- the caller's thread: (on CUDA, normalize and) encode ----------------------------------------
+    def _encode_batch(self, buffers, batch, copies, to_encode, infos, sent):
         records = None
         if to_encode:
             with timed(self.counts, "encode_s"):
-                records = self._encode(to_encode, buffers.normalize(buf, pixels, self.dtype))
+                records = self._encode(to_encode, buffers.take(sent))
+                buffers.done(sent)
         return batch, copies, to_encode, records, infos
 
     # -- the writer thread -------------------------------------------------------------------------

@@ -358,8 +358,8 @@ def plan_draft(item: Item) -> bool:
     return min(item.width // rw, item.height // rh) >= 2
 
 
-def load_image(item: Item) -> tuple[np.ndarray, dict]:
-    """The item resized and cropped to its bucket, uint8 ``[h, w, 3]``, and its info. A planned draft
+def fitted_image(item: Item) -> tuple:
+    """``(the item as an RGB PIL image resized and cropped to its bucket, its info)``. A planned draft
     asks the JPEG decoder for the resized size (in the file's orientation), so it decodes at the
     largest DCT scale that stays at least that big; the resize is reckoned from the full size."""
     from PIL import Image
@@ -372,25 +372,39 @@ def load_image(item: Item) -> tuple[np.ndarray, dict]:
             image = upright_rgb(im, item.orientation)
     except Exception as exc:  # noqa: BLE001
         raise ImageError(f"item {item.key!r} ({item.path}): cannot decode: {exc}") from None
-    image, info = fit(image, item.bucket, (item.width, item.height))
+    return fit(image, item.bucket, (item.width, item.height))
+
+
+def load_image(item: Item) -> tuple[np.ndarray, dict]:
+    """The item resized and cropped to its bucket (:func:`fitted_image`), uint8 ``[h, w, 3]``, and its info."""
+    image, info = fitted_image(item)
     return to_uint8(image), info
 
 
-def load_clip(item: Item, frame_stride: int = 1) -> tuple[np.ndarray, dict]:
-    """The clip's first ``bucket[0]`` frames (every ``frame_stride``-th), each decoded once, resized
-    and cropped, as uint8 ``[T, h, w, 3]``."""
+def fitted_clip(item: Item, frame_stride: int = 1) -> tuple[list, dict]:
+    """``(the clip's first bucket[0] frames (every frame_stride-th) as RGB PIL images, each decoded once,
+    resized and cropped; the clip's info)``."""
     count, hw = item.bucket[0], item.bucket[1:]
-    try:
-        images = list(_frames(item, count, frame_stride))
+    try:  # each frame resized as it comes: the clip is never held at its full size
+        fitted = [fit(im, hw) for im in _frames(item, count, frame_stride)]
     except ImageError:
         raise
     except Exception as exc:  # noqa: BLE001
         raise ImageError(f"item {item.key!r} ({item.path}): cannot decode: {exc}") from None
-    if len(images) < count:
-        raise ImageError(f"item {item.key!r} ({item.path}): decoded {len(images)} frames, the bucket needs {count}")
-    fitted = [fit(im, hw) for im in images]
-    clip = np.stack([to_uint8(im) for im, _ in fitted])
-    return clip, {**fitted[0][1], "frames": item.frames, "frame_stride": frame_stride}
+    if len(fitted) < count:
+        raise ImageError(f"item {item.key!r} ({item.path}): decoded {len(fitted)} frames, the bucket needs {count}")
+    return [im for im, _ in fitted], {**fitted[0][1], "frames": item.frames, "frame_stride": frame_stride}
+
+
+def write_rgb(image, out: np.ndarray, *, planar: bool) -> None:
+    """An RGB PIL image's pixels written into ``out``: ``[3, h, w]`` planes (``planar``) or ``[h, w, 3]``.
+    Pillow packs each plane itself (``tobytes("raw", band)``), about twice as fast as a transposing
+    copy of the ``[h, w, 3]`` array; bit-equal to it."""
+    if not planar:
+        np.copyto(out, to_uint8(image))
+        return
+    for c, band in enumerate("RGB"):
+        np.copyto(out[c], np.frombuffer(image.tobytes("raw", band), dtype=np.uint8).reshape(out.shape[1:]))
 
 
 def _frames(item: Item, count: int, stride: int):
@@ -402,12 +416,13 @@ def _frames(item: Item, count: int, stride: int):
                 yield upright_rgb(im)
         return
     av = _import_av()
+    last = (count - 1) * stride  # the last frame needed: decoding stops there, not a frame later
     with av.open(item.path) as container:
         for k, frame in enumerate(container.decode(video=0)):
-            if k >= count * stride:
-                break
             if k % stride == 0:
                 yield frame.to_image()
+            if k == last:
+                break
 
 
 def clip_bucket(item: Item, buckets: list[tuple[int, int, int]], frame_stride: int) -> tuple[int, int, int]:
