@@ -24,6 +24,7 @@ from latentfast.testing import spawn_gloo
 from test_import_distributed import assert_same_records
 from test_trainers_ai_toolkit import get_latent, hashed_path, prompt_embeds_load
 from test_trainers_kohya import load_latents_from_disk, load_outputs_npz
+from test_trainers_simpletuner import first_textfile_caption
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -374,7 +375,7 @@ def test_ai_toolkit_datasets_with_and_without_flips_and_text_import_whole(tmp_pa
 def test_a_simpletuner_item_whose_text_embedding_is_missing_is_listed_with_the_file_it_lacks(tmp_path):
     cache, images = tmp_path / "cache", tmp_path / "images"
     write_simpletuner(str(cache), str(images), n=3, compress=False)
-    missing = simpletuner_text_cache_name("a photo of thing 2", "flux")
+    missing = simpletuner_text_cache_name(first_textfile_caption(images / "img_002.txt"), "flux")
     os.remove(cache / "text" / missing)  # its caption was never encoded
     stats = {}
     import_latents(cache, tmp_path / "out", format="simpletuner", images=str(images), quiet=True, stats=stats)
