@@ -105,18 +105,24 @@ class KohyaBuckets:
         return size[0] - size[0] % self.steps, size[1] - size[1] % self.steps
 
 
-def read_kohya_config(path) -> list[dict]:
-    """Every subset of a kohya dataset config, its options resolved (subset, dataset, general, default)."""
+def _read_datasets(path, kind: str) -> tuple[dict, list]:
+    """A dataset config's ``[general]`` table and its ``[[datasets]]`` tables (``kind`` names the trainer in errors)."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as fh:
             config = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise InvalidArgumentError(f"kohya dataset config {path}: {exc}") from None
-    general = config.get("general", {})
+        raise InvalidArgumentError(f"{kind} dataset config {path}: {exc}") from None
     datasets = config.get("datasets")
     if not isinstance(datasets, list) or not datasets:
-        raise InvalidArgumentError(f"kohya dataset config {path}: expected [[datasets]] tables, found {sorted(config)}")
+        raise InvalidArgumentError(f"{kind} dataset config {path}: expected [[datasets]] tables, found {sorted(config)}")
+    return config.get("general", {}), datasets
+
+
+def read_kohya_config(path) -> list[dict]:
+    """Every subset of a kohya dataset config, its options resolved (subset, dataset, general, default)."""
+    path = os.fspath(path)
+    general, datasets = _read_datasets(path, "kohya")
     subsets = []
     for d, dataset in enumerate(datasets):
         def option(name, table, defaults):
@@ -294,14 +300,7 @@ class MusubiBuckets:
 def _musubi_plans(config_path) -> list[dict]:
     """One plan per image dataset of a musubi-tuner config (options: the dataset's, else ``[general]``'s)."""
     path = os.fspath(config_path)
-    try:
-        with open(path, "rb") as fh:
-            config = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise InvalidArgumentError(f"musubi-tuner dataset config {path}: {exc}") from None
-    general, datasets = config.get("general", {}), config.get("datasets")
-    if not isinstance(datasets, list) or not datasets:
-        raise InvalidArgumentError(f"musubi-tuner dataset config {path}: expected [[datasets]] tables, found {sorted(config)}")
+    general, datasets = _read_datasets(path, "musubi-tuner")
     plans = []
     for n, dataset in enumerate(datasets):
         if "image_directory" not in dataset:
