@@ -296,7 +296,7 @@ class LatentLoader:
         self._taken, self._loaded = 0, False
         todo = self.sampler.rank_batches()  # a mix's: (source, epoch of its draws, indices); one cache's: indices
         if not self.mixed:
-            todo = [(0, self.sampler.epoch, indices) for indices in todo]
+            todo = _OneCacheTasks(todo, self.sampler.epoch)
         batches = self._in_process(todo) if self.num_workers == 0 else self._from_workers(todo)
         for batch in batches:
             self._taken += 1  # counted as handed over: a state saved while the loop holds it resumes after it
@@ -379,6 +379,22 @@ class _SourcesPrefetch:
             coldread.prefetch(cache, indices)
         else:
             own(indices)
+
+
+class _OneCacheTasks(Sequence):
+    """One cache's batches as the tasks ``(0, epoch, indices)`` a mix's are, each made when it is taken:
+    the epoch's plan stays the sampler's arrays (a list of every task would hold a Python int per item)."""
+
+    def __init__(self, batches: Sequence, epoch: int):
+        self.batches, self.epoch = batches, epoch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        return (0, self.epoch, self.batches[k])
 
 
 class _Tasks:

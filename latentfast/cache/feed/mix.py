@@ -107,6 +107,27 @@ def keys_to_fill(caches: Sequence, names: Sequence[str], flips: Sequence) -> lis
     return fills
 
 
+class MixedBatches(Sequence):
+    """A rank's batches of a mix as ``(source, epoch, indices)``, the indices made from the cache's plan
+    when a batch is taken (a list of them all would hold a Python int per item). ``sizes``: with repeats,
+    each cache's item count (its listed index ``v`` is item ``v % sizes[source]``)."""
+
+    def __init__(self, refs: list, sizes: list | None):
+        self.refs, self.sizes = refs, sizes
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        source, epoch, plan, j = self.refs[k]
+        batch = plan[j]
+        if self.sizes is not None:
+            batch = [v % self.sizes[source] for v in batch]
+        return source, epoch, batch
+
+
 class MixedBatchSampler:
     """The batches of an epoch over several caches, each batch ``(source, epoch, indices)``: cache
     ``source``'s item ``indices``, read with the draws of ``epoch`` (the pass over that cache: the
@@ -149,14 +170,15 @@ class MixedBatchSampler:
         self.epoch = as_int("epoch", epoch, minimum=0)
         self.start = 0
 
-    def _pass(self, source: int, epoch: int) -> list[tuple[int, int, list[int]]]:
-        """Cache ``source``'s batches of its sampler's ``epoch`` (indices of its items as listed: see
-        :meth:`rank_batches` for the items)."""
+    def _pass(self, source: int, epoch: int) -> list[tuple]:
+        """Cache ``source``'s batches of its sampler's ``epoch``, each ``(source, epoch, plan, k)``: batch
+        ``k`` of the sampler's plan (its arrays; the indices are made when the batch is taken)."""
         sampler = self.samplers[source]
         sampler.set_epoch(epoch)
-        return [(source, epoch, batch) for batch in sampler.rank_batches()]
+        plan = sampler.rank_batches()
+        return [(source, epoch, plan, k) for k in range(len(plan))]
 
-    def _all_batches(self) -> list[tuple[int, int, list[int]]]:
+    def _all_batches(self) -> list[tuple]:
         rng = np.random.default_rng([self.seed, MIX_STREAM, self.epoch])
         if self.weights is None:
             batches = [batch for source in range(len(self.samplers)) for batch in self._pass(source, self.epoch)]
@@ -175,19 +197,16 @@ class MixedBatchSampler:
             streams.append(iter(stream))
         return [next(streams[source]) for source in choice.tolist()]
 
-    def rank_batches(self) -> list[tuple[int, int, list[int]]]:
-        """This rank's batches of the current epoch from the position the pass begins at, in order."""
+    def rank_batches(self) -> "MixedBatches":
+        """This rank's batches ``(source, epoch, indices)`` of the current epoch from the position the pass
+        begins at, in order (each made when it is taken)."""
         batches = self._all_batches()
         rest = batches[self.start :]
         if self.drop_last:
             rest = rest[: len(rest) - len(rest) % self.world_size]
         elif rest:
             rest = rest + [batches[k % len(batches)] for k in range(-len(rest) % self.world_size)]
-        mine = rest[self.rank :: self.world_size]
-        if self.repeats is None or max(self.repeats) == 1:
-            return mine
-        # a cache listed r times: its listed index v is item v % n (mapped for this rank's batches only)
-        return [(s, e, batch if self.repeats[s] == 1 else [v % self.sizes[s] for v in batch]) for s, e, batch in mine]
+        return MixedBatches(rest[self.rank :: self.world_size], self.sizes if self.repeats and max(self.repeats) > 1 else None)
 
     def _fingerprint(self) -> dict:
         inner = [s.state_dict() for s in self.samplers]
