@@ -52,7 +52,7 @@ from ..store.layout import item_spans
 from ..store.manifest import manifest_path, order_path, remote_shard_url
 from .chunks import now_ns
 from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError, RemoteReplacedError
-from .reader import RemoteReader, coalesce
+from .reader import MAX_CONCURRENCY, ConcurrencyLimit, RemoteReader, coalesce
 from .storage import ObjectFolder
 
 _HOLD_ATTEMPTS = 8  # fetch-and-check rounds of one hold before giving up (eviction by others, bad CRCs)
@@ -428,10 +428,13 @@ class RemoteShards:
     """A sharded cache in object storage as :class:`~latentfast.cache.store.shards.ShardedCache` is handed
     it: the manifest and order mirrored into a local folder (``mirror``, held as a generation: see
     :func:`mirror_manifest`), and each shard's objects read through a :class:`RemoteFiles` of its own
-    (``shard``), all under the one local chunk cache and its budget."""
+    (``shard``), all under the one local chunk cache and its budget, and one limit of ``max_concurrency``
+    GETs in flight (:class:`.ConcurrencyLimit`: a batch over the shards is fetched as one cache's is)."""
 
-    def __init__(self, url: str, split: str, storage_options: dict | None, local_cache, local_cache_bytes):
+    def __init__(self, url: str, split: str, storage_options: dict | None, local_cache, local_cache_bytes,
+                 max_concurrency: int = MAX_CONCURRENCY):
         self.url, self.split = str(url).rstrip("/"), split
+        self.limit = ConcurrencyLimit(max_concurrency)
         self.options = {"storage_options": storage_options, "local_cache": local_cache, "local_cache_bytes": local_cache_bytes}
         self.mirror = mirror_manifest(self.url, split, **self.options)
         self._generation_lock = hold_generation(self.mirror)
@@ -442,7 +445,7 @@ class RemoteShards:
     def shard(self, path: str) -> RemoteFiles:
         """The storage of the shard at ``path`` (a manifest entry's, relative to the sharded cache's URL)."""
         return RemoteFiles(self.shard_url(path), self.split, self.options["storage_options"], self.options["local_cache"],
-                           self.options["local_cache_bytes"])
+                           self.options["local_cache_bytes"], limit=self.limit)
 
     def shard_metas(self, paths: list[str]) -> list[bytes]:
         """The meta bytes of the shards at ``paths``, fetched at once (whole GETs on a few threads)."""

@@ -336,6 +336,7 @@ class ShardedFieldItems:
 
     @functools.cached_property
     def parts(self) -> list:
+        self.cache.shards  # (opened at once)
         return [self.part(k) for k in range(len(self.cache.shard_dirs))]
 
     def _joined(self, attr: str) -> np.ndarray:
@@ -520,11 +521,17 @@ class ShardedCache(LatentCache):
     @property
     def shards(self) -> list[LatentCache]:
         """Every shard, opened (those in object storage, several at once)."""
-        todo = [k for k, s in enumerate(self._opened) if s is None]
+        return self.open_shards(range(len(self._opened)))
+
+    def open_shards(self, ks) -> list[LatentCache]:
+        """Shards ``ks``, opened: those in object storage not open yet several at once (each open is a
+        dozen requests one after another: one by one, a batch over 8 new shards would wait 8 times as long)."""
+        ks = list(ks)
+        todo = [k for k in ks if self._opened[k] is None]
         if self.storage is not None and len(todo) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(_OPEN_THREADS, len(todo))) as pool:
                 list(pool.map(self.shard, todo))
-        return [self.shard(k) for k in range(len(self._opened))]
+        return [self.shard(k) for k in ks]
 
     def opened_shards(self) -> list[LatentCache]:
         """The shards opened so far in this process."""
@@ -638,11 +645,12 @@ class ShardedCache(LatentCache):
         one submission to the fetching loop (:meth:`RemoteShards.prefetch_many
         <latentfast.cache.remote.files.RemoteShards.prefetch_many>`); local shards each get their cold-read advice."""
         groups = list(self.items.by_shard(np.asarray(indices, dtype=np.int64)))
+        shards = self.open_shards(k for k, _rows in groups)
         if self.storage is None:
-            for k, rows in groups:
-                self.shard(k).prefetch(rows)
+            for shard, (_k, rows) in zip(shards, groups):
+                shard.prefetch(rows)
             return None
-        return self.storage.prefetch_many([r for k, rows in groups for r in self.shard(k).prefetch_requests(rows)])
+        return self.storage.prefetch_many([r for shard, (_k, rows) in zip(shards, groups) for r in shard.prefetch_requests(rows)])
 
     def shard_chunks(self, chunk_bytes: int) -> np.ndarray:
         """int64 ``[N]``: each item's chunk (:func:`latentfast.cache.feed.sampler.item_chunks`), the chunks
