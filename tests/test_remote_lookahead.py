@@ -1,7 +1,7 @@
 """The lookahead of a sharded cache in object storage (issue 32): a prefetch of a batch over shards not
 opened yet opens them at once, not one after another; the shards share one limit of GETs in flight
 (as one cache's reader has), so the next batch's prefetch queues behind the batch being read instead
-of splitting the server with it; and a loop reading each batch while the next one is prefetched fetches
+of splitting the server with it; a batch's hold hands the fetch loop one job for every shard; and a loop reading each batch while the next one is prefetched fetches
 every chunk once and nothing the batches do not read. Against moto on loopback, through the fault
 proxy where GETs are counted or slowed."""
 from __future__ import annotations
@@ -125,6 +125,20 @@ def test_the_shards_share_one_limit_of_gets_in_flight(server, tmp_path, monkeypa
     worker = pickle.loads(pickle.dumps(cache))  # a DataLoader worker's copy: one limit for its shards too
     assert len({id(s.remote.reader.limit) for s in worker.shards} | {id(worker.storage.limit)}) == 1
     assert worker.storage.limit.n == 2
+
+
+def test_a_cold_batch_over_every_shard_is_one_submission_to_the_fetch_loop(server, tmp_path, monkeypatch):
+    from latentfast.cache.remote.reader import RemoteReader
+
+    endpoint, folder = server
+    cache = remote(endpoint, tmp_path)
+    cache.shards  # (opened first: only the batch's hold is counted)
+    runs = []
+    submit = RemoteReader._run
+    monkeypatch.setattr(RemoteReader, "_run", lambda self, coro: runs.append(1) or submit(self, coro))
+    batch = spanning_batches(1, seed=3)[0]
+    assert_same(cache.read_batch(batch), LatentCache(folder).read_batch(batch))
+    assert len(runs) == 1, f"{len(runs)} submissions to the fetch loop for one batch over {SHARDS} shards"
 
 
 def test_reading_each_batch_while_the_next_is_prefetched_fetches_every_chunk_once(server, tmp_path):

@@ -420,8 +420,9 @@ class _Hold:
             self._what = starts[ends > starts], ends[ends > starts]
         return self._what
 
-    def fetch(self):
-        return self.files.reader._run(self.files._fetch_checked(self.name, self.obj, *self.spans(), self.files._values(self.items)))
+    def fetching(self):
+        """The fetch (and check) of this part's missing chunks: a coroutine for the fetching loop."""
+        return self.files._fetch_checked(self.name, self.obj, *self.spans(), self.files._values(self.items))
 
 
 class RemoteShards:
@@ -510,8 +511,9 @@ def _holding(holds):
                 return
         if attempt == _HOLD_ATTEMPTS:
             break
-        for fetch in [h.fetch() for h in missing]:
-            fetch.result()
+        # one submission to the fetching loop for every part (a sharded batch's every shard), not one
+        # each: each hand-off wakes the loop (every reader of the process shares its one loop)
+        missing[0].files.reader._run(_all([h.fetching() for h in missing])).result()
     starts, ends = missing[0].spans()
     raise RemoteReadError(
         f"{missing[0].files.reader.folder.where(missing[0].name, int(starts.min()), int(ends.max()))}: its chunks were "
