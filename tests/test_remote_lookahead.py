@@ -1,7 +1,7 @@
 """The lookahead of a sharded cache in object storage (issue 32): a prefetch of a batch over shards not
 opened yet opens them at once, not one after another; the shards share one limit of GETs in flight
 (as one cache's reader has), so the next batch's prefetch queues behind the batch being read instead
-of splitting the server with it; a batch's hold hands the fetch loop one job for every shard; and a loop reading each batch while the next one is prefetched fetches
+of splitting the server with it; a batch's hold hands the fetch loop one job for every shard (a warm batch's prefetch none); and a loop reading each batch while the next one is prefetched fetches
 every chunk once and nothing the batches do not read. Against moto on loopback, through the fault
 proxy where GETs are counted or slowed."""
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_the_shards_share_one_limit_of_gets_in_flight(server, tmp_path, monkeypa
     assert worker.storage.limit.n == 2
 
 
-def test_a_cold_batch_over_every_shard_is_one_submission_to_the_fetch_loop(server, tmp_path, monkeypatch):
+def test_a_cold_batch_over_every_shard_is_one_submission_to_the_fetch_loop_and_a_warm_one_none(server, tmp_path, monkeypatch):
     from latentfast.cache.remote.reader import RemoteReader
 
     endpoint, folder = server
@@ -139,6 +139,11 @@ def test_a_cold_batch_over_every_shard_is_one_submission_to_the_fetch_loop(serve
     batch = spanning_batches(1, seed=3)[0]
     assert_same(cache.read_batch(batch), LatentCache(folder).read_batch(batch))
     assert len(runs) == 1, f"{len(runs)} submissions to the fetch loop for one batch over {SHARDS} shards"
+    cache.prefetch(batch).result()  # the text values' chunks: the latents' are local
+    assert len(runs) == 2
+    cache.prefetch(batch).result()  # warm: the lookahead of a batch whose chunks are all local costs no loop work
+    assert_same(cache.read_batch(batch, **FIELDS), LatentCache(folder).read_batch(batch, **FIELDS))
+    assert len(runs) == 2
 
 
 def test_reading_each_batch_while_the_next_is_prefetched_fetches_every_chunk_once(server, tmp_path):

@@ -197,11 +197,15 @@ class RemoteFiles:
 
     def _prefetch(self, items, starts, ends):
         """The fetch (and check) of these spans of ``items``' data file into the local chunk cache, to run
-        on the fetching loop (see :func:`prefetch_many`)."""
+        on the fetching loop (see :func:`prefetch_many`); None when their chunks are all local already
+        (a warm batch: nothing to hand the loop, whose work would only compete with the reads)."""
         name, obj = self._object(items.path)
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         keep = ends > starts
-        return self._fetch_checked(name, obj, starts[keep], ends[keep], self._values(items))
+        starts, ends = starts[keep], ends[keep]
+        if not len(starts) or obj.present[_span_chunks(obj, starts, ends)].all():
+            return None
+        return self._fetch_checked(name, obj, starts, ends, self._values(items))
 
     @staticmethod
     def prefetch_many(requests):
@@ -469,14 +473,15 @@ def prefetch_many(requests):
     """Start fetching (and checking) the spans of several files into the local chunk cache -- ``requests``:
     ``(items, byte starts, byte ends)``, each ``items.remote`` a :class:`RemoteFiles` (a cache's latents and
     fields, or a sharded batch's every shard's) -- as one submission to the fetching loop (one hand-off from
-    the caller's thread, however many shards and fields); returns a future at once."""
+    the caller's thread, however many shards and fields), or none where every chunk is local already;
+    returns a future at once."""
     remote = [(items.remote, items, starts, ends) for items, starts, ends in requests if items.remote is not None]
-    if not remote:
+    fetches = [(files, fetch) for files, items, starts, ends in remote if (fetch := files._prefetch(items, starts, ends)) is not None]
+    if not fetches:
         done = concurrent.futures.Future()
         done.set_result(None)
         return done
-    fetches = [files._prefetch(items, starts, ends) for files, items, starts, ends in remote]
-    return remote[0][0].reader._run(_all(fetches))  # (every reader of the process shares its one loop)
+    return fetches[0][0].reader._run(_all([fetch for _files, fetch in fetches]))  # (every reader of the process shares its one loop)
 
 
 async def _all(fetches) -> None:

@@ -304,11 +304,13 @@ class ShardedItems:
             if tensors[k] is _UNMAPPED:
                 tensors[k] = self.cache.shard(k).items.source()[0]
 
-    def by_shard(self, index_np):
-        """``(shard, its rows)`` for the items ``index_np`` (in range) grouped by shard."""
+    def by_shard(self, index_np) -> list[tuple[int, np.ndarray]]:
+        """``(shard, its rows)`` for the items ``index_np`` (in range) grouped by shard, in shard order (one
+        stable sort of the batch, not a pass over it per shard: a lookahead asks this of every batch)."""
         picked = self.order[np.asarray(index_np, dtype=np.int64)]
-        for k in np.unique(picked[:, 0]).tolist():
-            yield k, picked[picked[:, 0] == k, 1]
+        picked = picked[np.argsort(picked[:, 0], kind="stable")]
+        cuts = [0, *(np.flatnonzero(picked[1:, 0] != picked[:-1, 0]) + 1).tolist(), len(picked)] if len(picked) else [0]
+        return [(int(picked[a, 0]), picked[a:b, 1]) for a, b in zip(cuts[:-1], cuts[1:])]
 
     def check_unchanged(self) -> None:
         for shard in self.cache.opened_shards():
@@ -368,9 +370,8 @@ class ShardedFieldItems:
                 tensors[k] = self.parts[k].source()[0]
 
     def check(self, index_np) -> None:
-        picked = self.order[np.asarray(index_np, dtype=np.int64)]
-        for k in np.unique(picked[:, 0]).tolist():
-            self.parts[k].check(picked[picked[:, 0] == k, 1])
+        for k, rows in self.cache.items.by_shard(index_np):
+            self.parts[k].check(rows)
 
 
 class _NoValues:
@@ -400,10 +401,7 @@ class _ShardHolds:
         self.cache, self.part = weakref.proxy(cache), part  # (so a dropped cache closes its shards' files at once)
 
     def holding_items(self, items, index):
-        picked = self.cache.order[np.asarray(index, dtype=np.int64)]
-        picked = picked[np.argsort(picked[:, 0], kind="stable")]  # grouped by shard
-        cuts = np.flatnonzero(picked[1:, 0] != picked[:-1, 0]) + 1
-        groups = [(int(rows[0, 0]), rows[:, 1]) for rows in np.split(picked, cuts) if len(rows)]
+        groups = self.cache.items.by_shard(index)
         items.map_shards([k for k, _ in groups])
         if self.cache.storage is None:
             return contextlib.nullcontext()
@@ -644,7 +642,7 @@ class ShardedCache(LatentCache):
         """Start reading items ``indices`` ahead: in object storage every shard's and field's spans of them in
         one submission to the fetching loop (:meth:`RemoteShards.prefetch_many
         <latentfast.cache.remote.files.RemoteShards.prefetch_many>`); local shards each get their cold-read advice."""
-        groups = list(self.items.by_shard(np.asarray(indices, dtype=np.int64)))
+        groups = self.items.by_shard(indices)
         shards = self.open_shards(k for k, _rows in groups)
         if self.storage is None:
             for shard, (_k, rows) in zip(shards, groups):
