@@ -483,8 +483,8 @@ def serve_latency_proxy(upstream_port: int, rtt_s: float, lifetime_s: float, con
     """A TCP proxy on 127.0.0.1 in front of ``127.0.0.1:upstream_port`` (run in a process of its own:
     :func:`latency_proxy`) that forwards every piece the client sends ``rtt_s`` after it arrived, in
     order, and the server's answers at once: each request waits one round trip before the server sees
-    it, a large body costs its bytes once, not one round trip per piece (connections are reused, so
-    their setup is not delayed). Sends its port through ``conn``; stops after ``lifetime_s``."""
+    it, a large body costs its bytes once, not one round trip per piece, and a new connection one more
+    (its TCP handshake; no TLS). Sends its port through ``conn``; stops after ``lifetime_s``."""
     async def pipe(src, dst, delay):
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
@@ -505,6 +505,7 @@ def serve_latency_proxy(upstream_port: int, rtt_s: float, lifetime_s: float, con
             await forwarding
 
     async def handle(client_r, client_w):
+        await asyncio.sleep(rtt_s)  # the handshake
         try:
             server_r, server_w = await asyncio.open_connection("127.0.0.1", upstream_port)
         except OSError:
