@@ -40,7 +40,13 @@ batches of an epoch's permutation: no item twice). Per configuration, ``--runs``
 items/s over all batches, time to first batch (client creation and HEAD included), MiB fetched over
 the network and its ratio to the bytes the batches use; then ours over the best peer per run.
 
-    python -m latentfast.bench.bench_remote [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
+``--rtt-ms 0,10,30``: instead, only the four LatentCache cold configs (one cache and 8 shards, each cold
+and cold + lookahead; the open included), per round-trip time: loopback has none, so a lookahead there
+can only reorder the same work, while a real endpoint's RTT is what it hides. A TCP proxy on 127.0.0.1
+(:func:`latency_proxy`, a process of its own) delays every request by the RTT and every new connection
+by one more (no bandwidth limit, no TLS); RTT 0 reads the server directly. The runs interleave the RTTs.
+
+    python -m latentfast.bench.bench_remote [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S] [--rtt-ms LIST]
 
 ``run_report(quick)`` is the ``latentfast bench`` suite interface (suite ``remote``; it finds s3rver at
 ``$LATENTFAST_S3RVER``, on PATH or in ./node_modules/.bin).
