@@ -233,6 +233,17 @@ def run_latent_cache(open_cache, batches, lookahead=False, cache=None):
     return total, first, fetched() - before, cache, last[0], opened[0] if opened else None
 
 
+def last_batch_check(local: LatentCache, batches):
+    """``check(tag, got)``: raises unless ``got`` is the last batch as the local cache reads it, bit for bit."""
+    want = local.read_batch(batches[-1])[0]
+
+    def check(tag, got):
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            raise AssertionError(f"{tag}: the last batch differs from the local cache's")
+
+    return check
+
+
 COLD_CONFIGS = ("cold", "cold + lookahead", f"{SHARDS} shards, cold", f"{SHARDS} shards, cold + lookahead")
 
 
@@ -257,12 +268,7 @@ def latent_cache_runs(url, options, folder, batches, row, chunks_dir, sharded_ur
     """{config: (seconds, first, bytes)} of LatentCache over s3:// (cold, cold + lookahead, warm; one
     cache and SHARDS shards) and local."""
     local = LatentCache(folder)
-    want = local.read_batch(batches[-1])[0]
-
-    def check(tag, got):
-        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-            raise AssertionError(f"{tag}: the last batch differs from the local cache's")
-
+    check = last_batch_check(local, batches)
     results, filled = cold_latent_cache_runs(url, options, batches, row, chunks_dir, sharded_url, check)
     passes = {"LatentCache s3://, warm": filled[url], f"LatentCache s3://, {SHARDS} shards, warm": filled[sharded_url],
               "LatentCache local": local}
@@ -555,12 +561,7 @@ def latency_proxy(endpoint: str, rtt_ms: float, lifetime_s: float = 3 * 3600):
 def rtt_runs(url, sharded_url, options_at: dict, path: str, batches, row, chunks_dir) -> dict:
     """{rtt_ms: {config: (seconds, first, bytes)}} of the COLD_CONFIGS through each RTT's endpoint
     (``options_at[rtt_ms]``), one run; the last batch of each checked against the local cache."""
-    want = LatentCache(os.path.dirname(path)).read_batch(batches[-1])[0]
-
-    def check(tag, got):
-        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-            raise AssertionError(f"{tag}: the last batch differs from the local cache's")
-
+    check = last_batch_check(LatentCache(os.path.dirname(path)), batches)
     return {rtt: cold_latent_cache_runs(url, options, batches, row, chunks_dir, sharded_url, check)[0] for rtt, options in options_at.items()}
 
 
