@@ -40,7 +40,13 @@ batches of an epoch's permutation: no item twice). Per configuration, ``--runs``
 items/s over all batches, time to first batch (client creation and HEAD included), MiB fetched over
 the network and its ratio to the bytes the batches use; then ours over the best peer per run.
 
-    python -m latentfast.bench.bench_remote [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S]
+``--rtt-ms 0,10,30``: instead, only the four LatentCache cold configs (one cache and 8 shards, each cold
+and cold + lookahead; the open included), per round-trip time: loopback has none, so a lookahead there
+can only reorder the same work, while a real endpoint's RTT is what it hides. A TCP proxy on 127.0.0.1
+(:func:`latency_proxy`, a process of its own) delays every request by the RTT and every new connection
+by one more (no bandwidth limit, no TLS); RTT 0 reads the server directly. The runs interleave the RTTs.
+
+    python -m latentfast.bench.bench_remote [--quick] [--no-peers] [--s3rver PATH] [--endpoint URL --access-key K --secret-key S] [--rtt-ms LIST]
 
 ``run_report(quick)`` is the ``latentfast bench`` suite interface (suite ``remote``; it finds s3rver at
 ``$LATENTFAST_S3RVER``, on PATH or in ./node_modules/.bin).
@@ -49,8 +55,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
+import multiprocessing
 import os
 import shutil
 import socket
@@ -58,6 +66,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import urllib.parse
 
 import numpy as np
 import torch
@@ -224,27 +233,43 @@ def run_latent_cache(open_cache, batches, lookahead=False, cache=None):
     return total, first, fetched() - before, cache, last[0], opened[0] if opened else None
 
 
-def latent_cache_runs(url, options, folder, batches, row, chunks_dir, sharded_url) -> dict:
-    """{config: (seconds, first, bytes)} of LatentCache over s3:// (cold, cold + lookahead, warm; one
-    cache and SHARDS shards) and local."""
-    local = LatentCache(folder)
+def last_batch_check(local: LatentCache, batches):
+    """``check(tag, got)``: raises unless ``got`` is the last batch as the local cache reads it, bit for bit."""
     want = local.read_batch(batches[-1])[0]
 
     def check(tag, got):
         if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
             raise AssertionError(f"{tag}: the last batch differs from the local cache's")
 
+    return check
+
+
+COLD_CONFIGS = ("cold", "cold + lookahead", f"{SHARDS} shards, cold", f"{SHARDS} shards, cold + lookahead")
+
+
+def cold_latent_cache_runs(url, options, batches, row, chunks_dir, sharded_url, check) -> tuple[dict, dict]:
+    """LatentCache over s3:// from an empty local chunk folder each, in the order of COLD_CONFIGS (one
+    cache, then SHARDS shards; each cold, then cold + lookahead): ``({config: (seconds, first, bytes)}
+    plus {"open " + config: seconds}, {url: the last cache opened from it})``. ``check(tag, last batch)``."""
     budget = 4 * len(batches) * len(batches[0]) * row
-    results = {}
-    filled = {}
-    for tag, where, lookahead in (("cold", url, False), ("cold + lookahead", url, True), (f"{SHARDS} shards, cold", sharded_url, False),
-                                  (f"{SHARDS} shards, cold + lookahead", sharded_url, True)):
+    results, filled = {}, {}
+    for tag in COLD_CONFIGS:
+        where, lookahead = (sharded_url if tag.startswith(f"{SHARDS} shards") else url), tag.endswith("lookahead")
         opened = lambda: LatentCache(where, storage_options=options, local_cache=tempfile.mkdtemp(dir=chunks_dir), local_cache_bytes=budget)  # noqa: E731
         run = run_latent_cache(opened, batches, lookahead)
         check(f"LatentCache s3://, {tag}", run[4])
         results[f"LatentCache s3://, {tag}"] = run[:3]
         results[f"open LatentCache s3://, {tag}"] = run[5]
         filled[where] = run[3]
+    return results, filled
+
+
+def latent_cache_runs(url, options, folder, batches, row, chunks_dir, sharded_url) -> dict:
+    """{config: (seconds, first, bytes)} of LatentCache over s3:// (cold, cold + lookahead, warm; one
+    cache and SHARDS shards) and local."""
+    local = LatentCache(folder)
+    check = last_batch_check(local, batches)
+    results, filled = cold_latent_cache_runs(url, options, batches, row, chunks_dir, sharded_url, check)
     passes = {"LatentCache s3://, warm": filled[url], f"LatentCache s3://, {SHARDS} shards, warm": filled[sharded_url],
               "LatentCache local": local}
     times = {tag: [] for tag in passes}
@@ -464,12 +489,107 @@ def peer_ratios(runs: list[dict], fmt) -> list[str]:
     return lines
 
 
+# ---- round-trip time: a loopback TCP proxy that delays what the client sends -------------------
+
+def serve_latency_proxy(upstream_port: int, rtt_s: float, lifetime_s: float, conn) -> None:
+    """A TCP proxy on 127.0.0.1 in front of ``127.0.0.1:upstream_port`` (run in a process of its own:
+    :func:`latency_proxy`) that forwards every piece the client sends ``rtt_s`` after it arrived, in
+    order, and the server's answers at once: each request waits one round trip before the server sees
+    it, a large body costs its bytes once, not one round trip per piece, and a new connection one more
+    (its TCP handshake; no TLS). Sends its port through ``conn``; stops after ``lifetime_s``."""
+    async def pipe(src, dst, delay):
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        async def forward():
+            while (piece := await pieces.get())[1]:
+                await asyncio.sleep(piece[0] - loop.time())
+                dst.write(piece[1])
+                await dst.drain()
+            dst.close()
+
+        forwarding = asyncio.ensure_future(forward())
+        try:
+            while data := await src.read(1 << 16):
+                pieces.put_nowait((loop.time() + delay, data))
+        finally:
+            pieces.put_nowait((loop.time() + delay, b""))
+            await forwarding
+
+    async def handle(client_r, client_w):
+        await asyncio.sleep(rtt_s)  # the handshake
+        try:
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", upstream_port)
+        except OSError:
+            client_w.close()
+            return
+        await asyncio.gather(pipe(client_r, server_w, rtt_s), pipe(server_r, client_w, 0.0), return_exceptions=True)
+        client_w.close()
+        server_w.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        conn.send(server.sockets[0].getsockname()[1])
+        async with server:
+            await asyncio.sleep(lifetime_s)
+
+    asyncio.run(main())
+
+
+@contextlib.contextmanager
+def latency_proxy(endpoint: str, rtt_ms: float, lifetime_s: float = 3 * 3600):
+    """:func:`serve_latency_proxy` in front of ``endpoint`` (``http://127.0.0.1:PORT``) in a spawned
+    process (its own interpreter: the proxy's work never waits on the benchmark's GIL); yields the
+    proxy's endpoint. ``rtt_ms`` 0: ``endpoint`` itself, no proxy."""
+    if not rtt_ms:
+        yield endpoint
+        return
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    proc = context.Process(target=serve_latency_proxy, args=(urllib.parse.urlsplit(endpoint).port, rtt_ms / 1000, lifetime_s, theirs),
+                           daemon=True)
+    proc.start()
+    try:
+        if not ours.poll(60):
+            raise RuntimeError(f"the {rtt_ms} ms latency proxy in front of {endpoint} did not start")
+        yield f"http://127.0.0.1:{ours.recv()}"
+    finally:
+        proc.terminate()
+        proc.join(30)
+
+
+def rtt_runs(url, sharded_url, options_at: dict, path: str, batches, row, chunks_dir) -> dict:
+    """{rtt_ms: {config: (seconds, first, bytes)}} of the COLD_CONFIGS through each RTT's endpoint
+    (``options_at[rtt_ms]``), one run; the last batch of each checked against the local cache."""
+    check = last_batch_check(LatentCache(os.path.dirname(path)), batches)
+    return {rtt: cold_latent_cache_runs(url, options, batches, row, chunks_dir, sharded_url, check)[0] for rtt, options in options_at.items()}
+
+
+def summarize_rtt(runs: list[dict], n_items: int) -> str:
+    """The RTT sweep's table: items/s of each cold config and the lookahead's gain, per RTT."""
+    def fmt(values):
+        return f"{statistics.median(values):.4g} [{min(values):.4g}, {max(values):.4g}]"
+
+    rows = []
+    for rtt in runs[0]:
+        rates = {c: [n_items / r[rtt][f"LatentCache s3://, {c}"][0] for r in runs] for c in COLD_CONFIGS}
+        gain = [[rates[f"{prefix}cold + lookahead"][i] / rates[f"{prefix}cold"][i] for i in range(len(runs))]
+                for prefix in ("", f"{SHARDS} shards, ")]
+        rows.append([f"{rtt:g}", *(fmt(rates[c]) for c in COLD_CONFIGS), fmt(gain[0]), fmt(gain[1])])
+    header = ["RTT ms", *(f"{c} items/s" for c in COLD_CONFIGS), "one cache: lookahead / cold", f"{SHARDS} shards: lookahead / cold (>= 1)"]
+    return format_table(f"LatentCache s3:// cold, by round-trip time, {len(runs)} runs (RTT 0: no proxy)", header, rows)
+
+
 def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, batch: int = 64, batches: int = 16,
                runs: int = 3, s3rver: str | None = None, endpoint: str | None = None, access_key: str = "S3RVER",
-               secret_key: str = "S3RVER", peers: bool | None = None, chunks_dir: str | None = None) -> dict:
-    """The side-by-side report (the ``latentfast bench`` suite interface): ``{"table", "runs", ...}``."""
+               secret_key: str = "S3RVER", peers: bool | None = None, chunks_dir: str | None = None, rtt_ms=()) -> dict:
+    """The side-by-side report (the ``latentfast bench`` suite interface): ``{"table", "runs", ...}``.
+    ``rtt_ms`` (round-trip times in ms): instead, only the LatentCache cold configs, through a
+    :func:`latency_proxy` of each RTT (0: straight to the server), the runs interleaving the RTTs."""
     if quick:
         items, batches = 256, 4
+    if rtt_ms:
+        peers = False
     if peers is None:  # by default: when both are installed (pip install 'latentfast[bench-compare]')
         peers = all(importlib.util.find_spec(m) is not None for m in ("streaming", "litdata"))
     s3rver = s3rver or os.environ.get("LATENTFAST_S3RVER") or shutil.which("s3rver") or "node_modules/.bin/s3rver"
@@ -497,9 +617,13 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
             saved = {k: os.environ.get(k) for k in peer_env(options)}
             os.environ.update(peer_env(options) if peers else {})
             try:
-                results = [one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch, peers,
-                                   chunks_dir, sharded_url)
-                           for seed in range(runs)]
+                with contextlib.ExitStack() as proxies:
+                    options_at = {rtt: {**options, "endpoint_url": proxies.enter_context(latency_proxy(endpoint, rtt))} for rtt in rtt_ms}
+                    results = [rtt_runs(url, sharded_url, options_at, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed),
+                                        row, chunks_dir) if rtt_ms else
+                               one_run(url, options, os.path.join(path, DATA), epoch_batches(items, batch, batches, seed), row, scratch, peers,
+                                       chunks_dir, sharded_url)
+                               for seed in range(runs)]
             finally:
                 for k, v in saved.items():
                     os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -510,7 +634,8 @@ def run_report(quick: bool = False, *, items: int = 2048, item_kib: int = 128, b
     n_items = batch * batches
     server = f"s3rver {s3rver_version(s3rver)} on 127.0.0.1 (filesystem-backed, Range GETs by seeking)" if proc is not None else endpoint
     report = {"server": server, "peers": peer_versions() if peers else "not run", "items": items, "item_bytes": row,
-              "push_s": pushed_s, "runs": results, "table": summarize(results, n_items, n_items * row)}
+              "push_s": pushed_s, "runs": results,
+              "table": summarize_rtt(results, n_items) if rtt_ms else summarize(results, n_items, n_items * row)}
     print(f"pushed {items} x {row // 1024} KiB to {server} in {pushed_s:.1f} s", flush=True)
     print(report["table"])
     print(f"server: {server}; peers: {report['peers']}; local chunk caches in {chunks_arg or 'TMPDIR'}", flush=True)
@@ -532,10 +657,14 @@ def main(argv=None) -> None:
     parser.add_argument("--no-peers", action="store_true", help="skip mosaic streaming and litdata")
     parser.add_argument("--chunks-dir", help="where the local chunk caches go (default: the scratch folder under TMPDIR); "
                         "a cold read writes every chunk there, so its disk's write speed is part of the cold figures")
+    parser.add_argument("--rtt-ms", type=lambda text: [float(x) for x in text.split(",")], default=[],
+                        help="comma-separated round-trip times, e.g. 0,10,30: run only the LatentCache cold configs (one cache and "
+                        f"{SHARDS} shards, each cold and cold + lookahead), through a loopback proxy that delays every request by "
+                        "the RTT (0: no proxy)")
     a = parser.parse_args(argv)
     run_report(a.quick, items=a.items, item_kib=a.item_kib, batch=a.batch, batches=a.batches, runs=a.runs,
                s3rver=a.s3rver, endpoint=a.endpoint, access_key=a.access_key, secret_key=a.secret_key,
-               peers=False if a.no_peers else None, chunks_dir=a.chunks_dir)
+               peers=False if a.no_peers else None, chunks_dir=a.chunks_dir, rtt_ms=tuple(a.rtt_ms))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from ..store.layout import item_spans
 from ..store.manifest import manifest_path, order_path, remote_shard_url
 from .chunks import now_ns
 from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError, RemoteReplacedError
-from .reader import RemoteReader, coalesce
+from .reader import MAX_CONCURRENCY, ConcurrencyLimit, RemoteReader, coalesce
 from .storage import ObjectFolder
 
 _HOLD_ATTEMPTS = 8  # fetch-and-check rounds of one hold before giving up (eviction by others, bad CRCs)
@@ -197,11 +197,15 @@ class RemoteFiles:
 
     def _prefetch(self, items, starts, ends):
         """The fetch (and check) of these spans of ``items``' data file into the local chunk cache, to run
-        on the fetching loop (see :func:`prefetch_many`)."""
+        on the fetching loop (see :func:`prefetch_many`); None when their chunks are all local already
+        (a warm batch: nothing to hand the loop, whose work would only compete with the reads)."""
         name, obj = self._object(items.path)
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         keep = ends > starts
-        return self._fetch_checked(name, obj, starts[keep], ends[keep], self._values(items))
+        starts, ends = starts[keep], ends[keep]
+        if not len(starts) or obj.present[_span_chunks(obj, starts, ends)].all():
+            return None
+        return self._fetch_checked(name, obj, starts, ends, self._values(items))
 
     @staticmethod
     def prefetch_many(requests):
@@ -420,18 +424,22 @@ class _Hold:
             self._what = starts[ends > starts], ends[ends > starts]
         return self._what
 
-    def fetch(self):
-        return self.files.reader._run(self.files._fetch_checked(self.name, self.obj, *self.spans(), self.files._values(self.items)))
+    def fetching(self):
+        """The fetch (and check) of this part's missing chunks: a coroutine for the fetching loop."""
+        return self.files._fetch_checked(self.name, self.obj, *self.spans(), self.files._values(self.items))
 
 
 class RemoteShards:
     """A sharded cache in object storage as :class:`~latentfast.cache.store.shards.ShardedCache` is handed
     it: the manifest and order mirrored into a local folder (``mirror``, held as a generation: see
     :func:`mirror_manifest`), and each shard's objects read through a :class:`RemoteFiles` of its own
-    (``shard``), all under the one local chunk cache and its budget."""
+    (``shard``), all under the one local chunk cache and its budget, and one limit of ``max_concurrency``
+    GETs in flight (:class:`.ConcurrencyLimit`: a batch over the shards is fetched as one cache's is)."""
 
-    def __init__(self, url: str, split: str, storage_options: dict | None, local_cache, local_cache_bytes):
+    def __init__(self, url: str, split: str, storage_options: dict | None, local_cache, local_cache_bytes,
+                 max_concurrency: int = MAX_CONCURRENCY):
         self.url, self.split = str(url).rstrip("/"), split
+        self.limit = ConcurrencyLimit(max_concurrency)
         self.options = {"storage_options": storage_options, "local_cache": local_cache, "local_cache_bytes": local_cache_bytes}
         self.mirror = mirror_manifest(self.url, split, **self.options)
         self._generation_lock = hold_generation(self.mirror)
@@ -442,7 +450,7 @@ class RemoteShards:
     def shard(self, path: str) -> RemoteFiles:
         """The storage of the shard at ``path`` (a manifest entry's, relative to the sharded cache's URL)."""
         return RemoteFiles(self.shard_url(path), self.split, self.options["storage_options"], self.options["local_cache"],
-                           self.options["local_cache_bytes"])
+                           self.options["local_cache_bytes"], limit=self.limit)
 
     def shard_metas(self, paths: list[str]) -> list[bytes]:
         """The meta bytes of the shards at ``paths``, fetched at once (whole GETs on a few threads)."""
@@ -465,14 +473,15 @@ def prefetch_many(requests):
     """Start fetching (and checking) the spans of several files into the local chunk cache -- ``requests``:
     ``(items, byte starts, byte ends)``, each ``items.remote`` a :class:`RemoteFiles` (a cache's latents and
     fields, or a sharded batch's every shard's) -- as one submission to the fetching loop (one hand-off from
-    the caller's thread, however many shards and fields); returns a future at once."""
+    the caller's thread, however many shards and fields), or none where every chunk is local already;
+    returns a future at once."""
     remote = [(items.remote, items, starts, ends) for items, starts, ends in requests if items.remote is not None]
-    if not remote:
+    fetches = [(files, fetch) for files, items, starts, ends in remote if (fetch := files._prefetch(items, starts, ends)) is not None]
+    if not fetches:
         done = concurrent.futures.Future()
         done.set_result(None)
         return done
-    fetches = [files._prefetch(items, starts, ends) for files, items, starts, ends in remote]
-    return remote[0][0].reader._run(_all(fetches))  # (every reader of the process shares its one loop)
+    return fetches[0][0].reader._run(_all([fetch for _files, fetch in fetches]))  # (every reader of the process shares its one loop)
 
 
 async def _all(fetches) -> None:
@@ -507,8 +516,9 @@ def _holding(holds):
                 return
         if attempt == _HOLD_ATTEMPTS:
             break
-        for fetch in [h.fetch() for h in missing]:
-            fetch.result()
+        # one submission to the fetching loop for every part (a sharded batch's every shard), not one
+        # each: each hand-off wakes the loop (every reader of the process shares its one loop)
+        missing[0].files.reader._run(_all([h.fetching() for h in missing])).result()
     starts, ends = missing[0].spans()
     raise RemoteReadError(
         f"{missing[0].files.reader.folder.where(missing[0].name, int(starts.min()), int(ends.max()))}: its chunks were "

@@ -32,6 +32,7 @@ from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError, Re
 from .storage import ObjectFolder
 
 COALESCE_BYTES = 64 << 10  # a GET costs a round trip; 64 KiB more bytes cost less than one more request
+MAX_CONCURRENCY = 64  # GETs in flight at once per reader (or per ConcurrencyLimit shared by several)
 _loop_state = {"pid": None, "loop": None}
 _loop_guard = threading.Lock()
 
@@ -96,26 +97,52 @@ def _group(names, n: int) -> dict[str, np.ndarray]:
     return {name: np.asarray(idx, dtype=np.int64) for name, idx in groups.items()}
 
 
+class ConcurrencyLimit:
+    """At most ``n`` GETs in flight over every :class:`RemoteReader` handed it (``limit=``). The shards
+    of a sharded cache share one: as in one cache, a batch's GETs (queued first) are then served before
+    the next batch's prefetch, instead of beside it, the server's bandwidth split between the two and the
+    batch kept waiting until both are done. Its semaphore is made per process, on the fetching loop."""
+
+    def __init__(self, n: int = MAX_CONCURRENCY):
+        if int(n) < 1:
+            raise InvalidArgumentError(f"max_concurrency must be >= 1, got {n}")
+        self.n = int(n)
+        self._pid = self._semaphore = None
+
+    def semaphore(self) -> asyncio.Semaphore:
+        if self._pid != os.getpid():
+            self._pid, self._semaphore = os.getpid(), asyncio.Semaphore(self.n)
+        return self._semaphore
+
+    def __getstate__(self):
+        return {"n": self.n}
+
+    def __setstate__(self, state):
+        self.__init__(state["n"])
+
+
 class RemoteReader:
     """Reads byte spans of the objects under ``url`` (see the module docstring).
 
     ``local_cache`` / ``local_cache_bytes``: a folder and byte budget for the node-shared chunk cache
     (both or neither); ``chunk_bytes``: its granularity. ``coalesce_bytes``: the largest gap merged
     into one GET. ``read_attempts``: fetches of one run before giving up (each with the client's own
-    retries inside). Picklable for DataLoader workers.
+    retries inside). ``limit``: a :class:`ConcurrencyLimit` shared with other readers, in place of
+    ``max_concurrency``. Picklable for DataLoader workers.
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, local_cache: str | None = None,
                  local_cache_bytes: int | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 coalesce_bytes: int = COALESCE_BYTES, max_concurrency: int = 64, read_attempts: int = 3,
-                 retry_backoff: float = 0.05):
+                 coalesce_bytes: int = COALESCE_BYTES, max_concurrency: int = MAX_CONCURRENCY, read_attempts: int = 3,
+                 retry_backoff: float = 0.05, limit: ConcurrencyLimit | None = None):
         if (local_cache is None) != (local_cache_bytes is None):
             raise InvalidArgumentError(f"local_cache and local_cache_bytes go together, got local_cache={local_cache!r}, local_cache_bytes={local_cache_bytes!r}")
         if int(read_attempts) < 1 or int(max_concurrency) < 1 or int(coalesce_bytes) < 0:
             raise InvalidArgumentError(f"read_attempts and max_concurrency must be >= 1 and coalesce_bytes >= 0, got {read_attempts}, {max_concurrency}, {coalesce_bytes}")
         self.folder = ObjectFolder(url, storage_options)
         self.cache = None if local_cache is None else ChunkCache(local_cache, local_cache_bytes, chunk_bytes)
-        self.coalesce_bytes, self.max_concurrency = int(coalesce_bytes), int(max_concurrency)
+        self.limit = ConcurrencyLimit(max_concurrency) if limit is None else limit
+        self.coalesce_bytes, self.max_concurrency = int(coalesce_bytes), self.limit.n
         self.read_attempts, self.retry_backoff = int(read_attempts), float(retry_backoff)
         self.pinned_heads: dict[str, tuple[int, str]] = {}  # (size, version) of objects read as these versions only
         self._fresh()
@@ -123,14 +150,13 @@ class RemoteReader:
     def _fresh(self) -> None:
         self._heads: dict[str, tuple[int, str]] = dict(self.pinned_heads)
         self._inflight: dict[tuple[str, int], asyncio.Future] = {}
-        self._sem = None
         self._pid = os.getpid()
         self.stats = {"requests": 0, "bytes_fetched": 0, "bytes_local": 0}
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["pinned_heads"] = {**self._heads, **self.pinned_heads}  # a worker reads the versions this reader read
-        for k in ("_heads", "_inflight", "_sem", "_pid", "stats"):
+        for k in ("_heads", "_inflight", "_pid", "stats"):
             state.pop(k)
         return state
 
@@ -244,15 +270,13 @@ class RemoteReader:
         """Bytes ``[start, end)`` of ``name`` from the network: complete, of the version this reader
         first saw (``If-Match`` on its ETag: :class:`RemoteReplacedError` once a push replaced it), or
         an error naming them."""
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.max_concurrency)
         version = self._head(name)[1]
         last = None
         for attempt in range(self.read_attempts):
             if attempt:  # exponential backoff with full jitter
                 await asyncio.sleep(self.retry_backoff * (2 ** attempt) * random.random())
             try:
-                async with self._sem:
+                async with self.limit.semaphore():
                     data = await self.folder.get_range(name, start, end, version)
             except (RemoteNotFoundError, RemoteReplacedError):
                 raise

@@ -304,11 +304,13 @@ class ShardedItems:
             if tensors[k] is _UNMAPPED:
                 tensors[k] = self.cache.shard(k).items.source()[0]
 
-    def by_shard(self, index_np):
-        """``(shard, its rows)`` for the items ``index_np`` (in range) grouped by shard."""
+    def by_shard(self, index_np) -> list[tuple[int, np.ndarray]]:
+        """``(shard, its rows)`` for the items ``index_np`` (in range) grouped by shard, in shard order (one
+        stable sort of the batch, not a pass over it per shard: a lookahead asks this of every batch)."""
         picked = self.order[np.asarray(index_np, dtype=np.int64)]
-        for k in np.unique(picked[:, 0]).tolist():
-            yield k, picked[picked[:, 0] == k, 1]
+        picked = picked[np.argsort(picked[:, 0], kind="stable")]
+        cuts = [0, *(np.flatnonzero(picked[1:, 0] != picked[:-1, 0]) + 1).tolist(), len(picked)] if len(picked) else [0]
+        return [(int(picked[a, 0]), picked[a:b, 1]) for a, b in zip(cuts[:-1], cuts[1:])]
 
     def check_unchanged(self) -> None:
         for shard in self.cache.opened_shards():
@@ -336,6 +338,7 @@ class ShardedFieldItems:
 
     @functools.cached_property
     def parts(self) -> list:
+        self.cache.shards  # (opened at once)
         return [self.part(k) for k in range(len(self.cache.shard_dirs))]
 
     def _joined(self, attr: str) -> np.ndarray:
@@ -367,9 +370,8 @@ class ShardedFieldItems:
                 tensors[k] = self.parts[k].source()[0]
 
     def check(self, index_np) -> None:
-        picked = self.order[np.asarray(index_np, dtype=np.int64)]
-        for k in np.unique(picked[:, 0]).tolist():
-            self.parts[k].check(picked[picked[:, 0] == k, 1])
+        for k, rows in self.cache.items.by_shard(index_np):
+            self.parts[k].check(rows)
 
 
 class _NoValues:
@@ -399,10 +401,7 @@ class _ShardHolds:
         self.cache, self.part = weakref.proxy(cache), part  # (so a dropped cache closes its shards' files at once)
 
     def holding_items(self, items, index):
-        picked = self.cache.order[np.asarray(index, dtype=np.int64)]
-        picked = picked[np.argsort(picked[:, 0], kind="stable")]  # grouped by shard
-        cuts = np.flatnonzero(picked[1:, 0] != picked[:-1, 0]) + 1
-        groups = [(int(rows[0, 0]), rows[:, 1]) for rows in np.split(picked, cuts) if len(rows)]
+        groups = self.cache.items.by_shard(index)
         items.map_shards([k for k, _ in groups])
         if self.cache.storage is None:
             return contextlib.nullcontext()
@@ -520,11 +519,17 @@ class ShardedCache(LatentCache):
     @property
     def shards(self) -> list[LatentCache]:
         """Every shard, opened (those in object storage, several at once)."""
-        todo = [k for k, s in enumerate(self._opened) if s is None]
+        return self.open_shards(range(len(self._opened)))
+
+    def open_shards(self, ks) -> list[LatentCache]:
+        """Shards ``ks``, opened: those in object storage not open yet several at once (each open is a
+        dozen requests one after another: one by one, a batch over 8 new shards would wait 8 times as long)."""
+        ks = list(ks)
+        todo = [k for k in ks if self._opened[k] is None]
         if self.storage is not None and len(todo) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(_OPEN_THREADS, len(todo))) as pool:
                 list(pool.map(self.shard, todo))
-        return [self.shard(k) for k in range(len(self._opened))]
+        return [self.shard(k) for k in ks]
 
     def opened_shards(self) -> list[LatentCache]:
         """The shards opened so far in this process."""
@@ -637,12 +642,13 @@ class ShardedCache(LatentCache):
         """Start reading items ``indices`` ahead: in object storage every shard's and field's spans of them in
         one submission to the fetching loop (:meth:`RemoteShards.prefetch_many
         <latentfast.cache.remote.files.RemoteShards.prefetch_many>`); local shards each get their cold-read advice."""
-        groups = list(self.items.by_shard(np.asarray(indices, dtype=np.int64)))
+        groups = self.items.by_shard(indices)
+        shards = self.open_shards(k for k, _rows in groups)
         if self.storage is None:
-            for k, rows in groups:
-                self.shard(k).prefetch(rows)
+            for shard, (_k, rows) in zip(shards, groups):
+                shard.prefetch(rows)
             return None
-        return self.storage.prefetch_many([r for k, rows in groups for r in self.shard(k).prefetch_requests(rows)])
+        return self.storage.prefetch_many([r for shard, (_k, rows) in zip(shards, groups) for r in shard.prefetch_requests(rows)])
 
     def shard_chunks(self, chunk_bytes: int) -> np.ndarray:
         """int64 ``[N]``: each item's chunk (:func:`latentfast.cache.feed.sampler.item_chunks`), the chunks
