@@ -282,7 +282,7 @@ class RemoteFiles:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        for key in ("_objects", "_value_tables", "_crc_table", "_generation_lock"):  # (a worker reads under its parent's lock)
+        for key in ("_objects", "_value_tables", "_crc_memo", "_generation_lock"):  # (a worker reads under its parent's lock)
             state.pop(key, None)
         return state
 
@@ -352,13 +352,15 @@ class RemoteFiles:
         first = np.asarray([self._item_at(items, x // 2) for x in lo.tolist()], dtype=np.int64)
         last = np.asarray([self._item_at(items, (x - 1) // 2) for x in hi.tolist()], dtype=np.int64)
         index = np.unique(np.concatenate([np.arange(f, l + 1) for f, l in zip(first.tolist(), last.tolist())]))
-        crcs = self._item_crcs(items.n, index)
+        crcs = np.zeros(len(index), dtype=np.uint32)
 
-        async def refresh(values: np.ndarray) -> None:  # these values' CRCs dropped and fetched again
-            await self._refetch_crcs(index[values])
-            crcs[values] = self._crc_table[1][index[values]]
+        async def fetch_crcs(values=None) -> None:  # (on the fetching loop) the CRC-32s of values, all: None
+            at = slice(None) if values is None else values
+            table = await self._crc_table(items.n)
+            await self._fetch_crcs(table, index[at], again=values is not None)
+            crcs[at] = table[index[at]]
 
-        return items.row_starts[index] * 2, items.row_starts[index + 1] * 2, crcs, refresh
+        return items.row_starts[index] * 2, items.row_starts[index + 1] * 2, crcs, fetch_crcs
 
     @staticmethod
     def _item_at(items, unit: int) -> int:
@@ -367,32 +369,32 @@ class RemoteFiles:
             return int(np.searchsorted(items.row_starts, unit, side="right")) - 1
         return items.index_checks.item_at(unit // items.index_checks.units_per_element)
 
-    def _item_crcs(self, n: int, index: np.ndarray) -> np.ndarray:
-        """The per-item CRC-32s of the latents ``index`` (sorted), read by range from the mapped checksums
-        table (their chunks fetched first). They have no block checksums of their own: each is checked by
-        its use -- the value it names must match it, or is fetched again, then refused naming its bytes."""
-        path = fmt.cache_path(self.mirror, self.split, "checksums")
-        memo = self.__dict__.get("_crc_table")
+    async def _crc_table(self, n: int) -> np.ndarray:
+        """The latents' per-item CRC-32s, the mapped checksums table (its entries fetched by :meth:`_fetch_crcs`).
+        They have no block checksums of their own: each is checked by its use -- the value it names must
+        match it, or both are fetched again, then refused naming the value's bytes."""
+        memo = self.__dict__.get("_crc_memo")
         if memo is None or memo[0] != os.getpid():
-            self.local([(path, [0], [4096])])  # (the .npy header)
+            path = fmt.cache_path(self.mirror, self.split, "checksums")
+            name = os.path.basename(path)
+            if name in self.tables.pinned_heads:  # (the .npy header; else a whole file of an older mirror)
+                await self.tables._ensure_local(name, np.zeros(1, np.int64), np.full(1, min(4096, self.tables.pinned_heads[name][0]), np.int64))
             crcs = fmt.load_npy(path, "checksums", mmap=True)
             if crcs.shape != (n,) or crcs.dtype != np.uint32:
                 raise RemoteCorruptError(f"{self.where(path, 0, 4096)}: the checksums must be uint32 [{n}], got {crcs.dtype} {list(crcs.shape)}")
-            memo = self._crc_table = os.getpid(), crcs
-        crcs = memo[1]
-        at = getattr(crcs, "offset", 0)
-        run_starts, run_ends = coalesce(at + 4 * index, at + 4 * index + 4, 0)
-        self.local([(path, run_starts, run_ends)])
-        return np.asarray(crcs[index])
+            memo = self._crc_memo = os.getpid(), crcs
+        return memo[1]
 
-    async def _refetch_crcs(self, index: np.ndarray) -> None:
-        """Drop the local chunks of the latents ``index``'s CRC-32s and fetch them again (on the fetching loop)."""
+    async def _fetch_crcs(self, table: np.ndarray, index: np.ndarray, again: bool = False) -> None:
+        """Fetch the chunks of the latents ``index``'s CRC-32s (``again``: dropped first) on the fetching loop."""
         name = os.path.basename(fmt.cache_path("", self.split, "checksums"))
-        obj, at = self.tables._chunks(name), getattr(self._crc_table[1], "offset", 0)
-        starts = at + 4 * index
-        for c in np.unique(starts // obj.chunk_bytes).tolist():
-            obj.drop(c, c + 1)
-        await self.tables._ensure_local(name, starts, starts + 4)
+        obj = self.tables._chunks(name)
+        starts = getattr(table, "offset", 0) + 4 * index
+        if again:
+            for c in np.unique(starts // obj.chunk_bytes).tolist():
+                obj.drop(c, c + 1)
+        if name in self.tables.pinned_heads:  # (else a whole file of an older mirror)
+            await self.tables._ensure_local(name, starts, starts + 4)
 
     async def _fetch_checked(self, name: str, obj, starts, ends, values) -> None:
         """Fetch the chunks under the spans, then check every stored value (``values``, see
@@ -409,6 +411,8 @@ class RemoteFiles:
             if values is None or not len(fresh):
                 return
             v_starts, v_ends, v_crcs, refresh = values
+            if refresh is not None and not attempt:
+                await refresh()
             run_c0, run_c1 = coalesce(fresh, fresh + 1, 0)
             lo = np.searchsorted(v_ends, run_c0 * cb, side="right")  # the values overlapping each run of fresh chunks
             hi = np.searchsorted(v_starts, run_c1 * cb, side="left")
