@@ -27,12 +27,14 @@ _CHECK_CHUNK = 1 << 16  # items whose shapes and offsets are checked at once whe
 # long as it lives (Python's mmap keeps a copy of it), and a sharded cache of 1,000 small shards would
 # hold two per shard; a read of under a MiB costs less than the map
 _MAP_INDEX_BYTES = 1 << 20
+# in object storage what costs is the fetch: a table is mapped (its blocks fetched as they are read) above this
+_MAP_REMOTE_INDEX_BYTES = 64 << 10
 
 
-def _mapped(path: str) -> bool:
+def _mapped(path: str, remote: bool = False) -> bool:
     """Whether the index file at ``path`` is mapped (large) or read whole (small, or gone: the load names it)."""
     try:
-        return os.path.getsize(path) >= _MAP_INDEX_BYTES
+        return os.path.getsize(path) >= (_MAP_REMOTE_INDEX_BYTES if remote else _MAP_INDEX_BYTES)
     except OSError:
         return False
 
@@ -207,14 +209,14 @@ class LatentCache:
         m = self.meta
         n, ndim = m["n"], m["ndim"]
         spath, opath = (fmt.cache_path(self.cache_dir, self.split, kind) for kind in ("shapes", "offsets"))
+        mapped = {p: _mapped(p, self.remote is not None and "index_blocks" in m) for p in (spath, opath)}
         if self.remote is not None:  # mapped: their headers (blocks are fetched as they are checked); read whole: all
-            blocked = "index_blocks" in m
-            self.remote.local([(p, [0] if blocked and _mapped(p) else None, [4096]) for p in (spath, opath)])
-        shapes = fmt.load_npy(spath, "shapes", mmap=_mapped(spath))
+            self.remote.local([(p, [0] if mapped[p] and "index_blocks" in m else None, [4096]) for p in (spath, opath)])
+        shapes = fmt.load_npy(spath, "shapes", mmap=mapped[spath])
         if shapes.shape != (n, ndim) or not np.issubdtype(shapes.dtype, np.integer):
             raise CacheCorruptError(f"latent cache shapes {spath} must be an integer array of shape [n, ndim] = [{n}, {ndim}], got {shapes.dtype} {list(shapes.shape)}")
         shapes = shapes.astype(np.int64, copy=False)
-        offsets = fmt.load_npy(opath, "offsets", mmap=_mapped(opath))
+        offsets = fmt.load_npy(opath, "offsets", mmap=mapped[opath])
         if offsets.shape != (n + 1,) or not np.issubdtype(offsets.dtype, np.integer) or int(offsets[0]) != 0:
             raise CacheCorruptError(f"latent cache offsets {opath} disagree with the shapes (item i must span prod(shapes[i]) elements, back to back)")
         offsets = offsets.astype(np.int64, copy=False)
