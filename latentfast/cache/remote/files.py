@@ -77,7 +77,7 @@ from .storage import ObjectFolder
 _HOLD_ATTEMPTS = 8  # fetch-and-check rounds of one hold before giving up (eviction by others, bad CRCs)
 _HEADS = "remote.json"  # the mirror's record of each data object's (size, version): the chunks it links
 _ORIGIN = "origin.json"  # which cache (url, split) a generation folder mirrors: how older ones are found
-_META_THREADS = 16  # shards' metas (and one cache's heads) fetched at once when a cache opens
+_META_THREADS = 16  # shards' metas fetched at once when a sharded cache opens
 _TABLES = "tables"  # the generation folder's chunk folder: sparse copies of its index objects
 _NO_BUDGET = 1 << 62  # (a generation's index copies are never evicted: they go with the generation)
 _AT_OPEN = ("meta", "white", tables.CRC_KIND)  # fetched whole when the cache is mirrored: small, fixed size
@@ -146,11 +146,11 @@ class RemoteFiles:
         listing = {}
 
         def objects() -> tuple[list, dict]:
-            """The cache's other objects and their ``(size, version)`` (listed and headed once, the heads at once)."""
+            """The cache's other objects and their ``(size, version)`` (listed once: the listing has both)."""
             if not listing:
-                names = [n for n in self.reader.folder.list() if "/" not in n and n.startswith(self.split + ".") and n != meta_name]
-                with concurrent.futures.ThreadPoolExecutor(max(1, min(_META_THREADS, len(names)))) as pool:
-                    listing["names"], listing["heads"] = names, dict(zip(names, pool.map(self.reader.folder.head, names)))
+                heads = {n: h for n, h in self.reader.folder.list_heads().items()
+                         if "/" not in n and n.startswith(self.split + ".") and n != meta_name}
+                listing["names"], listing["heads"] = sorted(heads), heads
             return listing["names"], listing["heads"]
 
         key = meta
