@@ -69,7 +69,7 @@ from ..store import format as fmt
 from ..store import keytable, tables
 from ..store.layout import item_spans
 from ..store.manifest import manifest_path, order_path, remote_shard_url
-from .chunks import ChunkCache, now_ns
+from .chunks import now_ns
 from .errors import RemoteCorruptError, RemoteNotFoundError, RemoteReadError, RemoteReplacedError
 from .reader import RemoteReader, coalesce
 from .storage import ObjectFolder

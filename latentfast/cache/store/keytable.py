@@ -224,21 +224,34 @@ class KeyTable:
         array, raw, first = self._map()[kind]
         bb, size = self.block_bytes, array.itemsize
         todo = [b for b in (range(lo * size // bb, (hi * size - 1) // bb + 1) if hi > lo else ()) if first + b not in self._verified]
-        if not todo:
-            return array[lo:hi]
-        path = fmt.cache_path(self.cache_dir, self.split, kind)
-        at = getattr(array, "offset", 0)  # (the payload's place in its file: after an .npy's header)
-        ranges = lambda blocks: [(path, [at + b * bb for b in blocks], [at + min(raw.size, (b + 1) * bb) for b in blocks])]  # noqa: E731
-        if self.storage is not None:
-            self.storage.local(ranges(todo))
+        if self.storage is not None and todo:
+            self.storage.local([self._byte_ranges(kind, todo)])
         for b in todo:
-            good = lambda: zlib.crc32(raw[b * bb: (b + 1) * bb]) == int(self._crcs[first + b])  # noqa: E731
-            if not good() and not (self.storage is not None and any(self.storage.refetch(ranges([b])) or good() for _ in range(2))):
-                where = path if self.storage is None else self.storage.where(path, at + b * bb, at + min(raw.size, (b + 1) * bb))
+            if not self._block_good(kind, b):
+                path, (start,), (end,) = self._byte_ranges(kind, [b])
+                where = path if self.storage is None else self.storage.where(path, start, end)
                 raise CacheCorruptError(f"latent cache {kind} file {where}: block {b} (bytes {b * bb}..{min(raw.size, (b + 1) * bb) - 1}) "
                                         f"fails its CRC-32 checksum; rerun the build to repair it")
             self._verified.add(first + b)
         return array[lo:hi]
+
+    def _byte_ranges(self, kind: str, blocks: list[int]) -> tuple[str, list[int], list[int]]:
+        """``(path, byte starts, byte ends)`` in its file of table ``kind``'s ``blocks`` (an .npy's after its header)."""
+        array, raw, _first = self._map()[kind]
+        at, bb = getattr(array, "offset", 0), self.block_bytes
+        return (fmt.cache_path(self.cache_dir, self.split, kind), [at + b * bb for b in blocks],
+                [at + min(raw.size, (b + 1) * bb) for b in blocks])
+
+    def _block_good(self, kind: str, b: int) -> bool:
+        """Whether block ``b`` of table ``kind`` passes its CRC-32 (in object storage: fetched again, twice, before it fails)."""
+        _array, raw, first = self._map()[kind]
+        bb = self.block_bytes
+        for attempt in range(3 if self.storage is not None else 1):
+            if attempt:
+                self.storage.refetch([self._byte_ranges(kind, [b])])
+            if zlib.crc32(raw[b * bb: (b + 1) * bb]) == int(self._crcs[first + b]):
+                return True
+        return False
 
     # -- reading ------------------------------------------------------------------------------
     def key(self, i: int) -> str:

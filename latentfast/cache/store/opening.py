@@ -6,7 +6,7 @@
   the shards' caches;
 - an object-store URL (``s3://...``): either of those handed an object-storage strategy
   (:class:`~latentfast.cache.remote.files.RemoteFiles` / :class:`~latentfast.cache.remote.files.RemoteShards`:
-  the small files mirrored into a local folder, the data read through the node-local chunk cache).
+  the files as sparse local copies, the index fetched by block and the data through the node-local chunk cache).
 
 The reader and the shards know nothing of object storage, and the reader nothing of shards: this
 module, at the top of the store, chooses for them (``latentfast.cache.LatentCache`` is its class).

@@ -58,13 +58,17 @@ class LatentCache:
 
     The bytes are read through a storage strategy, ``storage``: None (the default) reads the local folder
     ``cache_dir`` through memory maps; an object-storage strategy
-    (:class:`latentfast.cache.remote.files.RemoteFiles`: the cache's small files mirrored into a local
-    folder, its data fetched into the node-local chunk cache and held while it is read) is what
-    :class:`latentfast.cache.LatentCache` hands a cache at an ``s3://`` URL. A strategy has ``mirror``
-    (the local folder of the cache's files), ``holding(items, starts, ends)`` and ``holding_items(items,
-    index)`` (contexts in which those bytes may be read: see :func:`latentfast.cache.store.layout.holding`),
-    ``prefetch_many(requests)`` (start fetching ``(items, starts, ends)`` spans of several files at once)
-    and ``holding_many(requests)`` (one hold over several caches' items: a sharded cache's). This class
+    (:class:`latentfast.cache.remote.files.RemoteFiles`: the cache's files as sparse local copies in a
+    local folder, its index fetched by block as reads first need it, its data fetched into the node-local
+    chunk cache and held while it is read) is what :class:`latentfast.cache.LatentCache` hands a cache at
+    an ``s3://`` URL. A strategy has ``mirror`` (the local folder of the cache's files), ``local(requests)``
+    (make ``(path, byte starts, byte ends)`` of index files local, starts None for a whole file: called
+    before a file, or a block of a table, is first read), ``refetch(requests)`` and ``where(path, start,
+    end)`` (a block that failed its CRC, and how errors name it), ``local_all()``, ``holding(items,
+    starts, ends)`` and ``holding_items(items, index)`` (contexts in which those bytes may be read: see
+    :func:`latentfast.cache.store.layout.holding`), ``prefetch_many(requests)`` (start fetching ``(items,
+    starts, ends)`` spans of several files at once) and ``holding_many(requests)`` (one hold over several
+    caches' items: a sharded cache's). This class
     knows nothing of where a strategy gets its bytes, nor of shards: a folder of shards is
     :class:`latentfast.cache.store.shards.ShardedCache`, which composes caches, and
     :class:`latentfast.cache.LatentCache` (:mod:`latentfast.cache.store.opening`) opens each kind by its
