@@ -156,3 +156,32 @@ def test_a_wrong_byte_on_the_server_in_one_index_block_is_refused_naming_the_obj
     with pytest.raises(CacheCorruptError, match=r"s3://lfidx/badkeys/train\.latents\.keys\.bin bytes \[131072, 196608\)"):
         cache.key(item)
     assert cache.key(5) == key_of(5)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_fetch_the_index_blocks_they_read_once_per_node(server, tmp_path, context):
+    # a worker maps the same sparse copies: a block its parent fetched is not fetched again, one it needs
+    # first is fetched (and checked) by the worker, once for the node
+    from latentfast.cache.feed.loader import batch_loader
+
+    endpoint, folder = server
+    local = LatentCache(folder)
+    with FaultProxy(endpoint) as proxy:
+        cache = remote(proxy.endpoint, tmp_path / "lc")
+        cache.read_batch([5, 6])  # the parent used the client (and fetched block 0) before the workers start
+        batches = [np.random.default_rng(b).integers(b * BLOCK, (b + 1) * BLOCK, 9).tolist() for b in (0, 4, 9, 4)]
+        for (latents, _shapes, index), batch in zip(batch_loader(cache, batches, num_workers=2, multiprocessing_context=context), batches):
+            assert index.tolist() == batch
+            assert same(latents, local.read_batch(batch)[0])
+        chunk = CHUNK_BYTES
+        counts = {}
+        for path, byte_range in proxy.gets:
+            a, b = (int(x) for x in byte_range.split("=")[1].split("-"))
+            for c in range(a // chunk, b // chunk + 1):
+                counts[(path, c)] = counts.get((path, c), 0) + 1
+        assert max(counts.values()) == 1  # no chunk of any object downloaded twice on this node
+        shapes = [c for p, c in counts if p.endswith("shapes.npy")]
+        table = np.load(os.path.join(folder, "train.latents.shapes.npy"), mmap_mode="r")
+        for b in (4, 9):  # the workers' blocks came too
+            at = table.offset + (b * BLOCK + 1) * table.strides[0]
+            assert any(c * chunk <= at < (c + 1) * chunk for c in shapes)
