@@ -82,6 +82,8 @@ _TABLES = "tables"  # the generation folder's chunk folder: sparse copies of its
 _NO_BUDGET = 1 << 62  # (a generation's index copies are never evicted: they go with the generation)
 _AT_OPEN = ("meta", "white", tables.CRC_KIND)  # fetched whole when the cache is mirrored: small, fixed size
 _BY_RANGE = ("shapes", "offsets", "checksums", *keytable.TABLES)  # sparse copies, filled block by block
+# part of a generation's name: a mirror made by a version that fetched the index whole is another folder
+_MIRROR_FORMAT = b"\0index by range"
 
 
 class RemoteFiles:
@@ -108,8 +110,6 @@ class RemoteFiles:
                                   f"while it was opened (pushes replacing the cache?): open it again")
         with open(os.path.join(self.mirror, _HEADS)) as fh:
             heads = json.load(fh)
-        if "data" not in heads:  # a folder mirrored by an older version: its index files were fetched whole
-            heads = {"data": heads, "index": {}}
         with open(os.path.join(self.mirror, self._names["meta"]), "rb") as fh:
             record = json.load(fh).get("files")
         self._recorded = record if isinstance(record, dict) else {}
@@ -153,7 +153,7 @@ class RemoteFiles:
                 listing["names"], listing["heads"] = sorted(heads), heads
             return listing["names"], listing["heads"]
 
-        key = meta
+        key = meta + _MIRROR_FORMAT
         if not _names_its_content(meta):  # (checksum-less, written by other code): the data's versions tell
             key += json.dumps({n: h for n, h in objects()[1].items() if n.endswith(".dat")}, sort_keys=True).encode()  # its generations apart
 
@@ -197,7 +197,7 @@ class RemoteFiles:
         (its reader checks the blocks). A file asked for whole is fetched whole and checked against the
         CRC-32 its meta records (fetched again, then :class:`.RemoteCorruptError` naming the object); a
         file read only whole appears at ``path`` only then. Files that are not objects of the cache (a
-        cache without an info file), or already whole in an older mirror, are left as they are. One
+        cache without an info file) are left as they are (the reader names what is missing). One
         round trip for every request."""
         spans, whole = {}, []
         for path, starts, ends in requests:
@@ -377,7 +377,7 @@ class RemoteFiles:
         if memo is None or memo[0] != os.getpid():
             path = fmt.cache_path(self.mirror, self.split, "checksums")
             name = os.path.basename(path)
-            if name in self.tables.pinned_heads:  # (the .npy header; else a whole file of an older mirror)
+            if name in self.tables.pinned_heads:  # (the .npy header; no such object: the load names the file)
                 await self.tables._ensure_local(name, np.zeros(1, np.int64), np.full(1, min(4096, self.tables.pinned_heads[name][0]), np.int64))
             crcs = fmt.load_npy(path, "checksums", mmap=True)
             if crcs.shape != (n,) or crcs.dtype != np.uint32:
@@ -393,7 +393,7 @@ class RemoteFiles:
         if again:
             for c in np.unique(starts // obj.chunk_bytes).tolist():
                 obj.drop(c, c + 1)
-        if name in self.tables.pinned_heads:  # (else a whole file of an older mirror)
+        if name in self.tables.pinned_heads:
             await self.tables._ensure_local(name, starts, starts + 4)
 
     async def _fetch_checked(self, name: str, obj, starts, ends, values) -> None:
