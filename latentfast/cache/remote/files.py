@@ -10,7 +10,7 @@ of the node reading the same copy:
   under :meth:`RemoteFiles.holding` (below);
 - the per-item tables read by block (shapes and offsets, the per-item checksums, the key table) are
   symbolic links to sparse copies in the generation's own chunk folder (``<generation>/tables``: never
-  evicted, deleted with the generation). Their readers (:mod:`..store.tables`,
+  evicted, so outside ``local_cache_bytes``; deleted with the generation). Their readers (:mod:`..store.tables`,
   :mod:`..store.keytable`) ask :meth:`RemoteFiles.local` for a block's byte ranges right before they
   check the block's CRC-32, the only way any of their bytes is read, so no byte that was not fetched is
   ever used (a block that fails is fetched again, :meth:`RemoteFiles.refetch`, then refused naming the
@@ -60,6 +60,7 @@ import json
 import os
 import posixpath
 import shutil
+import threading
 import zlib
 
 import numpy as np
@@ -219,7 +220,7 @@ class RemoteFiles:
         for path, name in whole:
             self._check_whole(name)
             if name not in self._ranged_names():  # (atomically: a reader sees all of it or nothing)
-                tmp = f"{path}.{os.getpid()}.tmp"
+                tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 os.symlink(os.path.join(_TABLES, os.path.basename(self.tables._chunks(name).base) + ".data"), tmp)
