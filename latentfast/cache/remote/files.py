@@ -112,8 +112,11 @@ class RemoteFiles:
         with open(os.path.join(self.mirror, _HEADS)) as fh:
             heads = json.load(fh)
         with open(os.path.join(self.mirror, self._names["meta"]), "rb") as fh:
-            record = json.load(fh).get("files")
-        self._recorded = record if isinstance(record, dict) else {}
+            try:
+                record = json.load(fh).get("files")
+            except (ValueError, AttributeError):  # (the reader names what is wrong with the meta)
+                record = None
+        self._recorded = record if isinstance(record, dict) else {}  # the CRC-32 of each whole file, by kind
         self.reader.pinned_heads = {name: tuple(v) for name, v in heads["data"].items()}
         self.reader._fresh()
         for name in self.reader.pinned_heads:  # (re)creates a sparse copy emptied since (another boot)
