@@ -1,13 +1,31 @@
 """A latent cache whose files come from a folder of objects: what ``LatentCache("s3://...")`` opens.
 
-The cache's small files (meta, index ``.npy``, keys, info) are fetched whole, once per node and
-cache generation, into ``local_cache/index/<generation>/``; its data files (``*.dat``: the latents
-and each record field) appear there as symbolic links to the local chunk cache's sparse copies of
-the objects (:mod:`.chunks`: same size, chunks at their own offsets). So the reader opens, maps and
-indexes a remote cache exactly as a local one, and one rule keeps its reads right: bytes are read
-only while :meth:`RemoteFiles.holding` holds them -- their chunks fetched (one download per chunk
-per node: coalesced, concurrent ranged GETs through :class:`.RemoteReader`) and kept from eviction
-until the copy is done. A warm batch is then the local cache's own compiled gather over a memory map.
+Opening fetches the meta and the small fixed-size files (the white column, the index's block
+checksums) whole into ``local_cache/index/<generation>/``; every other file of the cache is a sparse
+local copy there, filled by range when a read first needs its bytes -- once per node, every process
+of the node reading the same copy:
+
+- the data files (``*.dat``: the latents and each record field) are symbolic links to the local chunk
+  cache's sparse copies of the objects (:mod:`.chunks`: same size, chunks at their own offsets), read
+  under :meth:`RemoteFiles.holding` (below);
+- the per-item tables read by block (shapes and offsets, the per-item checksums, the key table) are
+  symbolic links to sparse copies in the generation's own chunk folder (``<generation>/tables``: never
+  evicted, so outside ``local_cache_bytes``; deleted with the generation). Their readers (:mod:`..store.tables`,
+  :mod:`..store.keytable`) ask :meth:`RemoteFiles.local` for a block's byte ranges right before they
+  check the block's CRC-32, the only way any of their bytes is read, so no byte that was not fetched is
+  ever used (a block that fails is fetched again, :meth:`RemoteFiles.refetch`, then refused naming the
+  object and byte range);
+- the files read whole (widths, field spans, info, hashes, the key list, the key table's checksums)
+  appear in the folder only once :meth:`RemoteFiles.local` has fetched all of their bytes and checked
+  them against the CRC-32 the meta records: before that a reader that did not ask finds no file, never
+  zeros.
+
+So the reader opens, maps and indexes a remote cache as a local one, opening costs the same at any
+item count (a GET of the meta, a LIST, a HEAD per object, the last index block), and one rule keeps its
+data reads right: bytes are read only while :meth:`RemoteFiles.holding` holds them -- their chunks
+fetched (one download per chunk per node: coalesced, concurrent ranged GETs through
+:class:`.RemoteReader`) and kept from eviction until the copy is done. A warm batch is then the local
+cache's own compiled gather over a memory map.
 
 Checksums: a value with a CRC-32 of its own (every record field value; the latents of a shaped
 cache, whose checksum blocks are single items) is checked by the process that fetched the last of
@@ -42,12 +60,14 @@ import json
 import os
 import posixpath
 import shutil
+import threading
 import zlib
 
 import numpy as np
 
 from ...errors import InvalidArgumentError
 from ..store import format as fmt
+from ..store import keytable, tables
 from ..store.layout import item_spans
 from ..store.manifest import manifest_path, order_path, remote_shard_url
 from .chunks import now_ns
@@ -59,6 +79,12 @@ _HOLD_ATTEMPTS = 8  # fetch-and-check rounds of one hold before giving up (evict
 _HEADS = "remote.json"  # the mirror's record of each data object's (size, version): the chunks it links
 _ORIGIN = "origin.json"  # which cache (url, split) a generation folder mirrors: how older ones are found
 _META_THREADS = 16  # shards' metas fetched at once when a sharded cache opens
+_TABLES = "tables"  # the generation folder's chunk folder: sparse copies of its index objects
+_NO_BUDGET = 1 << 62  # (a generation's index copies are never evicted: they go with the generation)
+_AT_OPEN = ("meta", "white", tables.CRC_KIND)  # fetched whole when the cache is mirrored: small, fixed size
+_BY_RANGE = ("shapes", "offsets", "checksums", *keytable.TABLES)  # sparse copies, filled block by block
+# part of a generation's name: a mirror made by a version that fetched the index whole is another folder
+_MIRROR_FORMAT = b"\0index by range"
 
 
 class RemoteFiles:
@@ -69,6 +95,7 @@ class RemoteFiles:
         self.url, self.split = str(url).rstrip("/"), split
         self.reader = RemoteReader(self.url, storage_options, local_cache=os.fspath(local_cache),
                                    local_cache_bytes=local_cache_bytes, **reader_options)
+        self._names = {kind: os.path.basename(fmt.cache_path("", split, kind)) for kind in (*_AT_OPEN, *_BY_RANGE)}
         for attempt in range(3):  # (a newer generation's cleanup may take an older one away as we open it)
             try:
                 self.mirror = self._mirror()
@@ -83,17 +110,37 @@ class RemoteFiles:
             raise RemoteReadError(f"{self.url}: its local mirror under {self.reader.cache.directory} kept being replaced "
                                   f"while it was opened (pushes replacing the cache?): open it again")
         with open(os.path.join(self.mirror, _HEADS)) as fh:
-            self.reader.pinned_heads = {name: tuple(v) for name, v in json.load(fh).items()}
+            heads = json.load(fh)
+        with open(os.path.join(self.mirror, self._names["meta"]), "rb") as fh:
+            try:
+                record = json.load(fh).get("files")
+            except (ValueError, AttributeError):  # (the reader names what is wrong with the meta)
+                record = None
+        self._recorded = record if isinstance(record, dict) else {}  # the CRC-32 of each whole file, by kind
+        self.reader.pinned_heads = {name: tuple(v) for name, v in heads["data"].items()}
         self.reader._fresh()
         for name in self.reader.pinned_heads:  # (re)creates a sparse copy emptied since (another boot)
             self.reader._chunks(name)
+        self.tables = self._tables_reader(self.mirror, {name: tuple(v) for name, v in heads["index"].items()})
+        for name in self.tables.pinned_heads:
+            self.tables._chunks(name)
 
     def __repr__(self) -> str:
         return f"RemoteFiles({self.url!r}, split={self.split!r})"
 
+    def _tables_reader(self, folder: str, heads: dict) -> RemoteReader:
+        """The reader of the index objects, through the chunk folder of the generation ``folder``."""
+        reader = RemoteReader(self.url, self.reader.folder.storage_options, local_cache=os.path.join(folder, _TABLES),
+                              local_cache_bytes=_NO_BUDGET, chunk_bytes=self.reader.cache.chunk_bytes,
+                              read_attempts=self.reader.read_attempts, retry_backoff=self.reader.retry_backoff,
+                              limit=self.reader.limit)  # (index GETs share the shards' one limit)
+        reader.pinned_heads = heads
+        reader._fresh()
+        return reader
+
     # ---- the mirror folder --------------------------------------------------------------------
     def _mirror(self) -> str:
-        meta_name = os.path.basename(fmt.cache_path("", self.split, "meta"))
+        meta_name = self._names["meta"]
         try:
             meta = self.reader.folder.get(meta_name)
         except RemoteNotFoundError:
@@ -104,26 +151,34 @@ class RemoteFiles:
         listing = {}
 
         def objects() -> tuple[list, dict]:
-            """The cache's other objects and its data objects' ``(size, version)`` (listed once)."""
+            """The cache's other objects and their ``(size, version)`` (listed once: the listing has both)."""
             if not listing:
-                names = [n for n in self.reader.folder.list() if "/" not in n and n.startswith(self.split + ".") and n != meta_name]
-                listing["names"], listing["heads"] = names, {n: self.reader.folder.head(n) for n in names if n.endswith(".dat")}
+                heads = {n: h for n, h in self.reader.folder.list_heads().items()
+                         if "/" not in n and n.startswith(self.split + ".") and n != meta_name}
+                listing["names"], listing["heads"] = sorted(heads), heads
             return listing["names"], listing["heads"]
 
-        key = meta
+        key = meta + _MIRROR_FORMAT
         if not _names_its_content(meta):  # (checksum-less, written by other code): the data's versions tell
-            key += json.dumps(objects()[1], sort_keys=True).encode()  # its generations apart
+            key += json.dumps({n: h for n, h in objects()[1].items() if n.endswith(".dat")}, sort_keys=True).encode()  # its generations apart
 
         def fill(tmp: str) -> None:
             names, heads = objects()
-            self.reader.pinned_heads = heads
+            data = {n: h for n, h in heads.items() if n.endswith(".dat")}
+            at_open = {self._names[k] for k in _AT_OPEN}
+            index = {n: h for n, h in heads.items() if n not in data and n not in at_open}
+            self.reader.pinned_heads = data
             self.reader._fresh()
+            ranged = self._tables_reader(tmp, index)
             for name in names:
-                if name in heads:  # data: a link to its sparse local copy, filled by holds
+                if name in data:  # data: a link to its sparse local copy, filled by holds
                     os.symlink(self.reader._chunks(name).base + ".data", os.path.join(tmp, name))
-                else:  # index files are small: whole GETs (the reader checks them against the meta's CRCs)
+                elif name in at_open:  # small: whole GETs (the reader checks them against the meta's CRCs)
                     with open(os.path.join(tmp, name), "wb") as fh:
                         fh.write(self.reader.folder.get(name))
+                elif name in self._ranged_names():  # a link to its sparse copy (relative: the folder is renamed)
+                    os.symlink(os.path.join(_TABLES, os.path.basename(ranged._chunks(name).base) + ".data"), os.path.join(tmp, name))
+                # (the rest appear when first read whole: local())
             try:
                 again = self.reader.folder.get(meta_name)
             except RemoteNotFoundError:
@@ -133,9 +188,85 @@ class RemoteFiles:
             with open(os.path.join(tmp, meta_name), "wb") as fh:
                 fh.write(meta)
             with open(os.path.join(tmp, _HEADS), "w") as fh:
-                json.dump(heads, fh)
+                json.dump({"data": data, "index": index}, fh)
 
         return generation_folder(self.reader.cache.directory, self.url, self.split, key, fill)
+
+    def _ranged_names(self) -> set:
+        return {self._names[k] for k in _BY_RANGE}
+
+    # ---- index files: made local when first read --------------------------------------------------
+    def local(self, requests) -> None:
+        """Make these bytes of the mirror's index files local: ``requests`` are ``(path, byte starts, byte
+        ends)``, starts None for the whole file. A table read by block gets the chunks under the ranges
+        (its reader checks the blocks). A file asked for whole is fetched whole and checked against the
+        CRC-32 its meta records (fetched again, then :class:`.RemoteCorruptError` naming the object); a
+        file read only whole appears at ``path`` only then. Files that are not objects of the cache (a
+        cache without an info file) are left as they are (the reader names what is missing). One
+        round trip for every request."""
+        spans, whole = {}, []
+        for path, starts, ends in requests:
+            name = os.path.basename(path)
+            head = self.tables.pinned_heads.get(name)
+            if head is None:
+                continue
+            if starts is None:
+                if self._all_present(name) and (name in self._ranged_names() or os.path.exists(path)):
+                    continue
+                starts, ends = [0], [head[0]]
+                whole.append((path, name))
+            starts, ends = np.asarray(starts, dtype=np.int64), np.minimum(np.asarray(ends, dtype=np.int64), head[0])
+            keep = ends > starts
+            if keep.any() and not self._all_present(name, starts[keep], ends[keep]):
+                spans[name] = (starts[keep], ends[keep])
+        if spans:
+            self.tables._run(self.tables._ensure_all(spans)).result()
+        for path, name in whole:
+            self._check_whole(name)
+            if name not in self._ranged_names():  # (atomically: a reader sees all of it or nothing)
+                tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                os.symlink(os.path.join(_TABLES, os.path.basename(self.tables._chunks(name).base) + ".data"), tmp)
+                os.replace(tmp, path)
+
+    def refetch(self, requests) -> None:
+        """Drop the local chunks under these ranges (a block that failed its CRC-32) and fetch them again."""
+        for path, starts, ends in requests:
+            name = os.path.basename(path)
+            if name in self.tables.pinned_heads:
+                obj = self.tables._chunks(name)
+                for s, e in zip(np.asarray(starts).tolist(), np.asarray(ends).tolist()):
+                    obj.drop(s // obj.chunk_bytes, (e - 1) // obj.chunk_bytes + 1)
+        self.local(requests)
+
+    def local_all(self) -> None:
+        """Every index file local, whole (what ``verify`` and ``inspect`` read)."""
+        self.local([(os.path.join(self.mirror, name), None, None) for name in self.tables.pinned_heads])
+
+    def where(self, path: str, start: int, end: int) -> str:
+        """The object and byte range behind bytes of a mirror file (what errors name)."""
+        return self.reader.folder.where(os.path.basename(path), start, end)
+
+    def _all_present(self, name: str, starts=None, ends=None) -> bool:
+        obj = self.tables._chunks(name)
+        if starts is None:
+            return bool(obj.present.all())
+        cb = obj.chunk_bytes
+        return bool(all(obj.present[s // cb: (e - 1) // cb + 1].all() for s, e in zip(starts.tolist(), ends.tolist())))
+
+    def _check_whole(self, name: str) -> None:
+        """Check an index object fetched whole against the meta's CRC-32 of it, fetching it again while it fails."""
+        obj, size = self.tables._chunks(name), self.tables.pinned_heads[name][0]
+        recorded = self._recorded.get(_kind_of(name, self.split))
+        for _ in range(self.reader.read_attempts):
+            if recorded is None or zlib.crc32(obj.data[:size]) == recorded:
+                return
+            obj.drop(0, obj.n_chunks)
+            self.tables._run(self.tables._ensure_all({name: (np.zeros(1, np.int64), np.full(1, size, np.int64))})).result()
+        if zlib.crc32(obj.data[:size]) != recorded:
+            raise RemoteCorruptError(f"{self.reader.folder.where(name, 0, size)}: fails the CRC-32 its cache's meta records "
+                                     f"({recorded}) on {self.reader.read_attempts + 1} fetches")
 
     def object_name(self, path: str) -> str:
         """The object behind a mirror path (``.../train.latents.f16.dat`` -> ``train.latents.f16.dat``)."""
@@ -156,7 +287,7 @@ class RemoteFiles:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        for key in ("_objects", "_value_tables", "_chunk_tables", "_generation_lock"):  # (a worker reads under its parent's lock)
+        for key in ("_objects", "_value_tables", "_crc_memo", "_generation_lock"):  # (a worker reads under its parent's lock)
             state.pop(key, None)
         return state
 
@@ -177,35 +308,30 @@ class RemoteFiles:
         return _holding([_Hold(self, items, name, obj, _span_chunks(obj, starts, ends), (starts, ends))] if len(starts) else [])
 
     def _hold_items(self, items, index) -> "_Hold | None":
-        """The :class:`_Hold` of whole items ``index``: their chunks from a per-file table (a warm batch's
-        hold costs a few array operations), their byte spans only if something must be fetched."""
+        """The :class:`_Hold` of whole items ``index``: their byte spans (a shaped cache's index blocks of
+        them checked first, fetched if need be) and the chunks under them (a few array operations)."""
         name, obj = self._object(items.path)
-        memo = self.__dict__.setdefault("_chunk_tables", {})
-        if items.path not in memo:
-            starts, ends = item_spans(items, np.arange(items.n))
-            has_bytes = ends > starts
-            first, last = starts // obj.chunk_bytes, np.maximum(ends - 1, starts) // obj.chunk_bytes
-            steps = np.arange(int((last - first).max(initial=0)) + 1)
-            memo[items.path] = first, last, steps, has_bytes, bool(has_bytes.all())
-        first, last, steps, has_bytes, all_have = memo[items.path]
         index = np.asarray(index, dtype=np.int64)
-        if not all_have:
-            index = index[has_bytes[index]]
-        if not len(index):
+        starts, ends = item_spans(items, index)
+        keep = ends > starts
+        if not keep.all():
+            starts, ends = starts[keep], ends[keep]
+        if not len(starts):
             return None
-        return _Hold(self, items, name, obj, np.minimum(first[index][:, None] + steps, last[index][:, None]), index)
+        return _Hold(self, items, name, obj, _span_chunks(obj, starts, ends), (starts, ends))
 
     def _prefetch(self, items, starts, ends):
         """The fetch (and check) of these spans of ``items``' data file into the local chunk cache, to run
         on the fetching loop (see :func:`prefetch_many`); None when their chunks are all local already
-        (a warm batch: nothing to hand the loop, whose work would only compete with the reads)."""
+        (a warm batch: nothing to hand the loop, whose work would only compete with the reads). What it
+        checks is looked up here, before (in the caller's thread: it may fetch index blocks)."""
         name, obj = self._object(items.path)
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         keep = ends > starts
         starts, ends = starts[keep], ends[keep]
         if not len(starts) or obj.present[_span_chunks(obj, starts, ends)].all():
             return None
-        return self._fetch_checked(name, obj, starts, ends, self._values(items))
+        return self._fetch_checked(name, obj, starts, ends, self._values(items, obj, starts, ends))
 
     @staticmethod
     def prefetch_many(requests):
@@ -217,19 +343,67 @@ class RemoteFiles:
         """See :func:`holding_many` (the storage strategy's interface)."""
         return holding_many(requests)
 
-    def _values(self, items):
-        """``(byte starts, byte ends, CRC-32s)`` of the distinct values stored in ``items``' data file,
-        sorted (items sharing a field value share it), or None where items have no CRC of their own
-        (a line cache's latents). Memoized per file."""
-        memo = self.__dict__.setdefault("_value_tables", {})
-        if items.path not in memo:
-            if items.row_ends is None:  # the latents: back to back
-                crcs = items.item_crcs(np.arange(items.n))
-                memo[items.path] = None if crcs is None else (items.row_starts[:-1] * 2, items.row_starts[1:] * 2, crcs)
-            else:
+    def _values(self, items, obj, starts, ends):
+        """``(byte starts, byte ends, CRC-32s)``, sorted, of the distinct values stored in ``items``' data file
+        that lie on the chunks under spans ``[starts, ends)`` (what a fetch of them checks: their neighbours'
+        on shared edge chunks too), or None where items have no CRC of their own (a line cache's latents).
+        Looked up in the caller's thread: the index blocks and checksums it needs are fetched here."""
+        if items.row_ends is not None:  # a field: its spans and CRCs are in memory (memoized, sorted)
+            memo = self.__dict__.setdefault("_value_tables", {})
+            if items.path not in memo:
                 units, first = np.unique(items.row_starts, return_index=True)
-                memo[items.path] = units * 2, units * 2 + items.nbytes[first], items.crc[first]
-        return memo[items.path]
+                memo[items.path] = units * 2, units * 2 + items.nbytes[first], items.crc[first], None
+            return memo[items.path]
+        if fmt.checksum_block_rows(items.meta, items.path) != 1 or not len(starts):
+            return None  # (the latents have a CRC per item in a shaped cache only)
+        cb, total = obj.chunk_bytes, int(obj.size)
+        lo, hi = starts // cb * cb, np.minimum((ends - 1) // cb * cb + cb, total)
+        first = np.asarray([self._item_at(items, x // 2) for x in lo.tolist()], dtype=np.int64)
+        last = np.asarray([self._item_at(items, (x - 1) // 2) for x in hi.tolist()], dtype=np.int64)
+        index = np.unique(np.concatenate([np.arange(f, l + 1) for f, l in zip(first.tolist(), last.tolist())]))
+        crcs = np.zeros(len(index), dtype=np.uint32)
+
+        async def fetch_crcs(values=None) -> None:  # (on the fetching loop) the CRC-32s of values, all: None
+            at = slice(None) if values is None else values
+            table = await self._crc_table(items.n)
+            await self._fetch_crcs(table, index[at], again=values is not None)
+            crcs[at] = table[index[at]]
+
+        return items.row_starts[index] * 2, items.row_starts[index + 1] * 2, crcs, fetch_crcs
+
+    @staticmethod
+    def _item_at(items, unit: int) -> int:
+        """The latent item holding 2-byte unit ``unit`` of the data file (its index block checked)."""
+        if items.index_checks is None:  # (an index checked whole when it opened)
+            return int(np.searchsorted(items.row_starts, unit, side="right")) - 1
+        return items.index_checks.item_at(unit // items.index_checks.units_per_element)
+
+    async def _crc_table(self, n: int) -> np.ndarray:
+        """The latents' per-item CRC-32s, the mapped checksums table (its entries fetched by :meth:`_fetch_crcs`).
+        They have no block checksums of their own: each is checked by its use -- the value it names must
+        match it, or both are fetched again, then refused naming the value's bytes."""
+        memo = self.__dict__.get("_crc_memo")
+        if memo is None or memo[0] != os.getpid():
+            path = fmt.cache_path(self.mirror, self.split, "checksums")
+            name = os.path.basename(path)
+            if name in self.tables.pinned_heads:  # (the .npy header; no such object: the load names the file)
+                await self.tables._ensure_local(name, np.zeros(1, np.int64), np.full(1, min(4096, self.tables.pinned_heads[name][0]), np.int64))
+            crcs = fmt.load_npy(path, "checksums", mmap=True)
+            if crcs.shape != (n,) or crcs.dtype != np.uint32:
+                raise RemoteCorruptError(f"{self.where(path, 0, 4096)}: the checksums must be uint32 [{n}], got {crcs.dtype} {list(crcs.shape)}")
+            memo = self._crc_memo = os.getpid(), crcs
+        return memo[1]
+
+    async def _fetch_crcs(self, table: np.ndarray, index: np.ndarray, again: bool = False) -> None:
+        """Fetch the chunks of the latents ``index``'s CRC-32s (``again``: dropped first) on the fetching loop."""
+        name = os.path.basename(fmt.cache_path("", self.split, "checksums"))
+        obj = self.tables._chunks(name)
+        starts = getattr(table, "offset", 0) + 4 * index
+        if again:
+            for c in np.unique(starts // obj.chunk_bytes).tolist():
+                obj.drop(c, c + 1)
+        if name in self.tables.pinned_heads:
+            await self.tables._ensure_local(name, starts, starts + 4)
 
     async def _fetch_checked(self, name: str, obj, starts, ends, values) -> None:
         """Fetch the chunks under the spans, then check every stored value (``values``, see
@@ -245,7 +419,9 @@ class RemoteFiles:
             await self.reader._ensure_local(name, starts, ends)
             if values is None or not len(fresh):
                 return
-            v_starts, v_ends, v_crcs = values
+            v_starts, v_ends, v_crcs, refresh = values
+            if refresh is not None and not attempt:
+                await refresh()
             run_c0, run_c1 = coalesce(fresh, fresh + 1, 0)
             lo = np.searchsorted(v_ends, run_c0 * cb, side="right")  # the values overlapping each run of fresh chunks
             hi = np.searchsorted(v_starts, run_c1 * cb, side="left")
@@ -257,15 +433,27 @@ class RemoteFiles:
                     s, e = int(v_starts[v]), int(v_ends[v])
                     c0, c1 = s // cb, (e - 1) // cb + 1
                     if e > s and obj.present[c0:c1].all() and zlib.crc32(data[s:e]) != int(v_crcs[v]):
-                        bad.append((s, e, c0, c1, int(v_crcs[v])))
+                        bad.append((s, e, c0, c1, int(v_crcs[v]), v))
             if not bad:
                 return
-            for _s, _e, c0, c1, _crc in bad:
+            for _s, _e, c0, c1, _crc, _v in bad:
                 obj.drop(c0, c1)
+            if refresh is not None:  # (the CRCs were fetched by range too: those fetched again as well)
+                await refresh(np.asarray([v for *_, v in bad]))
             await asyncio.sleep(self.reader.retry_backoff * (2 ** attempt))
-        s, e, _c0, _c1, crc = bad[0]
+        s, e, _c0, _c1, crc, _v = bad[0]
         raise RemoteCorruptError(f"{self.reader.folder.where(name, s, e)}: fails its CRC-32 ({crc:#010x}) on "
                                  f"{self.reader.read_attempts} fetches")
+
+
+def _kind_of(name: str, split: str) -> str:
+    """The meta's ``files`` kind of an object of split ``split`` (``train.latents.widths.npy`` -> ``widths``,
+    ``train.field.text.spans.npy`` -> ``text.spans``)."""
+    suffix = name[len(split) + 1:]
+    for kind, known in fmt._SUFFIXES.items():
+        if suffix == known:
+            return kind
+    return suffix.removeprefix("field.").removesuffix(".npy")
 
 
 def _names_its_content(meta: bytes) -> bool:
@@ -425,8 +613,10 @@ class _Hold:
         return self._what
 
     def fetching(self):
-        """The fetch (and check) of this part's missing chunks: a coroutine for the fetching loop."""
-        return self.files._fetch_checked(self.name, self.obj, *self.spans(), self.files._values(self.items))
+        """The fetch (and check) of this part's missing chunks: a coroutine for the fetching loop (what it
+        checks is looked up here, in the caller's thread: it may fetch index blocks)."""
+        starts, ends = self.spans()
+        return self.files._fetch_checked(self.name, self.obj, starts, ends, self.files._values(self.items, self.obj, starts, ends))
 
 
 class RemoteShards:

@@ -194,6 +194,10 @@ class ObjectFolder:
         """Every object name under the folder (recursive), sorted."""
         return self._call("list", "*")
 
+    def list_heads(self) -> dict[str, tuple[int, str]]:
+        """Every object under the folder (recursive) and its :meth:`head`, from one listing."""
+        return self._call("list_heads", "*")
+
     def put_file(self, name: str, path: str) -> None:
         """Upload the local file ``path`` as ``name``; multipart above :data:`MULTIPART_BYTES`."""
         self._call("put_file", name, name, path, os.path.getsize(path) > MULTIPART_BYTES)  # read at call time: tests lower it

@@ -18,6 +18,9 @@ the first time it reads from it, in each process: a damaged table raises :class:
 naming the file and block before any wrong key or item is returned. The CRC file is small (4 bytes
 per 64 KiB) and is checked whole, against the meta's record, on first use. A lookup is a binary
 search over the hash blocks (each probed block checked), then the candidates' key bytes compared.
+A cache in object storage maps sparse local copies of the tables: each block is fetched (``storage.local``,
+see :mod:`latentfast.cache.store.tables`) right before its first check, and fetched once more before a
+block that fails is refused.
 """
 from __future__ import annotations
 
@@ -170,8 +173,8 @@ def _read_back(path: str, start: int, block_bytes: int) -> tuple[int, list[int]]
 class KeyTable:
     """One opened cache's key table: mapped in each process on first use, checked block by block."""
 
-    def __init__(self, cache_dir: str, split: str, meta: dict, n: int):
-        self.cache_dir, self.split, self.meta, self.n = cache_dir, split, meta, n
+    def __init__(self, cache_dir: str, split: str, meta: dict, n: int, storage=None):
+        self.cache_dir, self.split, self.meta, self.n, self.storage = cache_dir, split, meta, n, storage
         entry = meta["key_table"]
         self.block_bytes = entry.get("block_bytes") if isinstance(entry, dict) else None
         if not isinstance(self.block_bytes, int) or isinstance(self.block_bytes, bool) or self.block_bytes < 8 or self.block_bytes % 8:
@@ -191,6 +194,8 @@ class KeyTable:
             expected = {"key_offsets": (self.n + 1,), "key_hashes": (self.n,), "key_rows": (self.n,)}
             for kind in TABLES:
                 path = fmt.cache_path(self.cache_dir, self.split, kind)
+                if self.storage is not None:  # (the .npy header: within the first 4 KiB)
+                    self.storage.local([(path, [0], [min(_size(path), 4096)])])
                 if kind == "key_bytes":
                     size = _size(path)
                     array = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
@@ -203,6 +208,8 @@ class KeyTable:
                 maps[kind] = (array, raw, first)
                 first += _blocks(raw.size, self.block_bytes)
             cpath = fmt.cache_path(self.cache_dir, self.split, CRC_KIND)
+            if self.storage is not None:
+                self.storage.local([(cpath, None, None)])
             crcs = fmt.load_npy(cpath, "key table checksums")
             if crcs.shape != (first,) or crcs.dtype != np.uint32:
                 raise CacheCorruptError(f"latent cache key table checksums {cpath} must be uint32 [{first}], got "
@@ -216,14 +223,35 @@ class KeyTable:
         """Table ``kind``'s elements ``[lo, hi)``, every block under them checked (once per process)."""
         array, raw, first = self._map()[kind]
         bb, size = self.block_bytes, array.itemsize
-        for b in range(lo * size // bb, (hi * size - 1) // bb + 1) if hi > lo else ():
-            if first + b not in self._verified:
-                if zlib.crc32(raw[b * bb: (b + 1) * bb]) != int(self._crcs[first + b]):
-                    path = fmt.cache_path(self.cache_dir, self.split, kind)
-                    raise CacheCorruptError(f"latent cache {kind} file {path}: block {b} (bytes {b * bb}..{min(raw.size, (b + 1) * bb) - 1}) "
-                                            f"fails its CRC-32 checksum; rerun the build to repair it")
-                self._verified.add(first + b)
+        todo = [b for b in (range(lo * size // bb, (hi * size - 1) // bb + 1) if hi > lo else ()) if first + b not in self._verified]
+        if self.storage is not None and todo:
+            self.storage.local([self._byte_ranges(kind, todo)])
+        for b in todo:
+            if not self._block_good(kind, b):
+                path, (start,), (end,) = self._byte_ranges(kind, [b])
+                where = path if self.storage is None else self.storage.where(path, start, end)
+                raise CacheCorruptError(f"latent cache {kind} file {where}: block {b} (bytes {b * bb}..{min(raw.size, (b + 1) * bb) - 1}) "
+                                        f"fails its CRC-32 checksum; rerun the build to repair it")
+            self._verified.add(first + b)
         return array[lo:hi]
+
+    def _byte_ranges(self, kind: str, blocks: list[int]) -> tuple[str, list[int], list[int]]:
+        """``(path, byte starts, byte ends)`` in its file of table ``kind``'s ``blocks`` (an .npy's after its header)."""
+        array, raw, _first = self._map()[kind]
+        at, bb = getattr(array, "offset", 0), self.block_bytes
+        return (fmt.cache_path(self.cache_dir, self.split, kind), [at + b * bb for b in blocks],
+                [at + min(raw.size, (b + 1) * bb) for b in blocks])
+
+    def _block_good(self, kind: str, b: int) -> bool:
+        """Whether block ``b`` of table ``kind`` passes its CRC-32 (in object storage: fetched again, twice, before it fails)."""
+        _array, raw, first = self._map()[kind]
+        bb = self.block_bytes
+        for attempt in range(3 if self.storage is not None else 1):
+            if attempt:
+                self.storage.refetch([self._byte_ranges(kind, [b])])
+            if zlib.crc32(raw[b * bb: (b + 1) * bb]) == int(self._crcs[first + b]):
+                return True
+        return False
 
     # -- reading ------------------------------------------------------------------------------
     def key(self, i: int) -> str:

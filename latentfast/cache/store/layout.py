@@ -65,7 +65,10 @@ class Items:
         self.files = files or CacheFiles(self.cache_dir, self.split, self.meta, [self.path], getattr(cache, "_data_identity", None))
         self.n, self.shaped, self.verify_rows = len(cache), cache.shaped, cache.verify_rows
         self.channels, self.latent_h, self.w_max = cache.channels, cache.latent_h, cache.w_max
-        self.widths, self.row_starts, self.white = cache.widths, cache.row_starts, cache.white_column
+        # (a reader's own tables, not its whole-table views: the read path checks the blocks it reads, index_checks)
+        own = getattr(cache, "__dict__", {})
+        self.widths, self.row_starts = (own["_" + k] if "_" + k in own else getattr(cache, k) for k in ("widths", "row_starts"))
+        self.white = cache.white_column
         # a cache's own mapped shapes (their blocks checked as items are read: index_checks), else a cache-like object's
         self.shapes = (cache._shapes if hasattr(cache, "_index_blocks") else cache.shapes) if cache.shaped else None
         self.index_checks = getattr(cache, "_index_blocks", None)
@@ -73,7 +76,6 @@ class Items:
         self.pitch = self.w_max if cache.layout == "padded" else 0
         self.remote = getattr(cache, "remote", None)  # a cache in object storage: see holding()
         self.row_ends = None
-        self._item_crcs = None
         self._fd: int | None = None
         self._mm: np.ndarray | None = None
         self._data: torch.Tensor | None = None
@@ -124,7 +126,9 @@ class Items:
                 warnings.simplefilter("ignore", UserWarning)
                 self._data = torch.from_numpy(self.memmap())
                 self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
-            if self.shaped:
+            if self.shaped and self.index_checks is not None:  # filled block by block as the blocks are checked
+                self._widths_t = torch.from_numpy(self.index_checks.unit_counts())
+            elif self.shaped:
                 numel = np.diff(self.row_starts)  # units
                 if numel.size and numel.max() > _INT32_MAX:
                     raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max()) * 2} bytes is too large for the batch gather (int32 widths of 2-byte units)")
@@ -138,16 +142,10 @@ class Items:
     def block_checks(self) -> BlockChecks:
         """This process's record of the checksum blocks (``InvalidArgumentError`` if the cache stores none)."""
         if self._block_checks is None:
+            if self.remote is not None:  # (a cache in object storage: the checksums, all of them)
+                self.remote.local([(fmt.cache_path(self.cache_dir, self.split, "checksums"), None, None)])
             self._block_checks = BlockChecks(self.cache_dir, self.split, self.meta, self.n)
         return self._block_checks
-
-    def item_crcs(self, index: np.ndarray):
-        """CRC-32 of each of items ``index`` where the cache has one per item (checksum blocks of
-        one item: shaped caches), else None."""
-        if self._item_crcs is None:
-            rows = fmt.checksum_block_rows(self.meta, fmt.cache_path(self.cache_dir, self.split, "meta"))
-            self._item_crcs = fmt.load_checksums(self.cache_dir, self.split, self.n, 1, self.meta) if rows == 1 else False
-        return None if self._item_crcs is False else self._item_crcs[index]
 
     def __getstate__(self) -> dict:  # a process maps the file for itself
         state = self.__dict__.copy()

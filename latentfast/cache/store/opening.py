@@ -6,7 +6,7 @@
   the shards' caches;
 - an object-store URL (``s3://...``): either of those handed an object-storage strategy
   (:class:`~latentfast.cache.remote.files.RemoteFiles` / :class:`~latentfast.cache.remote.files.RemoteShards`:
-  the small files mirrored into a local folder, the data read through the node-local chunk cache).
+  the files as sparse local copies, the index fetched by block and the data through the node-local chunk cache).
 
 The reader and the shards know nothing of object storage, and the reader nothing of shards: this
 module, at the top of the store, chooses for them (``latentfast.cache.LatentCache`` is its class).
@@ -14,6 +14,7 @@ module, at the top of the store, chooses for them (``latentfast.cache.LatentCach
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import os
 from typing import Any
 
@@ -40,7 +41,9 @@ def is_sharded(cache_dir, split: str, storage_options: dict | None = None) -> bo
         except RemoteNotFoundError:
             return False
 
-    return exists(os.path.basename(manifest_path("", split))) and not exists(os.path.basename(fmt.cache_path("", split, "meta")))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # (both HEADs at once: one round trip)
+        manifest, meta = pool.map(exists, (os.path.basename(manifest_path("", split)), os.path.basename(fmt.cache_path("", split, "meta"))))
+    return manifest and not meta
 
 
 def check_local_options(cache_dir: str, storage_options, local_cache, local_cache_bytes) -> None:

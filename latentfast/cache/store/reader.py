@@ -27,12 +27,14 @@ _CHECK_CHUNK = 1 << 16  # items whose shapes and offsets are checked at once whe
 # long as it lives (Python's mmap keeps a copy of it), and a sharded cache of 1,000 small shards would
 # hold two per shard; a read of under a MiB costs less than the map
 _MAP_INDEX_BYTES = 1 << 20
+# in object storage what costs is the fetch: a table is mapped (its blocks fetched as they are read) above this
+_MAP_REMOTE_INDEX_BYTES = 64 << 10
 
 
-def _mapped(path: str) -> bool:
+def _mapped(path: str, remote: bool = False) -> bool:
     """Whether the index file at ``path`` is mapped (large) or read whole (small, or gone: the load names it)."""
     try:
-        return os.path.getsize(path) >= _MAP_INDEX_BYTES
+        return os.path.getsize(path) >= (_MAP_REMOTE_INDEX_BYTES if remote else _MAP_INDEX_BYTES)
     except OSError:
         return False
 
@@ -56,13 +58,17 @@ class LatentCache:
 
     The bytes are read through a storage strategy, ``storage``: None (the default) reads the local folder
     ``cache_dir`` through memory maps; an object-storage strategy
-    (:class:`latentfast.cache.remote.files.RemoteFiles`: the cache's small files mirrored into a local
-    folder, its data fetched into the node-local chunk cache and held while it is read) is what
-    :class:`latentfast.cache.LatentCache` hands a cache at an ``s3://`` URL. A strategy has ``mirror``
-    (the local folder of the cache's files), ``holding(items, starts, ends)`` and ``holding_items(items,
-    index)`` (contexts in which those bytes may be read: see :func:`latentfast.cache.store.layout.holding`),
-    ``prefetch_many(requests)`` (start fetching ``(items, starts, ends)`` spans of several files at once)
-    and ``holding_many(requests)`` (one hold over several caches' items: a sharded cache's). This class
+    (:class:`latentfast.cache.remote.files.RemoteFiles`: the cache's files as sparse local copies in a
+    local folder, its index fetched by block as reads first need it, its data fetched into the node-local
+    chunk cache and held while it is read) is what :class:`latentfast.cache.LatentCache` hands a cache at
+    an ``s3://`` URL. A strategy has ``mirror`` (the local folder of the cache's files), ``local(requests)``
+    (make ``(path, byte starts, byte ends)`` of index files local, starts None for a whole file: called
+    before a file, or a block of a table, is first read), ``refetch(requests)`` and ``where(path, start,
+    end)`` (a block that failed its CRC, and how errors name it), ``local_all()``, ``holding(items,
+    starts, ends)`` and ``holding_items(items, index)`` (contexts in which those bytes may be read: see
+    :func:`latentfast.cache.store.layout.holding`), ``prefetch_many(requests)`` (start fetching ``(items,
+    starts, ends)`` spans of several files at once) and ``holding_many(requests)`` (one hold over several
+    caches' items: a sharded cache's). This class
     knows nothing of where a strategy gets its bytes, nor of shards: a folder of shards is
     :class:`latentfast.cache.store.shards.ShardedCache`, which composes caches, and
     :class:`latentfast.cache.LatentCache` (:mod:`latentfast.cache.store.opening`) opens each kind by its
@@ -130,6 +136,8 @@ class LatentCache:
     def _load_tables(self) -> None:
         """The per-item tables (the index, each field's spans), checked against the meta's record of them."""
         self._load_index()
+        self._local([fieldstore.field_path(self.cache_dir, self.split, name, kind)
+                     for name in self._declared_fields() for kind in ("spans", "crc", "present")])
         self._field_index = {name: fieldstore.load_field_index(self.cache_dir, self.split, name, self.meta, len(self))
                              for name in self._declared_fields()}
         blocks = self.__dict__.get("_index_blocks") is not None  # (its shapes and offsets: checked per block, see tables)
@@ -161,7 +169,7 @@ class LatentCache:
             self._load_shapes()
         else:
             self._load_widths()
-        expected_bytes = int(self.row_starts[-1]) * 2
+        expected_bytes = int(self._row_starts[-1]) * 2
         try:
             st = os.stat(self._data_path)
         except OSError:
@@ -178,7 +186,8 @@ class LatentCache:
 
     def _load_widths(self) -> None:
         n, w_max = self.meta["n"], self.meta["w_max"]
-        wpath = fmt.cache_path(self.cache_dir, self.split, "widths")
+        wpath, opath = (fmt.cache_path(self.cache_dir, self.split, kind) for kind in ("widths", "offsets"))
+        self._local((wpath, opath) if self.layout == "ragged" else (wpath,))
         widths = fmt.load_npy(wpath, "widths")
         if widths.ndim != 1 or not np.issubdtype(widths.dtype, np.integer):
             raise CacheCorruptError(f"latent cache widths {wpath} must be a 1-D integer array, got {widths.dtype} {widths.shape}")
@@ -190,7 +199,6 @@ class LatentCache:
         self.widths = widths.astype(np.int32, copy=False)
         self.row_starts = self._line_row_starts()
         if self.layout == "ragged":
-            opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
             offsets = fmt.load_npy(opath, "offsets")
             if offsets.shape != (n + 1,):
                 raise CacheCorruptError(f"latent cache offsets {opath} must have n + 1 = {n + 1} entries, got shape {offsets.shape}")
@@ -204,18 +212,20 @@ class LatentCache:
         is checked whole now, a chunk at a time (no temporary grows with N)."""
         m = self.meta
         n, ndim = m["n"], m["ndim"]
-        spath = fmt.cache_path(self.cache_dir, self.split, "shapes")
-        shapes = fmt.load_npy(spath, "shapes", mmap=_mapped(spath))
+        spath, opath = (fmt.cache_path(self.cache_dir, self.split, kind) for kind in ("shapes", "offsets"))
+        mapped = {p: _mapped(p, self.remote is not None and "index_blocks" in m) for p in (spath, opath)}
+        if self.remote is not None:  # mapped: their headers (blocks are fetched as they are checked); read whole: all
+            self.remote.local([(p, [0] if mapped[p] and "index_blocks" in m else None, [4096]) for p in (spath, opath)])
+        shapes = fmt.load_npy(spath, "shapes", mmap=mapped[spath])
         if shapes.shape != (n, ndim) or not np.issubdtype(shapes.dtype, np.integer):
             raise CacheCorruptError(f"latent cache shapes {spath} must be an integer array of shape [n, ndim] = [{n}, {ndim}], got {shapes.dtype} {list(shapes.shape)}")
         shapes = shapes.astype(np.int64, copy=False)
-        opath = fmt.cache_path(self.cache_dir, self.split, "offsets")
-        offsets = fmt.load_npy(opath, "offsets", mmap=_mapped(opath))
+        offsets = fmt.load_npy(opath, "offsets", mmap=mapped[opath])
         if offsets.shape != (n + 1,) or not np.issubdtype(offsets.dtype, np.integer) or int(offsets[0]) != 0:
             raise CacheCorruptError(f"latent cache offsets {opath} disagree with the shapes (item i must span prod(shapes[i]) elements, back to back)")
         offsets = offsets.astype(np.int64, copy=False)
         # a cache with block checksums of its index: each block checked when its items are first read
-        self._index_blocks = tables.ItemBlocks(self.cache_dir, self.split, m, shapes, offsets) if "index_blocks" in m else None
+        self._index_blocks = tables.ItemBlocks(self.cache_dir, self.split, m, shapes, offsets, self.remote) if "index_blocks" in m else None
         if self._index_blocks is not None and n:
             self._index_blocks.check([n - 1])  # the last block: its end offset sizes the data file (checked next)
         for r0 in range(0, n, _CHECK_CHUNK) if self._index_blocks is None else ():
@@ -223,6 +233,8 @@ class LatentCache:
         self._shapes = shapes
         self.widths = shapes[:, -1]  # (a view of the mapped shapes)
         units = fmt.LATENT_DTYPES[m.get("dtype", "float16")] // fmt.UNIT_BYTES
+        if units != 1 and self._index_blocks is not None and self.remote is not None:
+            self._index_blocks.check_all()  # (scaled below, all of it: fetched and checked first)
         self.row_starts = offsets if units == 1 else offsets * units  # offsets count elements; reads address 2-byte units
 
     def _resolve_white(self, given: Any) -> torch.Tensor | None:
@@ -243,7 +255,27 @@ class LatentCache:
             raise InvalidArgumentError(f"white_column disagrees with the one stored in {path}; omit the argument to use the stored one")
         return given.contiguous()
 
+    def _local(self, paths) -> None:
+        """Make these index files local, whole, before they are read (a cache in object storage fetches them
+        when first needed; a local cache's are there)."""
+        if self.remote is not None:
+            self.remote.local([(path, None, None) for path in paths])
+
     # -- geometry ---------------------------------------------------------------------------
+    def _whole_table(self, name: str) -> np.ndarray:
+        """A per-item table as a whole array: of a cache in object storage whose index is read by block,
+        every block fetched and checked first (the read path reads them block by block, through
+        ``items``: never a byte that was not fetched)."""
+        blocks = self.__dict__.get("_index_blocks")
+        if blocks is not None and blocks.storage is not None:
+            blocks.check_all()
+        return self.__dict__[name]
+
+    row_starts = property(lambda self: self._whole_table("_row_starts"), lambda self, value: self.__dict__.__setitem__("_row_starts", value),
+                          doc="int64 ``[N + 1]``: each item's offset in 2-byte units of the data file, then the end.")
+    widths = property(lambda self: self._whole_table("_widths"), lambda self, value: self.__dict__.__setitem__("_widths", value),
+                      doc="int ``[N]``: each item's latent width (a shaped item's last dimension).")
+
     @property
     def layout(self) -> str:
         return self.meta.get("layout", "padded")
@@ -293,6 +325,8 @@ class LatentCache:
         mapped key table instead, without the list."""
         if self._keys is None:
             path = fmt.cache_path(self.cache_dir, self.split, "keys")
+            if self._key_table() is None:
+                self._local([path])
             if self._key_table() is not None:
                 keys = self._key_table().all()
             elif os.path.exists(path):
@@ -337,11 +371,13 @@ class LatentCache:
         if "key_table" not in self.meta:
             return None
         if self.__dict__.get("_keytab") is None:
-            self._keytab = keytable.KeyTable(self.cache_dir, self.split, self.meta, len(self))
+            self._keytab = keytable.KeyTable(self.cache_dir, self.split, self.meta, len(self), self.remote)
         return self._keytab
 
     def stores_keys(self) -> bool:
         """Whether the cache stores its items' keys (else they are the row numbers as strings)."""
+        if self._key_table() is None:
+            self._local([fmt.cache_path(self.cache_dir, self.split, "keys")])
         return self._key_table() is not None or os.path.exists(fmt.cache_path(self.cache_dir, self.split, "keys"))
 
     def key(self, i: int) -> str:
@@ -394,6 +430,7 @@ class LatentCache:
         i = self._checked_index(i)
         if not hasattr(self, "_info"):
             path = fmt.cache_path(self.cache_dir, self.split, "info")
+            self._local([path])
             self._info = _load_json(path, "info") if os.path.exists(path) else self._check_not_lost("info", path)
             if self._info is not None and (not isinstance(self._info, list) or len(self._info) != len(self)):
                 raise CacheCorruptError(f"latent cache info {path} must be a JSON list of {len(self)} objects")
@@ -404,6 +441,7 @@ class LatentCache:
     def content_hashes(self) -> np.ndarray | None:
         """uint8 ``[N, 16]`` BLAKE2b-128 of each item's source bytes, or None when the cache stores none."""
         path = fmt.cache_path(self.cache_dir, self.split, "hashes")
+        self._local([path])
         if not os.path.exists(path):
             return None
         hashes = fmt.load_npy(path, "hashes")
@@ -449,9 +487,9 @@ class LatentCache:
             self.verify_items([i])
         fd = self.items.fd()
         self.check_unchanged()
-        start = int(self.row_starts[i])
+        start = int(self._row_starts[i])
         if self.shaped:  # the item's 2-byte units, viewed in the cache's dtype below
-            row = np.empty(int(self.row_starts[i + 1]) - start, dtype=np.float16)
+            row = np.empty(int(self._row_starts[i + 1]) - start, dtype=np.float16)
         elif self.layout == "ragged":
             row = np.empty((self._row_shape[0], self._row_shape[1], int(self.widths[i])), dtype=np.float16)
         else:
@@ -471,7 +509,7 @@ class LatentCache:
         """Check the checksum block of every row in ``indices`` (each block once per process);
         :class:`CacheCorruptError` names the first failing block. A cache without checksums
         (the original format) has nothing to check against: ``InvalidArgumentError``."""
-        self.items.block_checks.check(self.items, self.row_starts, np.asarray(indices, dtype=np.int64))
+        self.items.block_checks.check(self.items, self._row_starts, np.asarray(indices, dtype=np.int64))
 
     def gather_source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(data, row_offsets, widths, pitch)`` for batch gathers; checks the file size first (one fstat).
@@ -518,8 +556,8 @@ class LatentCache:
         return [(items, *layout.item_spans(items, index)) for items in (self.items, *self.field_items.values())]
 
     # -- pickling: paths and meta only (a few KiB at any N) ---------------------------------
-    _PER_ITEM = ("items", "field_items", "row_starts", "_keys", "_info", "_key_index", "_keytab",
-                 "widths", "_shapes", "_field_index", "_index_blocks")
+    _PER_ITEM = ("items", "field_items", "_row_starts", "_keys", "_info", "_key_index", "_keytab",
+                 "_widths", "_shapes", "_field_index", "_index_blocks")
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -605,6 +643,8 @@ def verify_single(cache: LatentCache) -> dict:
     page cache, not the disk)."""
     start = time.perf_counter()
     cache_dir, split = cache.cache_dir, cache.split
+    if cache.remote is not None:  # (a cache in object storage: every index file, all of it)
+        cache.remote.local_all()
     damaged = fmt.damaged_files(cache.cache_dir, split, cache.meta)
     if damaged:
         raise CacheCorruptError(damaged[0] + "; rerun the build to repair it")
@@ -642,6 +682,8 @@ def inspect_single(cache: LatentCache, bins: int = 10) -> dict:
     """:func:`latentfast.cache.inspect_cache` of one opened cache: meta, row count, bytes on disk, padding
     waste and a latent-width histogram (line caches), or the count of items per shape (shaped caches)."""
     cache_dir, split = cache.cache_dir, cache.split  # (a cache in object storage: the local folder of its files)
+    if cache.remote is not None:  # (every index file, all of it: the sizes and summaries are of the whole)
+        cache.remote.local_all()
     files = {}
     for kind in ("data", "widths", "meta", "offsets", "white", "checksums", "shapes", "keys", "hashes", "info",
                  *keytable.TABLES, keytable.CRC_KIND, tables.CRC_KIND):

@@ -246,6 +246,8 @@ def _geometry(part) -> tuple[np.ndarray, np.ndarray, int]:
         return np.zeros(part.n, np.int64), np.zeros(part.n, np.int32), 0
     if part.row_ends is not None:  # a field: each value's units
         return part.row_starts, (part.row_ends - part.row_starts).astype(np.int32), 0
+    if part.shaped and part.index_checks is not None and part.remote is not None:
+        part.index_checks.check_all()  # (a shard in object storage: its whole index fetched and checked before it is joined)
     widths = np.diff(part.row_starts) if part.shaped else part.widths  # a shaped item is one line of all its units
     return part.row_starts[:-1], np.asarray(widths).astype(np.int32, copy=False), part.pitch
 
