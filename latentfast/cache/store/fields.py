@@ -213,7 +213,8 @@ class FieldStore:
         new = np.flatnonzero(offsets < 0)
         if new.size:
             offsets[new] = self._store(distinct[new], hashes[new], crcs[new], item + first[new])
-        texts = [entry_text(o, nbytes, shape, c, self.dtype, d.hex()) for o, c, d in zip(offsets.tolist(), crcs.tolist(), digests)]
+        dims = json.dumps(list(shape))
+        texts = [entry_text(o, nbytes, dims, c, self.dtype, d.hex()) for o, c, d in zip(offsets.tolist(), crcs.tolist(), digests)]
         return texts, inverse, (offsets[inverse], nbytes, shape, crcs[inverse])
 
     # -- the per-item rows ------------------------------------------------------------------------
@@ -294,11 +295,14 @@ class FieldStore:
         os.fdatasync(self.fd)
 
     def verify(self) -> int | None:
-        """The first item whose value on disk fails its CRC, else None (each stored value read once)."""
-        for _, rows in self.values.chunks(_CHUNK):
-            for offset, nbytes, crc, item in rows.tolist():
-                if zlib.crc32(os.pread(self.fd, nbytes, offset)) != crc:
-                    return item  # (the first item of the first damaged value: every later one names a later value)
+        """The first item whose value on disk fails its CRC, else None (each stored value read once, in
+        the order they lie in the file)."""
+        with open(self.partial, "rb", buffering=1 << 20) as fh:
+            for _, rows in self.values.chunks(_CHUNK):
+                for offset, nbytes, crc, item in zip(*(rows[:, k].tolist() for k in range(4))):
+                    fh.seek(offset)  # (within the read buffer: no system call)
+                    if zlib.crc32(fh.read(nbytes)) != crc:
+                        return item  # (the first item of the first damaged value: every later item names a later value)
         return None
 
     def index_files(self, n: int, optional: bool = False) -> tuple[Written, Written, Written | None, dict]:
@@ -346,9 +350,10 @@ class FieldStore:
 _CHUNK = 1 << 16  # rows of a table read at once
 
 
-def entry_text(offset: int, nbytes: int, shape, crc: int, dtype: str, digest_hex: str) -> str:
-    """A value's log entry as the progress log's JSON encoder writes it (keys sorted), made without the encoder."""
-    return f'{{"c": {crc}, "d": "{dtype}", "n": {nbytes}, "o": {offset}, "s": {json.dumps(list(shape))}, "x": "{digest_hex}"}}'
+def entry_text(offset: int, nbytes: int, dims: str, crc: int, dtype: str, digest_hex: str) -> str:
+    """A value's log entry as the progress log's JSON encoder writes it (keys sorted), made without the
+    encoder; ``dims``: the JSON of its shape."""
+    return f'{{"c": {crc}, "d": "{dtype}", "n": {nbytes}, "o": {offset}, "s": {dims}, "x": "{digest_hex}"}}'
 
 
 def fmt_size(path: str) -> int:

@@ -566,7 +566,7 @@ class LatentCacheWriter:
                 continue  # (a field no item has yet)
             store = store or self._new_field(name, v[have[0]][0], len(v[have[0]][1]), self._n + have[0])
             entries = [None if stored is None else store.put(self._n + k, *stored) for k, stored in enumerate(v)]
-            texts[name] = [None if e is None else f'"{name}": {entry_text(e["o"], e["n"], e["s"], e["c"], e["d"], e["x"])}'
+            texts[name] = [None if e is None else f'"{name}": {entry_text(e["o"], e["n"], json.dumps(e["s"]), e["c"], e["d"], e["x"])}'
                            for e in entries]
             rows.append((_add_each, (store, entries[store.items - self._n:])))
         if self._first is None:
