@@ -180,9 +180,18 @@ class FieldStore:
         digest, payload = value_hash(raw), raw.tobytes()
         h, crc = int.from_bytes(digest[:8], "little"), zlib.crc32(payload)
         offset = self._stored(h, payload)
-        if offset is None:
-            offset = int(self._store(raw.reshape(1, -1), np.asarray([h], np.uint64), np.asarray([crc]), np.asarray([item]))[0])
+        if offset is None:  # (:meth:`_store` of one value, without numpy's per-call costs)
+            offset = self.end
+            if payload:
+                pwrite_all(self.fd, payload + bytes(len(payload) & 1), offset)
+            self._remember(h, offset, len(payload), crc, item)
         return {"o": offset, "n": len(payload), "s": list(shape), "c": crc, "d": dtype, "x": digest.hex()}
+
+    def _remember(self, h: int, offset: int, nbytes: int, crc: int, item: int) -> None:
+        """A value just stored at the end (its bytes in the file) in the values table and the hash table."""
+        self.slots.add_one(h, self.values.rows)
+        self.values.append(struct.pack("<4q", offset, nbytes, crc, item), 1)
+        self.end += nbytes + (nbytes & 1)
 
     def put_many(self, item: int, shape: tuple, values: np.ndarray) -> tuple[list[str], np.ndarray, tuple]:
         """Store the values of items ``item, item + 1, ...`` (uint8 ``[B, nbytes]``, each of ``shape``):
@@ -252,9 +261,7 @@ class FieldStore:
                 raise ValueError(f"a logged value of field {self.name!r} of another dtype or ndim")
             offset, nbytes, h = e["o"], e["n"], int.from_bytes(bytes.fromhex(e["x"])[:8], "little")
             if offset == self.end and all(self._value(row) != (offset, nbytes) for row in self.slots.find_one(h)):
-                self.slots.add_one(h, self.values.rows)
-                self.values.append(struct.pack("<4q", offset, nbytes, e["c"], item + k), 1)
-                self.end += nbytes + (nbytes & 1)
+                self._remember(h, offset, nbytes, e["c"], item + k)
             elif not 0 <= offset <= offset + nbytes <= self.end:
                 raise ValueError(f"a logged value of field {self.name!r} lies past the values stored before it")
         have = [e for e in entries if e is not None]
