@@ -293,7 +293,7 @@ def test_batches_of_records_are_checked_before_anything_is_written(tmp_path):
     bad[2, 1] = np.nan
     with pytest.raises(NonFiniteError, match="field 'pooled' of key 'c'"):
         writer.append_many(["a", "b", "c"], {"latent": z, "pooled": bad})
-    with pytest.raises(InvalidArgumentError, match=r"\['pooled'\] are not optional"):
+    with pytest.raises(InvalidArgumentError, match=r"key 'b' has the fields \[\].*\['pooled'\] are not optional"):
         writer.append_many(["a", "b", "c"], {"latent": z, "pooled": [np.zeros(2, np.float32), None, np.ones(2, np.float32)]})
     with pytest.raises(InvalidArgumentError, match="field 'latent_flipped' of key 'a' has shape"):
         writer.append_many(["a", "b", "c"], {"latent": z, "latent_flipped": np.zeros((3, 4, 1, 3), np.float16)})

@@ -543,10 +543,13 @@ class LatentCacheWriter:
         first_key = self._first["k"] if self._first is not None else keys[0]
         values = {check_name(name): self._field_batch(keys, name, value, first_key) for name, value in batch.items() if name != LATENT}
         lacking = set(self._fields) - set(values)
-        lacking |= {name for name, v in values.items() if isinstance(v, list) and None in v}
         if self._first is not None:
             lacking |= set(values) - set(self._fields)
         self._refuse_lacking(keys[0], sorted(values), lacking, first_key)
+        for name, v in values.items():  # an item without a value: named
+            if isinstance(v, list) and None in v:
+                self._refuse_lacking(keys[v.index(None)], sorted(n for n, w in values.items() if not isinstance(w, list)
+                                                                 or w[v.index(None)] is not None), {name}, first_key)
         self._check_same_shapes(keys, shape, values)
         pwrite_all(self._fd, latents, self._end)
         self._end += latents.nbytes
