@@ -305,7 +305,7 @@ class FieldStore:
         """The first item whose value on disk fails its CRC, else None (each stored value read once, in
         the order they lie in the file)."""
         with open(self.partial, "rb", buffering=1 << 20) as fh:
-            for _, rows in self.values.chunks(_CHUNK):
+            for _, rows in self.values.chunks(_CHUNK // 8):  # (its rows as Python ints: ~1 MiB at a time)
                 for offset, nbytes, crc, item in zip(*(rows[:, k].tolist() for k in range(4))):
                     fh.seek(offset)  # (within the read buffer: no system call)
                     if zlib.crc32(fh.read(nbytes)) != crc:
