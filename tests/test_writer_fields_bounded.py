@@ -8,7 +8,6 @@ record batches, a SIGKILL and a resume, and a damaged value dropped and rewritte
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -30,7 +29,6 @@ from latentfast.cache.store.writer import record_lines
 from latentfast.errors import CacheCorruptError, InvalidArgumentError, NonFiniteError
 from latentfast.testing import run_until_held
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 MAIN_DIGESTS = {  # sha256 (first 16 hex digits) of each file, written by `main`'s writer at b42a54e (fields_scenarios.py)
