@@ -1,5 +1,6 @@
 """Records of named fields in a latent cache: dtypes stored bit for bit, per-item shapes, padded
 batches, equal values stored once, resume after SIGKILL, DataLoader workers, old caches unchanged."""
+import json
 import os
 import time
 
@@ -366,7 +367,7 @@ def test_finish_finds_a_damaged_field_value_drops_it_and_the_rerun_rewrites_it(t
     for i, r in enumerate(records):
         writer.append(f"k{i}", r)
     writer.flush()
-    offset = writer._entries["text"][2]["o"]  # (item 2's log entry of the field)
+    offset = json.loads(open(cache_path(tmp_path, "train", "progress"), "rb").read().splitlines()[3])["f"]["text"]["o"]  # (item 2's log entry of the field)
     with open(fieldstore.fmt.partial_path(field_path(tmp_path, "train", "text", "data")), "r+b") as fh:
         fh.seek(offset)
         fh.write(bytes([fh.read(1)[0] ^ 1]))

@@ -20,6 +20,16 @@ range of ``--runs`` runs). Bytes on disk: the cache with equal values stored onc
 with sharing disabled (the hash made unique per value), and the per-item pairs; file counts.
 
     python -m latentfast.bench.bench_fields [--quick] [--runs 3]
+
+``--writer [--base DIR] [--sizes 100000,1000000] [--runs 3]``: the writer of records with fields (issue 33).
+N tiny records (latent ``[4, 1, 1]`` float16, ``pooled`` float32 ``[4]`` all but distinct, ``mask`` uint8
+``[3]`` of 3 distinct values), ``flush_every=4096``, each run a fresh process (runs alternate between the
+writers): ``append`` one by one with this checkout's writer and with the one at ``--base`` (a checkout of
+the code before, e.g. ``git archive main | tar -x -C /tmp/fw_base`` with its native library built there),
+``append_many`` of record batches of 4,096 (this checkout only: the writer before took no records in
+bulk), and ``append_many`` of the bare latents (no fields: the floor). Per run: wall and CPU us per
+item of the appends (``finish`` apart), the process's ``RssAnon`` growth over the appends and after
+``finish``, and the sha256 of the finished cache's files (the same for every writer and path).
 """
 from __future__ import annotations
 
@@ -38,6 +48,8 @@ from latentfast.cache.store import fields as fieldstore
 from latentfast.testing import torch_threads
 
 BATCH = 64
+WRITER_BULK = 4096  # records per append_many, and the writer's flush_every
+WRITER_MODES = ("append", "base append", "append_many", "plain append_many")
 
 
 def make_items(n: int, dim: int, distinct: int, seed: int = 0):
@@ -193,6 +205,94 @@ def print_report(result: dict) -> None:
         print(f"  disk {name}: {files} files, {nbytes / 2**20:.1f} MiB")
 
 
+def write_records(folder: str, n: int, mode: str) -> dict:
+    """One writer run (see the module docstring): ``mode`` ``append``, ``append_many`` or ``plain``."""
+    import hashlib
+
+    import latentfast
+    from latentfast.bench.bench_index import anon_bytes, key_of
+
+    rng = np.random.default_rng(0)
+    latents = np.zeros((WRITER_BULK, 4, 1, 1), np.float16)
+    before = anon_bytes()
+    writer = LatentCacheWriter(folder, "train", flush_every=WRITER_BULK)
+    start, cpu = time.perf_counter(), time.process_time()
+    for s in range(0, n, WRITER_BULK):
+        count = min(WRITER_BULK, n - s)
+        keys = [key_of(i) for i in range(s, s + count)]
+        pooled = rng.integers(-99, 99, (count, 4)).astype(np.float32)
+        mask = (np.arange(s, s + count) % 3).astype(np.uint8)[:, None].repeat(3, axis=1)
+        if mode == "append":
+            for k, key in enumerate(keys):
+                writer.append(key, {"latent": latents[k], "pooled": pooled[k], "mask": mask[k]})
+        elif mode == "append_many":
+            writer.append_many(keys, {"latent": latents[:count], "pooled": pooled, "mask": mask})
+        else:
+            writer.append_many(keys, latents[:count])
+    appended, cpu = time.perf_counter(), time.process_time() - cpu
+    grown = anon_bytes() - before
+    writer.finish()
+    finished, after_finish = time.perf_counter(), anon_bytes() - before
+    digest = hashlib.sha256()  # (after the figures: it reads every file whole)
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as fh:
+            digest.update(name.encode() + hashlib.sha256(fh.read()).digest())
+    return {"us_per_item": (appended - start) / n * 1e6, "cpu_us_per_item": cpu / n * 1e6, "finish_s": finished - appended,
+            "anon_growth": grown, "anon_after_finish": after_finish, "files_sha256": digest.hexdigest()[:16],
+            "code": os.path.dirname(os.path.dirname(latentfast.__file__))}
+
+
+def _writer_child(folder: str, n: int, mode: str, base: str | None) -> dict:
+    """:func:`write_records` in a fresh interpreter, with this checkout's package or (``base``) the one at ``base``."""
+    import json
+    import subprocess
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": base or here}
+    code = f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import bench_fields as b; " \
+           f"print(json.dumps(b.write_records({folder!r}, {n}, {mode!r})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=7200,
+                          cwd=os.path.dirname(folder))  # (not this checkout: "-c" puts the working directory first on sys.path)
+    if done.returncode != 0:
+        raise RuntimeError(f"writer child {mode} ({base or here}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def writer_report(sizes=(100_000, 1_000_000), runs: int = 3, base: str | None = None, modes=WRITER_MODES) -> dict:
+    """Every mode at every size, ``runs`` rounds of fresh processes (the modes alternate within a round)."""
+    out: dict = {}
+    for n in sizes:
+        per_mode: dict[str, list[dict]] = {m: [] for m in modes if base or m != "base append"}
+        for _ in range(runs):
+            for mode in per_mode:
+                with tempfile.TemporaryDirectory(prefix="latentfast_fieldswriter_", dir=os.environ.get("BENCH_TMP")) as tmp:
+                    child_mode = {"base append": "append", "plain append_many": "plain"}.get(mode, mode)
+                    per_mode[mode].append(_writer_child(os.path.join(tmp, "c"), n, child_mode, base if mode == "base append" else None))
+                print(f"  N={n} {mode}: {per_mode[mode][-1]}", flush=True)
+        out[n] = per_mode
+    print_writer_report(out)
+    return out
+
+
+def print_writer_report(out: dict) -> None:
+    print(f"writer of records with 2 tiny fields (flush_every={WRITER_BULK}), load {os.getloadavg()[0]:.1f}; median [range] of runs")
+    print("| N | writer | us/item | CPU us/item | RssAnon growth MiB | after finish MiB | finish s | files sha256 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, per_mode in out.items():
+        for mode, results in per_mode.items():
+            def spread(key, scale=1.0):
+                values = [r[key] * scale for r in results]
+                return f"{statistics.median(values):.3g} [{min(values):.3g}-{max(values):.3g}]"
+
+            print(f"| {n:.0e} | {mode} | {spread('us_per_item')} | {spread('cpu_us_per_item')} | {spread('anon_growth', 2**-20)} | "
+                  f"{spread('anon_after_finish', 2**-20)} | {spread('finish_s')} | {' '.join(sorted({r['files_sha256'] for r in results}))} |")
+
+
 if __name__ == "__main__":
     runs = int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else 3
-    run_report(quick="--quick" in sys.argv, runs=runs)
+    if "--writer" in sys.argv:
+        sizes = [int(float(x)) for x in sys.argv[sys.argv.index("--sizes") + 1].split(",")] if "--sizes" in sys.argv else (100_000, 1_000_000)
+        modes = sys.argv[sys.argv.index("--modes") + 1].split(",") if "--modes" in sys.argv else WRITER_MODES
+        writer_report(sizes, runs, sys.argv[sys.argv.index("--base") + 1] if "--base" in sys.argv else None, modes)
+    else:
+        run_report(quick="--quick" in sys.argv, runs=runs)

@@ -50,8 +50,12 @@ class Column:
 
     def read(self, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` (a ``[hi - lo, width]`` array, or flat for ``width`` 0)."""
-        self.write_out()
-        raw = os.pread(self.fd, (hi - lo) * self.row_bytes, lo * self.row_bytes)
+        start = lo * self.row_bytes - self._written
+        if start >= 0:  # rows still staged (a recent row, e.g. a field value just stored): no write, no read
+            raw = bytes(self._stage[start: start + (hi - lo) * self.row_bytes])
+        else:
+            self.write_out()
+            raw = os.pread(self.fd, (hi - lo) * self.row_bytes, lo * self.row_bytes)
         if len(raw) != (hi - lo) * self.row_bytes:
             raise OSError(f"writer table {self.path}: rows {lo}..{hi} read short (the file was changed under the writer?)")
         array = np.frombuffer(raw, dtype=self.dtype)
@@ -162,18 +166,25 @@ class HashSlots:
         slots = self.mask + 1
         while 2 * needed > slots:
             slots *= 2
+        self._rebuild(slots)
+
+    def retain(self, below: int) -> None:
+        """Forget every entry whose item is ``below`` or more (what a cut of the items keeps)."""
+        self._rebuild(self.mask + 1, below)
+
+    def _rebuild(self, slots: int, below: int | None = None) -> None:
+        """The entries (of items under ``below``, if given) placed again in a new file of ``slots`` slots."""
         old_mm, old_hashes, old_items = self._mm, self.hashes, self.items
         self._map(self.path + ".new", slots)
-        self._rehash(old_hashes, old_items)
-        del old_hashes, old_items  # (the old map closes only once no array views it)
+        self.count = 0
+        for lo in range(0, len(old_items), 1 << 20):  # (in steps: the rehash's temporaries stay small)
+            stored = old_items[lo: lo + (1 << 20)]
+            full = np.flatnonzero(stored if below is None else (stored != 0) & (stored <= np.uint64(below)))  # (stored: item + 1)
+            self._place(old_hashes[lo: lo + (1 << 20)][full], stored[full])
+            self.count += len(full)
+        del old_hashes, old_items, stored  # (the old map closes only once no array views it)
         old_mm.close()
         os.replace(self.path + ".new", self.path)
-
-    def _rehash(self, hashes: np.ndarray, items: np.ndarray, step: int = 1 << 20) -> None:
-        for lo in range(0, len(items), step):  # (in steps: the rehash's temporaries stay small)
-            stored = items[lo: lo + step]
-            full = np.flatnonzero(stored)
-            self._place(hashes[lo: lo + step][full], stored[full])
 
     def clear(self) -> None:
         """Forget every entry (the table shrinks back to its first size)."""

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
+import struct
 import warnings
 import zlib
 
@@ -39,7 +41,8 @@ import torch
 
 from ...errors import AbsentValueError, CacheCorruptError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
-from .durable import pwrite_all
+from .building import Column, HashSlots
+from .durable import NpyFile, Written, pwrite_all
 from .layout import holding_items, map_units
 
 LATENT = "latent"
@@ -87,113 +90,277 @@ def as_stored(key: str, name: str, value) -> tuple[str, tuple[int, ...], np.ndar
     return dtype, tuple(int(x) for x in tensor.shape), raw.numpy()
 
 
-class FieldStore:
-    """The writer's side of one field: its partial data file, declared dtype/ndim, and the index of
-    stored values by hash (for storing equal values once). ``entries`` lists, in item order, each
-    item's log entry, None where the item has no value (an optional field)."""
+def check_declared(name: str, key: str, dtype: str, shape: tuple, declared: str, ndim: int, first_key: str | None) -> None:
+    """Refuse key ``key``'s value of field ``name`` unless it has the field's ``declared`` dtype and ``ndim``."""
+    if dtype != declared or len(shape) != ndim:
+        raise InvalidArgumentError(
+            f"field {name!r} of key {key!r} is {dtype} {len(shape)}-D (shape {list(shape)}), but this cache "
+            f"declared it {declared} {ndim}-D (first item {first_key!r})")
 
-    def __init__(self, out_dir: str, split: str, name: str):
-        self.name = name
+
+class FieldStore:
+    """The writer's side of one field: its partial data file, dtype and ndim (fixed by its first value,
+    that of item ``start``: the items before it lack the field), and in the writer's build folder
+    ``building`` (:mod:`~latentfast.cache.store.building`) its tables: per item from ``start`` on, the
+    spans row (an absent item's offset is filled in by :meth:`index_files`), the CRC-32 and presence;
+    per distinct value stored, its offset, byte count, CRC-32 and first item; and a mapped hash table
+    of the values' hashes, which finds the stored values a new one is compared with byte for byte
+    (equal values are stored once). Nothing per item or per value is kept in Python objects."""
+
+    def __init__(self, out_dir: str, split: str, name: str, building: str, start: int, dtype: str, ndim: int):
+        self.out_dir, self.split, self.name = out_dir, split, name
         self.path = field_path(out_dir, split, name, "data")
         self.partial = fmt.partial_path(self.path)
         self.fd = -1
-        self.end = 0
-        self.dtype: str | None = None
-        self.ndim: int | None = None
-        self.by_hash: dict[bytes, list[tuple[int, int]]] = {}
+        self.end = 0  # bytes of the data file the stored values take
+        self.dtype, self.ndim, self.start = dtype, ndim, start
+        self.absent = start  # items without a value
+        base = os.path.join(building, f"field.{name}.")
+        self.spans = Column(base + "spans", np.int64, 2 + ndim)
+        self.crcs = Column(base + "crcs", np.uint32)
+        self.present = Column(base + "present", np.uint8)
+        self.values = Column(base + "values", np.int64, 4)  # offset, byte count, CRC-32, the item that stored it
+        self.slots = HashSlots(base + "slots")  # a value's hash -> its row of ``values``
 
-    def open(self, entries: list[dict], restart: bool) -> bool:
-        """Resume from the logged ``entries`` of this field (False: the file cannot back them)."""
-        if not restart and entries and not os.path.exists(self.partial):
+    @property
+    def items(self) -> int:
+        """Items the tables cover (those before ``start`` included)."""
+        return self.start + self.spans.rows
+
+    def create(self) -> None:
+        """An empty data file (a field first seen now)."""
+        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def resume(self) -> bool:
+        """Open the data file behind the logged values :meth:`load` read, cut after the last of them
+        (False: the file cannot back them)."""
+        if not os.path.exists(self.partial):
             with contextlib.suppress(FileNotFoundError):  # a crash inside finish(), after the rename
                 os.replace(self.path, self.partial)
-        if restart or fmt_size(self.partial) < _needed(entries):
+        if fmt_size(self.partial) < self.end:
             return False
         self.fd = os.open(self.partial, os.O_RDWR)
-        self.rewind(entries)
+        os.ftruncate(self.fd, self.end)
         return True
 
-    def rewind(self, entries: list[dict]) -> None:
-        """Keep exactly the values ``entries`` name: the file cut after the last, the hash index rebuilt."""
-        self.end = _needed(entries)
-        os.ftruncate(self.fd, self.end)
-        self.by_hash, self.dtype, self.ndim = {}, None, None
-        for e in _present(entries):
-            self._declare(e["d"], len(e["s"]))
-            self._remember(bytes.fromhex(e["x"]), e["o"], e["n"])
-
-    def start_over(self) -> None:
-        self.close()
-        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.end, self.by_hash, self.dtype, self.ndim = 0, {}, None, None
-
-    def _declare(self, dtype: str, ndim: int) -> None:
-        if self.dtype is None:
-            self.dtype, self.ndim = dtype, ndim
-
-    def _remember(self, digest: bytes, offset: int, nbytes: int) -> None:
-        spots = self.by_hash.setdefault(digest, [])
-        if (offset, nbytes) not in spots:
-            spots.append((offset, nbytes))
-
     def check(self, key: str, dtype: str, shape: tuple, first_key: str | None) -> None:
-        if self.dtype is not None and (dtype != self.dtype or len(shape) != self.ndim):
-            raise InvalidArgumentError(
-                f"field {self.name!r} of key {key!r} is {dtype} {len(shape)}-D (shape {list(shape)}), but this cache "
-                f"declared it {self.dtype} {self.ndim}-D (first item {first_key!r})")
+        check_declared(self.name, key, dtype, shape, self.dtype, self.ndim, first_key)
 
-    def put(self, key: str, dtype: str, shape: tuple, raw: np.ndarray) -> dict:
-        """Store one value (or find an equal one already stored); its log entry."""
-        self._declare(dtype, len(shape))
-        digest = value_hash(raw)
-        nbytes = int(raw.nbytes)
-        for offset, n in self.by_hash.get(digest, ()):
-            if n == nbytes and os.pread(self.fd, n, offset) == raw.tobytes():
-                break
-        else:
+    # -- storing values ---------------------------------------------------------------------------
+    def _value(self, row: int) -> tuple[int, int]:
+        """``(offset, byte count)`` of stored value ``row``."""
+        offset, nbytes = self.values.read(row, row + 1)[0, :2].tolist()
+        return offset, nbytes
+
+    def _stored(self, h: int, raw) -> int | None:
+        """The offset of the stored value whose bytes are ``raw`` (hash ``h``), or None."""
+        for row in self.slots.find_one(h):
+            offset, nbytes = self._value(row)
+            if nbytes == len(raw) and os.pread(self.fd, nbytes, offset) == raw:
+                return offset
+        return None
+
+    def _store(self, values: np.ndarray, hashes: np.ndarray, crcs: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Write new distinct ``values`` (uint8 ``[D, nbytes]``, first stored by ``items``) at the end, back
+        to back, each padded to an even byte count (the compiled gather copies 2-byte units); their offsets."""
+        count, nbytes = values.shape
+        padded = np.zeros((count, nbytes + (nbytes & 1)), np.uint8)
+        padded[:, :nbytes] = values
+        offsets = self.end + padded.shape[1] * np.arange(count, dtype=np.int64)
+        if padded.nbytes:  # (the bytes first: a value is found only once they are in the file)
+            pwrite_all(self.fd, padded, self.end)
+        self.end += padded.nbytes
+        self.slots.add(hashes, self.values.rows + np.arange(count))
+        self.values.append(np.stack([offsets, np.full(count, nbytes), crcs, items], axis=1).astype(np.int64), count)
+        return offsets
+
+    def put(self, item: int, dtype: str, shape: tuple, raw: np.ndarray) -> dict:
+        """Store item ``item``'s value (or find an equal one stored); its log entry, which :meth:`add_entry`
+        turns into the item's rows once the whole item is written."""
+        digest, payload = value_hash(raw), raw.tobytes()
+        h, crc = int.from_bytes(digest[:8], "little"), zlib.crc32(payload)
+        offset = self._stored(h, payload)
+        if offset is None:  # (:meth:`_store` of one value, without numpy's per-call costs)
             offset = self.end
-            payload = raw if nbytes % 2 == 0 else np.concatenate([raw, np.zeros(1, np.uint8)])
-            pwrite_all(self.fd, payload, offset)
-            self.end += payload.nbytes
-            self._remember(digest, offset, nbytes)
-        return {"o": offset, "n": nbytes, "s": list(shape), "c": zlib.crc32(raw), "d": dtype, "x": digest.hex()}
+            if payload:
+                pwrite_all(self.fd, payload + bytes(len(payload) & 1), offset)
+            self._remember(h, offset, len(payload), crc, item)
+        return {"o": offset, "n": len(payload), "s": list(shape), "c": crc, "d": dtype, "x": digest.hex()}
+
+    def _remember(self, h: int, offset: int, nbytes: int, crc: int, item: int) -> None:
+        """A value just stored at the end (its bytes in the file) in the values table and the hash table."""
+        self.slots.add_one(h, self.values.rows)
+        self.values.append(struct.pack("<4q", offset, nbytes, crc, item), 1)
+        self.end += nbytes + (nbytes & 1)
+
+    def put_many(self, item: int, shape: tuple, values: np.ndarray) -> tuple[list[str], np.ndarray, tuple]:
+        """Store the values of items ``item, item + 1, ...`` (uint8 ``[B, nbytes]``, each of ``shape``):
+        each distinct one once, in the order they first appear (so at the offsets a :meth:`put` per item
+        gives them). ``(each distinct value's log entry as text, each item's distinct value, the items'
+        :meth:`add_rows` arguments)``."""
+        count, nbytes = values.shape
+        if nbytes and count > 1:
+            _, first, inverse = np.unique(values.view(np.dtype((np.void, nbytes))).reshape(count), return_index=True,
+                                          return_inverse=True)
+            order = np.argsort(first)  # the distinct values by first appearance
+            rank = np.empty_like(order)
+            rank[order] = np.arange(len(order))
+            first, inverse = first[order], rank[inverse.reshape(count)]
+        else:  # one item, or empty values (all equal)
+            first, inverse = np.zeros(min(count, 1), np.int64), np.zeros(count, np.int64)
+        distinct = values[first]
+        digests = [value_hash(v) for v in distinct]
+        crcs = np.asarray([zlib.crc32(v) for v in distinct], np.int64)
+        hashes = np.frombuffer(b"".join(digests), "<u8")[::2].astype(np.uint64)  # each digest's first 8 bytes
+        offsets = np.full(len(distinct), -1, np.int64)
+        which, rows = self.slots.find(hashes)
+        for w, row in zip(which.tolist(), rows.tolist()):
+            if offsets[w] < 0:
+                offset, n = self._value(row)
+                if n == nbytes and os.pread(self.fd, n, offset) == distinct[w].tobytes():
+                    offsets[w] = offset
+        new = np.flatnonzero(offsets < 0)
+        if new.size:
+            offsets[new] = self._store(distinct[new], hashes[new], crcs[new], item + first[new])
+        dims = json.dumps(list(shape))
+        texts = [entry_text(o, nbytes, dims, c, self.dtype, d.hex()) for o, c, d in zip(offsets.tolist(), crcs.tolist(), digests)]
+        return texts, inverse, (offsets[inverse], nbytes, shape, crcs[inverse])
+
+    # -- the per-item rows ------------------------------------------------------------------------
+    def add_entry(self, entry: dict) -> None:
+        """One item's rows, from its log entry (:meth:`put`'s), without numpy's per-call costs."""
+        self.spans.append(struct.pack(f"<{2 + self.ndim}q", entry["o"], entry["n"], *entry["s"]), 1)
+        self.crcs.append(struct.pack("<I", entry["c"]), 1)
+        self.present.append(b"\1", 1)
+
+    def add_rows(self, offsets: np.ndarray, nbytes, shapes, crcs: np.ndarray) -> None:
+        """The rows of items that have a value (``nbytes``, ``shapes``: per item, or one for all)."""
+        count = len(offsets)
+        spans = np.empty((count, 2 + self.ndim), np.int64)
+        spans[:, 0], spans[:, 1], spans[:, 2:] = offsets, nbytes, shapes
+        self.spans.append(spans, count)
+        self.crcs.append(np.asarray(crcs, np.uint32), count)
+        self.present.append(np.ones(count, np.uint8), count)
+
+    def add_absent(self, count: int) -> None:
+        """The rows of ``count`` items without a value."""
+        self.spans.append(bytes(8 * (2 + self.ndim) * count), count)
+        self.crcs.append(bytes(4 * count), count)
+        self.present.append(bytes(count), count)
+        self.absent += count
+
+    def load(self, entries: list[dict | None]) -> None:
+        """The rows of the next logged items from their ``entries`` (None: no value); each value an entry
+        stored (one at the end of those before it, not stored yet) found again, so that equal values are
+        still stored once after a resume. Entries that contradict the field raise ``ValueError``."""
+        item = self.items
+        for k, e in enumerate(entries):
+            if e is None:
+                continue
+            if e["d"] != self.dtype or len(e["s"]) != self.ndim:
+                raise ValueError(f"a logged value of field {self.name!r} of another dtype or ndim")
+            offset, nbytes, h = e["o"], e["n"], int.from_bytes(bytes.fromhex(e["x"])[:8], "little")
+            if offset == self.end and all(self._value(row) != (offset, nbytes) for row in self.slots.find_one(h)):
+                self._remember(h, offset, nbytes, e["c"], item + k)
+            elif not 0 <= offset <= offset + nbytes <= self.end:
+                raise ValueError(f"a logged value of field {self.name!r} lies past the values stored before it")
+        have = [e for e in entries if e is not None]
+        if len(have) < len(entries):
+            spans = np.zeros((len(entries), 2 + self.ndim), np.int64)
+            crcs = np.zeros(len(entries), np.uint32)
+            present = np.asarray([e is not None for e in entries], np.uint8)
+            if have:
+                spans[present == 1] = [[e["o"], e["n"], *e["s"]] for e in have]
+                crcs[present == 1] = [e["c"] for e in have]
+            self.spans.append(spans, len(entries))
+            self.crcs.append(crcs, len(entries))
+            self.present.append(present, len(entries))
+            self.absent += len(entries) - len(have)
+        elif have:
+            self.add_rows(np.asarray([e["o"] for e in have], np.int64), [e["n"] for e in have],
+                          np.asarray([e["s"] for e in have], np.int64).reshape(len(have), self.ndim), [e["c"] for e in have])
+
+    # -- a cut, checks and the finished files -------------------------------------------------------
+    def truncate(self, keep: int) -> None:
+        """Forget items ``keep`` on (``keep`` > :attr:`start`) and the values only they stored."""
+        self.spans.truncate(keep - self.start)
+        self.crcs.truncate(keep - self.start)
+        self.present.truncate(keep - self.start)
+        self.absent = self.start + sum(int(np.count_nonzero(rows == 0)) for _, rows in self.present.chunks(_CHUNK))
+        kept = 0
+        for lo, rows in self.values.chunks(_CHUNK):  # (values are stored in item order)
+            kept = lo + int(np.searchsorted(rows[:, 3], keep))
+            if kept < lo + len(rows):
+                break
+        self.values.truncate(kept)
+        self.slots.retain(kept)
+        offset, nbytes = self._value(kept - 1) if kept else (0, 0)
+        self.end = offset + nbytes + (nbytes & 1)
+        os.ftruncate(self.fd, self.end)
 
     def sync(self) -> None:
         os.fdatasync(self.fd)
 
-    def verify(self, entries: list[dict]) -> int | None:
-        """Index of the first entry whose bytes on disk fail its CRC, else None (each stored value read once)."""
-        good: set[tuple[int, int]] = set()
-        for i, e in enumerate(entries):
-            if e is None:
-                continue
-            spot = (e["o"], e["n"])
-            if spot in good:
-                continue
-            if zlib.crc32(os.pread(self.fd, e["n"], e["o"])) != e["c"]:
-                return i
-            good.add(spot)
+    def verify(self) -> int | None:
+        """The first item whose value on disk fails its CRC, else None (each stored value read once, in
+        the order they lie in the file)."""
+        with open(self.partial, "rb", buffering=1 << 20) as fh:
+            for _, rows in self.values.chunks(_CHUNK // 8):  # (its rows as Python ints: ~1 MiB at a time)
+                for offset, nbytes, crc, item in zip(*(rows[:, k].tolist() for k in range(4))):
+                    fh.seek(offset)  # (within the read buffer: no system call)
+                    if zlib.crc32(fh.read(nbytes)) != crc:
+                        return item  # (the first item of the first damaged value: every later item names a later value)
         return None
 
-    def index_files(self, entries: list[dict | None], optional: bool = False) -> tuple[bytes, bytes, bytes | None, dict]:
+    def index_files(self, n: int, optional: bool = False) -> tuple[Written, Written, Written | None, dict]:
         """``(spans .npy, crc .npy, present .npy or None, meta entry)`` of this field for the finished
-        cache; the field is optional (a presence file) when ``optional`` or some item has no value."""
-        absent = [0] * (2 + self.ndim)
-        absent[0] = self.end  # past every stored value: an absent item shares no offset with one
-        spans = np.asarray([absent if e is None else [e["o"], e["n"], *e["s"]] for e in entries],
-                           dtype=np.int64).reshape(len(entries), 2 + self.ndim)
-        crc = np.asarray([0 if e is None else e["c"] for e in entries], dtype=np.uint32)
-        meta = {"dtype": self.dtype, "ndim": self.ndim, "logical_bytes": int(spans[:, 1].sum()), "stored_bytes": self.end}
-        present = np.asarray([e is not None for e in entries], dtype=bool)
-        if not (optional or not present.all()):
-            return fmt.npy_bytes(spans), fmt.npy_bytes(crc), None, meta
-        meta.update(optional=True, absent=int((~present).sum()))
-        return fmt.npy_bytes(spans), fmt.npy_bytes(crc), fmt.npy_bytes(present), meta
+        cache of ``n`` items, streamed from the tables into files at temporary names; the field is optional
+        (a presence file) when ``optional`` or some item has no value."""
+        absent_row = np.zeros(2 + self.ndim, np.int64)
+        absent_row[0] = self.end  # past every stored value: an absent item shares no offset with one
+        paths = {kind: field_path(self.out_dir, self.split, self.name, kind) for kind in ("spans", "crc", "present")}
+        with_present = optional or self.absent > 0
+        logical = 0
+        with NpyFile(paths["spans"], np.int64, (n, 2 + self.ndim)) as spans_out, NpyFile(paths["crc"], np.uint32, (n,)) as crc_out, \
+                contextlib.ExitStack() as stack:
+            present_out = stack.enter_context(NpyFile(paths["present"], np.bool_, (n,))) if with_present else None
+            for lo in range(0, self.start, _CHUNK):  # the items before the first value
+                count = min(self.start, lo + _CHUNK) - lo
+                spans_out.rows(np.broadcast_to(absent_row, (count, 2 + self.ndim)))
+                crc_out.rows(np.zeros(count, np.uint32))
+                if present_out is not None:
+                    present_out.rows(np.zeros(count, np.bool_))
+            for lo, spans in self.spans.chunks(_CHUNK):
+                present = self.present.read(lo, lo + len(spans)).astype(np.bool_)
+                spans = spans.copy()
+                spans[~present] = absent_row
+                logical += int(spans[:, 1].sum())
+                spans_out.rows(spans)
+                crc_out.rows(self.crcs.read(lo, lo + len(spans)))
+                if present_out is not None:
+                    present_out.rows(present)
+        meta = {"dtype": self.dtype, "ndim": self.ndim, "logical_bytes": logical, "stored_bytes": self.end}
+        if not with_present:
+            return spans_out.written, crc_out.written, None, meta
+        meta.update(optional=True, absent=self.absent)
+        return spans_out.written, crc_out.written, present_out.written, meta
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        for column in (self.spans, self.crcs, self.present, self.values):
+            column.close()
+        self.slots.close()
+
+
+_CHUNK = 1 << 16  # rows of a table read at once
+
+
+def entry_text(offset: int, nbytes: int, dims: str, crc: int, dtype: str, digest_hex: str) -> str:
+    """A value's log entry as the progress log's JSON encoder writes it (keys sorted), made without the
+    encoder; ``dims``: the JSON of its shape."""
+    return f'{{"c": {crc}, "d": "{dtype}", "n": {nbytes}, "o": {offset}, "s": {dims}, "x": "{digest_hex}"}}'
 
 
 def fmt_size(path: str) -> int:
@@ -201,16 +368,6 @@ def fmt_size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return -1
-
-
-def _needed(entries: list[dict | None]) -> int:
-    """Bytes of the data file that ``entries`` reach (values are padded to even byte counts)."""
-    return max((e["o"] + e["n"] + (e["n"] & 1) for e in _present(entries)), default=0)
-
-
-def _present(entries: list[dict | None]) -> list[dict]:
-    """The entries of items that have a value."""
-    return [e for e in entries if e is not None]
 
 
 # ---- reading ------------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ completion mark) last, each step durable. An exclusive lock on the split
 Bounded memory: the writer's per-item state lives in the progress log and in the tables of its build
 folder ``.{split}.latents.building`` (:mod:`~latentfast.cache.store.building`: shapes, CRCs, source
 hashes, info and keys appended to files, a mapped hash table of key hashes for the duplicate-key
-check), never in Python lists or dicts; resuming rebuilds the tables from the log, and ``finish``
-streams the index files from them.
+check; per record field its spans, CRCs and presence, its distinct values and a mapped hash table of
+their hashes for storing equal values once), never in Python lists or dicts; resuming rebuilds the
+tables from the log, and ``finish`` streams the index files from them.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidA
 from . import format as fmt
 from . import keytable, tables
 from .building import Column, HashSlots
-from .fields import LATENT, FieldStore, as_stored, check_name, field_path
+from .fields import LATENT, FieldStore, as_stored, check_declared, check_name, entry_text, field_path
 from .durable import (HASH_BYTES, BuildLock, DurableFile, NpyFile, Written, append_lines, file_size, item_lines, iter_log, log_bytes,
                       publish, pwrite_all, rewrite_log, rewrite_log_prefix)
 
@@ -107,6 +108,14 @@ def latent_as_stored(key: str, latent: Any) -> tuple[str, np.ndarray]:
 SAME_SHAPE = {"latent_flipped": LATENT, "latent_std": LATENT, "latent_flipped_std": "latent_flipped"}
 
 
+def check_same_shapes(key: str, shapes: dict) -> None:
+    """:data:`SAME_SHAPE` for one record's ``shapes`` (field name -> shape)."""
+    for name, partner in SAME_SHAPE.items():  # what a draw puts in the latent's place, or draws over it
+        if name in shapes and partner in shapes and shapes[name] != shapes[partner]:
+            raise InvalidArgumentError(f"field {name!r} of key {key!r} has shape {list(shapes[name])}, but its "
+                                       f"{partner!r} has {list(shapes[partner])}: they must be of one shape")
+
+
 def check_text_key(key: str) -> None:
     """Refuse a key that is not valid text: one holding a lone surrogate (what ``os.fsdecode`` makes of a
     file name in another encoding than UTF-8) cannot be written as UTF-8, so nothing could hash or print it."""
@@ -158,11 +167,11 @@ class LatentCacheWriter:
     Memory: the writer holds no per-item Python objects. Each item's shape, CRC-32, source hash,
     info and key go to tables in files of its build folder ``.{split}.latents.building`` (see
     :mod:`~latentfast.cache.store.building`), the duplicate-key check looks the key's 64-bit hash up
-    in a mapped hash table and compares the key bytes of a hit, and the log lines of items not yet
-    flushed are held until :meth:`flush` (at most ``flush_every`` items, or one ``append_many``
-    batch). So the writer's own memory is the same at 10^3 and 10^9 items; the tables' pages are the
-    page cache's. (Records with named fields still keep each field's per-item log entry in memory,
-    ~150 bytes per item per field, and its distinct values' hashes.)
+    in a mapped hash table and compares the key bytes of a hit, a record field's values go to the
+    field's tables there (:class:`~latentfast.cache.store.fields.FieldStore`), and the log lines of
+    items not yet flushed are held until :meth:`flush` (at most ``flush_every`` items, or one
+    ``append_many`` batch). So the writer's own memory is the same at 10^3 and 10^9 items, with
+    fields or without; the tables' pages are the page cache's.
     """
 
     def __init__(self, out_dir, split: str = "train", *, encoder: Any = None, meta: dict | None = None,
@@ -191,7 +200,6 @@ class LatentCacheWriter:
         self._key_end = self._info_end = 0  # bytes in the key and info tables
         self._hashed = self._with_info = 0  # items with a source hash, with info
         self._fields: dict[str, FieldStore] = {}  # the named fields beside the latent, by name
-        self._entries: dict[str, list] = {}  # each field's log entry per item (None: the item lacks it)
         self._fd = -1
         self._log = None
         self.finished = False
@@ -259,20 +267,34 @@ class LatentCacheWriter:
             raise ValueError("a logged item of another dtype")
         self._end += int(np.prod(shapes, axis=1).sum()) * fmt.LATENT_DTYPES[self._first["d"]]
         infos = [_info_text(r["i"]) if "i" in r else b"" for r in records]
+        self._load_fields(self._n, records)
         self._add_items(encoded, keytable.key_hashes(encoded), shapes, [r["c"] for r in records],
-                        [r.get("h") for r in records], infos, [r.get("f") for r in records])
+                        [r.get("h") for r in records], infos)
+
+    def _load_fields(self, item: int, records: list[dict]) -> None:
+        """The field tables of the logged ``records`` of items ``item`` on (a field first named here starts
+        at the item of its first value)."""
+        logged = [r.get("f") or {} for r in records]
+        for k, entries in enumerate(logged):
+            for name in entries.keys() - self._fields.keys():  # (a field's first value)
+                first = entries[check_name(name)]
+                self._fields[name] = FieldStore(self.out_dir, self.split, name, self._building, item + k, first["d"], len(first["s"]))
+        for name, store in self._fields.items():
+            store.load([entries.get(name) for entries in logged[store.items - item:]])
 
     def _remember_first(self, record: dict) -> None:
         self._first = {"k": record["k"], "s": list(record["s"]), "d": record.get("d", "float16"), "f": "f" in record}
         self._tables["shapes"] = Column(os.path.join(self._building, "shapes"), np.int64, len(record["s"]))
 
     def _open_fields(self) -> bool:
-        """Resume the field stores the logged records name (False: one cannot back its records)."""
-        for name, entries in self._entries.items():
-            store = self._fields[name] = FieldStore(self.out_dir, self.split, name)
-            if not store.open(entries, restart=False):
-                return False
-        return True
+        """Open the data files of the fields the logged records name (False: one cannot back its records)."""
+        return all(store.resume() for store in self._fields.values())
+
+    def _new_field(self, name: str, dtype: str, ndim: int, start: int) -> FieldStore:
+        """A field first seen at item ``start`` (the items before it lack it), its data file empty."""
+        store = self._fields[name] = FieldStore(self.out_dir, self.split, name, self._building, start, dtype, ndim)
+        store.create()
+        return store
 
     def _new_tables(self) -> None:
         """Empty per-item tables in a fresh build folder (the log is the truth: they are rebuilt from it)."""
@@ -282,7 +304,7 @@ class LatentCacheWriter:
         self._tables = {name: Column(os.path.join(self._building, name), dtype, width) for name, dtype, width in _TABLES}
         self._slots = HashSlots(os.path.join(self._building, "key_slots"))
         self._first, self._n, self._end, self._key_end, self._info_end, self._hashed, self._with_info = None, 0, 0, 0, 0, 0, 0
-        self._entries, self._pending = {}, []
+        self._pending = []
 
     def _start_over(self) -> None:
         """A fresh log (durably first), then an empty data file."""
@@ -297,10 +319,10 @@ class LatentCacheWriter:
         self._logged = 0
 
     def _add_items(self, encoded: list[bytes], key_hashes: np.ndarray, shapes: np.ndarray, crcs: list[int], hashes: list,
-                   infos: list[bytes], fields: list) -> None:
+                   infos: list[bytes]) -> None:
         """Put written items in the tables: their keys' UTF-8 bytes and hashes, ``shapes`` int64 ``[B, ndim]``,
-        ``hashes`` hex or None, ``infos`` each item's info JSON (b"": none), ``fields`` each item's field
-        entries (or None)."""
+        ``hashes`` hex or None, ``infos`` each item's info JSON (b"": none). (Their fields' rows are the
+        field stores'.)"""
         count, t = len(encoded), self._tables
         t["shapes"].append(np.ascontiguousarray(shapes, dtype=np.int64), count)
         t["crcs"].append(np.asarray(crcs, dtype=np.uint32), count)
@@ -322,10 +344,13 @@ class LatentCacheWriter:
         self._with_info += sum(1 for x in infos if x)
         self._info_end = int(ends[-1])
         self._slots.add(key_hashes, np.arange(self._n, self._n + count))
-        for k, entries in enumerate(fields):
-            if entries or self._entries:
-                self._add_entries(self._n + k, entries or {})
         self._n += count
+
+    def _add_batch(self, encoded: list[bytes], key_hashes: np.ndarray, shape: list, crcs: list[int], hashes: list) -> None:
+        """:meth:`_add_items` of an ``append_many`` batch: items of one ``shape``, no info."""
+        shapes = np.empty((len(encoded), len(shape)), dtype=np.int64)
+        shapes[:] = shape
+        self._add_items(encoded, key_hashes, shapes, crcs, hashes, [b""] * len(encoded))
 
     def _add_one(self, encoded: bytes, h: int, record: dict) -> None:
         """:meth:`_add_items` of one item (its key's bytes and hash, its ``record``), without numpy's
@@ -345,21 +370,13 @@ class LatentCacheWriter:
         t["info_bytes"].append(info, len(info))
         t["info_ends"].append(struct.pack("<q", self._info_end), 1)
         self._slots.add_one(h, self._n)
-        if "f" in record or self._entries:
-            self._add_entries(self._n, record.get("f", {}))
+        fields = record.get("f", {})
+        for name, store in self._fields.items():
+            if name in fields:
+                store.add_entry(fields[name])
+            else:
+                store.add_absent(1)
         self._n += 1
-
-    def _add_entries(self, item: int, entries: dict) -> None:
-        """Item ``item``'s field entries (a field first seen here: the items before it lack it)."""
-        for name in entries:
-            if name not in self._entries:
-                self._entries[name] = [None] * item
-        for name, column in self._entries.items():
-            column.append(entries.get(name))
-
-    def _field_entries(self, name: str) -> list:
-        """Field ``name``'s log entry of each item, None where the item lacks it."""
-        return self._entries.setdefault(name, [None] * self._n)
 
     # -- looking items up in the tables ---------------------------------------------------------
     def _find(self, key: str, h: int | None = None) -> int | None:
@@ -432,7 +449,8 @@ class LatentCacheWriter:
         if dtype != "float16":
             record["d"] = dtype
         if extra:
-            record["f"] = {name: self._fields[name].put(key, *value) for name, value in extra.items()}
+            record["f"] = {name: (self._fields.get(name) or self._new_field(name, dtype_, len(shape), self._n)).put(
+                self._n, dtype_, shape, raw) for name, (dtype_, shape, raw) in extra.items()}
         if source_hash is not None:
             record["h"] = checked_source_hash(key, source_hash)
         if info:
@@ -447,11 +465,15 @@ class LatentCacheWriter:
             self.flush()
 
     def append_many(self, keys, latents: Any, *, source_hashes=None) -> None:
-        """Write many items of one shape at once, as :meth:`append` of each would (float16, the same records,
-        log and durability): ``latents`` a ``[B, *shape]`` tensor or array of any float dtype, ``keys`` its B
-        new distinct keys, ``source_hashes`` None or B of what :meth:`append` takes. Everything is checked
-        before anything is written, then one write: the bulk path of imports and builds of tiny items
-        (its keys hashed, looked up and logged for the whole batch at once)."""
+        """Write many items at once, as :meth:`append` of each would (the same records, log and durability):
+        ``keys`` B new distinct keys; ``latents`` a ``[B, *shape]`` tensor or array of any float dtype
+        (stored as float16), or a batch of records ``{"latent": [B, *shape], name: values, ...}`` (the
+        latents stored as given, as :meth:`append` stores a record's), each field's ``values`` a
+        ``[B, *shape]`` tensor or array (every item's value of one shape) or a sequence of B values
+        (tensors or arrays; None where an item lacks an optional field); ``source_hashes`` None or B of
+        what :meth:`append` takes. Everything is checked before anything is written, then one write per
+        file: the bulk path of imports and builds of tiny items (keys hashed, looked up and logged, and a
+        field's equal values found, for the whole batch at once)."""
         self._check_open()
         keys = list(keys)
         for key in keys:
@@ -472,13 +494,15 @@ class LatentCacheWriter:
             seen = set()
             twice = next(k for k in keys if k in seen or seen.add(k))
             raise InvalidArgumentError(f"key {twice!r} appears twice in keys")
-        if self._first is not None and self._first["f"]:
-            raise InvalidArgumentError(f"this cache's items are records of the fields {[LATENT, *self._fields]}; append them one by one")
-        if len(getattr(latents, "shape", ())) < 2 or len(latents) != len(keys):
-            raise InvalidArgumentError(f"latents must be a [B, *shape] tensor or array with B = len(keys) = {len(keys)}, "
-                                       f"got shape {list(getattr(latents, 'shape', [])) or type(latents).__name__}")
         hashes = [None] * len(keys) if source_hashes is None else [
             None if h is None else checked_source_hash(k, h) for k, h in zip(keys, source_hashes, strict=True)]
+        if isinstance(latents, Mapping):
+            self._append_records(keys, encoded, key_hashes, latents, hashes)
+            return
+        if self._fields or (self._first is not None and self._first["f"]):
+            raise InvalidArgumentError(f"this cache's items are records of the fields {[LATENT, *self._fields]}; append_many "
+                                       f"a dict of their batches")
+        _check_batch(LATENT, latents, len(keys))
         try:
             half = as_float16(keys[0], latents) if keys else None
         except NonFiniteError:  # name the item that holds the value
@@ -494,12 +518,108 @@ class LatentCacheWriter:
         crcs = [zlib.crc32(row) for row in half.reshape(len(keys), -1)]
         if self._first is None:
             self._remember_first({"k": keys[0], "s": shape})
-        shapes = np.empty((len(keys), len(shape)), dtype=np.int64)
-        shapes[:] = shape
-        self._add_items(encoded, key_hashes, shapes, crcs, hashes, [b""] * len(keys), [None] * len(keys))
+        self._add_batch(encoded, key_hashes, shape, crcs, hashes)
         self._pending.append(item_lines(keys, shape, crcs, hashes).encode())
         if self._n - self._logged >= self.flush_every:
             self.flush()
+
+    def _append_records(self, keys: list[str], encoded: list[bytes], key_hashes: np.ndarray, batch: Mapping, hashes: list) -> None:
+        """:meth:`append_many` of a batch of records (its keys checked)."""
+        count = len(keys)
+        if LATENT not in batch:
+            raise InvalidArgumentError(f"the batch of records from key {keys[0] if keys else None!r} has no {LATENT!r} field "
+                                       f"(fields given: {sorted(batch)})")
+        _check_batch(LATENT, batch[LATENT], count)
+        if not count:
+            return
+        try:
+            dtype, latents = latent_as_stored(keys[0], batch[LATENT])
+        except NonFiniteError:  # name the item that holds the value
+            for key, latent in zip(keys, batch[LATENT]):
+                latent_as_stored(key, latent)
+            raise
+        shape = list(latents.shape[1:])
+        self._check_shape(keys[0], tuple(shape), dtype)
+        first_key = self._first["k"] if self._first is not None else keys[0]
+        values = {check_name(name): self._field_batch(keys, name, value, first_key) for name, value in batch.items() if name != LATENT}
+        lacking = set(self._fields) - set(values)
+        if self._first is not None:
+            lacking |= set(values) - set(self._fields)
+        self._refuse_lacking(keys[0], sorted(values), lacking, first_key)
+        for name, v in values.items():  # an item without a value: named
+            if isinstance(v, list) and None in v:
+                self._refuse_lacking(keys[v.index(None)], sorted(n for n, w in values.items() if not isinstance(w, list)
+                                                                 or w[v.index(None)] is not None), {name}, first_key)
+        self._check_same_shapes(keys, shape, values)
+        pwrite_all(self._fd, latents, self._end)
+        self._end += latents.nbytes
+        crcs = [zlib.crc32(row) for row in latents.reshape(count, -1)]
+        texts, rows = {}, []  # each field's "name": entry of each item (None: it lacks the field); the rows to add
+        for name, v in values.items():
+            store = self._fields.get(name)
+            if isinstance(v, tuple):  # one array of values of one shape
+                store = store or self._new_field(name, v[0], len(v[1]), self._n)
+                distinct, inverse, added = store.put_many(self._n, v[1], v[2])
+                named = [f'"{name}": {text}' for text in distinct]
+                texts[name] = [named[j] for j in inverse.tolist()]
+                rows.append((store.add_rows, added))
+                continue
+            have = [k for k, stored in enumerate(v) if stored is not None]
+            if store is None and not have:
+                continue  # (a field no item has yet)
+            store = store or self._new_field(name, v[have[0]][0], len(v[have[0]][1]), self._n + have[0])
+            entries = [None if stored is None else store.put(self._n + k, *stored) for k, stored in enumerate(v)]
+            texts[name] = [None if e is None else f'"{name}": {entry_text(e["o"], e["n"], json.dumps(e["s"]), e["c"], e["d"], e["x"])}'
+                           for e in entries]
+            rows.append((_add_each, (store, entries[store.items - self._n:])))
+        if self._first is None:
+            self._remember_first({"k": keys[0], "s": shape, "d": dtype, "f": {}})
+        for name, store in self._fields.items():
+            if name not in texts:
+                store.add_absent(count)
+        for add, args in rows:
+            add(*args)
+        self._add_batch(encoded, key_hashes, shape, crcs, hashes)
+        self._pending.append(record_lines(keys, shape, dtype, crcs, hashes, texts).encode())
+        if self._n - self._logged >= self.flush_every:
+            self.flush()
+
+    def _field_batch(self, keys: list[str], name: str, values: Any, first_key: str):
+        """A batch's values of field ``name``, checked: ``(dtype, item shape, uint8 [B, nbytes])`` for one array
+        of them, else a list of ``(dtype, shape, bytes)`` or None per item."""
+        store = self._fields.get(name)
+        if isinstance(values, (torch.Tensor, np.ndarray)):
+            _check_batch(name, values, len(keys), least=1)
+            try:
+                dtype, shape, raw = as_stored(keys[0], name, values)
+            except NonFiniteError:  # name the item that holds the value
+                for key, value in zip(keys, values):
+                    as_stored(key, name, value)
+                raise
+            shape = shape[1:] or ((1,) if isinstance(values, np.ndarray) else ())  # (a numpy 0-D value is stored 1-D, as append stores it)
+            if store is not None:
+                store.check(keys[0], dtype, shape, first_key)
+            return dtype, shape, raw.reshape(len(keys), raw.size // len(keys))
+        if isinstance(values, (str, bytes, Mapping)) or len(values) != len(keys):
+            raise InvalidArgumentError(f"field {name!r} of a batch of {len(keys)} records must be a [B, *shape] tensor or array or "
+                                       f"a sequence of B values (None: an item lacks it), got {type(values).__name__} of "
+                                       f"{len(values)}")
+        out = [None if value is None else as_stored(key, name, value) for key, value in zip(keys, values)]
+        declared = (store.dtype, store.ndim) if store is not None else next(((s[0], len(s[1])) for s in out if s is not None), None)
+        for key, stored in zip(keys, out):
+            if stored is not None:
+                check_declared(name, key, stored[0], stored[1], *declared, first_key)
+        return out
+
+    def _check_same_shapes(self, keys: list[str], shape: list, values: dict) -> None:
+        """:data:`SAME_SHAPE` for a batch of records (``values`` as :meth:`_field_batch` gives them): per item
+        where some field's values come one by one."""
+        if not values.keys() & SAME_SHAPE.keys():
+            return
+        per_item = any(isinstance(v, list) for v in values.values())
+        for k in range(len(keys) if per_item else 1):
+            check_same_shapes(keys[k], {LATENT: tuple(shape), **{
+                name: v[1] if isinstance(v, tuple) else v[k][1] for name, v in values.items() if isinstance(v, tuple) or v[k] is not None}})
 
     def _split_record(self, key: str, value: Any) -> tuple[Any, dict]:
         """``(latent, {name: (dtype, shape, bytes)})`` of an item, every field checked before anything is written."""
@@ -514,27 +634,24 @@ class LatentCacheWriter:
         names = [check_name(n) for n in value if n != LATENT]
         first_key = self._first["k"] if self._first is not None else None
         if self._first is not None:
-            missing, new = set(self._fields) - set(names), set(names) - set(self._fields)
-            refused = sorted(n for n in missing | new if not self._may_lack(n))
-            if refused:
-                raise InvalidArgumentError(
-                    f"record of key {key!r} has the fields {sorted(names)}, but this cache's records have {sorted(self._fields)} "
-                    f"(first item {first_key!r}); {refused} are not optional (LatentCacheWriter(optional=...) "
-                    f"lets items lack a field)")
+            self._refuse_lacking(key, sorted(names), set(self._fields) ^ set(names), first_key)
         extra = {}
         for name in names:
             stored = as_stored(key, name, value[name])
-            if name not in self._fields:
-                self._fields[name] = FieldStore(self.out_dir, self.split, name)
-                self._fields[name].start_over()
-            self._fields[name].check(key, stored[0], stored[1], first_key)
+            if name in self._fields:
+                self._fields[name].check(key, stored[0], stored[1], first_key)
             extra[name] = stored
-        shapes = {LATENT: tuple(latent[1].shape), **{name: stored[1] for name, stored in extra.items()}}
-        for name, partner in SAME_SHAPE.items():  # what a draw puts in the latent's place, or draws over it
-            if name in shapes and partner in shapes and shapes[name] != shapes[partner]:
-                raise InvalidArgumentError(f"field {name!r} of key {key!r} has shape {list(shapes[name])}, but its "
-                                           f"{partner!r} has {list(shapes[partner])}: they must be of one shape")
+        check_same_shapes(key, {LATENT: tuple(latent[1].shape), **{name: stored[1] for name, stored in extra.items()}})
         return latent, extra
+
+    def _refuse_lacking(self, key: str, names: list[str], lacking: set, first_key: str | None) -> None:
+        """Refuse records of ``names`` (from key ``key``) that lack or add the fields ``lacking`` unless they are optional."""
+        refused = sorted(n for n in lacking if not self._may_lack(n))
+        if refused:
+            raise InvalidArgumentError(
+                f"record of key {key!r} has the fields {names}, but this cache's records have {sorted(self._fields)} "
+                f"(first item {first_key!r}); {refused} are not optional (LatentCacheWriter(optional=...) "
+                f"lets items lack a field)")
 
     def _may_lack(self, name: str) -> bool:
         """Whether an item may lack field ``name`` (see ``optional``)."""
@@ -611,8 +728,8 @@ class LatentCacheWriter:
                     if zlib.crc32(fh.read(size)) != crc:
                         raise self._dropped(lo + k, start, self._partial)
                     start += size
-        for name, store in self._fields.items():
-            bad = store.verify(self._field_entries(name))
+        for store in self._fields.values():
+            bad = store.verify()
             if bad is not None:
                 raise self._dropped(bad, self._data_start(bad), store.partial)
 
@@ -657,9 +774,13 @@ class LatentCacheWriter:
         for _, ends in t["info_ends"].chunks(_CHUNK):
             self._with_info += int(np.count_nonzero(np.diff(ends, prepend=previous)))
             previous = int(ends[-1])
-        for name, store in self._fields.items():
-            del self._field_entries(name)[keep:]
-            store.rewind(self._field_entries(name))
+        for name, store in list(self._fields.items()):
+            if keep > store.start:
+                store.truncate(keep)
+            else:  # none of its values is left: the field is gone, as from the log
+                store.close()
+                os.remove(store.partial)
+                del self._fields[name]
         self._n = self._logged = keep
         if not keep:
             t.pop("shapes").close()
@@ -738,7 +859,7 @@ class LatentCacheWriter:
         paths.update({kind: fmt.cache_path(self.out_dir, self.split, kind) for kind in (*key_files, tables.CRC_KIND)})
         for name, store in self._fields.items():
             spans, crc, present, meta.setdefault("fields", {})[name] = store.index_files(
-                self._field_entries(name), optional=self.optional is not True and self._may_lack(name))
+                n, optional=self.optional is not True and self._may_lack(name))
             for kind, label, payload in (("spans", "spans", spans), ("crc", "crc32", crc), ("present", "present", present)):
                 # label: as format.damaged_files finds it; a None payload removes an earlier build's file
                 paths[f"{name}.{label}"] = field_path(self.out_dir, self.split, name, kind)
@@ -850,6 +971,36 @@ def checked_source_hash(key: str, source_hash) -> str:
     raise InvalidArgumentError(
         f"source_hash of key {key!r} must be {HASH_BYTES} bytes or their {2 * HASH_BYTES} hex digits "
         f"(e.g. durable.content_hash(path)), got {source_hash!r:.80}")
+
+
+def _check_batch(name: str, values, count: int, least: int = 2) -> None:
+    """Refuse a batch of ``name`` values that is not a ``[B, *shape]`` tensor or array (``least`` dimensions or more)."""
+    if len(getattr(values, "shape", ())) < least or len(values) != count:
+        raise InvalidArgumentError(f"{'latents' if name == LATENT else f'field {name!r}'} must be a [B, *shape] tensor or array "
+                                   f"with B = len(keys) = {count}, got shape {list(getattr(values, 'shape', [])) or type(values).__name__}")
+
+
+def _add_each(store: FieldStore, entries: list) -> None:
+    """A field's rows of items given one by one, from their log entries (None: the item lacks the field)."""
+    for entry in entries:
+        if entry is None:
+            store.add_absent(1)
+        else:
+            store.add_entry(entry)
+
+
+def record_lines(keys, shape: list, dtype: str, crcs, hashes, fields: dict) -> str:
+    """The log lines of a batch of records: exactly ``log_bytes`` of their records, as
+    :func:`~.durable.item_lines` makes those of plain items (no JSON encoder per record); ``fields``: per
+    field each item's ``"name": entry`` text, None where the item lacks the field."""
+    quote, dims = json.encoder.encode_basestring_ascii, json.dumps(shape)
+    latent = "" if dtype == "float16" else f'"d": "{dtype}", '
+    lines = []
+    for k, c, h, *named in zip(keys, crcs, hashes, *(fields[name] for name in sorted(fields))):
+        values = ", ".join([text for text in named if text is not None])
+        lines.append(f'{{"c": {c}, {latent}' + (f'"f": {{{values}}}, ' if values else "") + (f'"h": "{h}", ' if h is not None else "")
+                     + f'"k": {quote(k)}, "s": {dims}}}\n')
+    return "".join(lines)
 
 
 def _optional_names(optional):
