@@ -20,6 +20,10 @@ normalizes on the feed thread, beside the encoder (the host is the device there;
 ``stats["feed_s"]``), so the main thread does not; the normalize's own wall time
 (``ops.normalize_uint8`` of one planar 1024^2 image to float32) is printed beside it.
 
+Content hashes -- GB/s (CPU time of one thread) of each algorithm a build may hash its sources with
+(``durable.CONTENT_HASHES``: BLAKE2b-128, the old caches'; SHA-256 cut to 16 bytes, new caches') over a
+file of the benchmark's JPEG size, in memory.
+
 With CUDA -- an SDXL-class VAE (random weights, bfloat16): ``build_image_cache`` images/s against the
 encoder alone on batches already on the device (``vae_report``; bench/gpu_check.sh runs it).
 
@@ -47,6 +51,7 @@ from latentfast import ops
 from latentfast.bench.common import format_table, machine_summary, median_seconds
 from latentfast.cache.builders import media
 from latentfast.cache.builders.images import build_image_cache
+from latentfast.cache.store.durable import CONTENT_HASHES, content_hash
 from latentfast.testing import photo_like
 
 
@@ -189,6 +194,7 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
     if torch.cuda.is_available():
         result["vae"] = vae_report("cuda", quick)
     result["slot_write_ms_per_1024sq"] = slot_write_report(bucket)
+    result["content_hash_gb_s"] = hash_report(int(result["formats"]["JPEG"]["file_mib"] * 2**20))
     one = torch.randint(0, 256, (1, 3, 1024, 1024), dtype=torch.uint8)
     result["cpu_normalize_ms_per_1024sq"] = 1000 * median_seconds(lambda: ops.normalize_uint8(one), repeat=7, warmup=2)
     result["load_average"] = os.getloadavg()
@@ -225,6 +231,22 @@ def slot_write_report(bucket: tuple[int, int]) -> dict:
 
     return {"pillow_planes": cpu_ms(lambda: media.write_rgb(image, slot, planar=True)),
             "transposing_copy": cpu_ms(lambda: np.copyto(slot, np.moveaxis(media.to_uint8(image), -1, 0)))}
+
+
+def hash_report(nbytes: int, repeat: int = 15) -> dict:
+    """GB/s of each content hash algorithm over ``nbytes`` already in memory: the thread's CPU time,
+    median of ``repeat`` (a loaded host's waits for a core are not counted)."""
+    data = np.random.default_rng(2).bytes(nbytes)
+    rates = {}
+    for algorithm in CONTENT_HASHES:
+        content_hash("source.jpg", algorithm=algorithm, data=data)
+        samples = []
+        for _ in range(repeat):
+            t0 = time.thread_time()
+            content_hash("source.jpg", algorithm=algorithm, data=data)
+            samples.append(time.thread_time() - t0)
+        rates[algorithm] = nbytes / statistics.median(samples) / 1e9
+    return rates
 
 
 def sdxl_class_vae(tiny: bool = False):
@@ -297,6 +319,8 @@ def print_report(result: dict) -> None:
     w = result["slot_write_ms_per_1024sq"]
     print(f"(writing a decoded image into its planar slot: {w['pillow_planes']:.2f} CPU ms per 1024^2 by Pillow's planes, "
           f"{w['transposing_copy']:.2f} by the transposing copy of its array)")
+    print("(content hashes over one source file in memory: " +
+          ", ".join(f"{name} {rate:.2f} GB/s" for name, rate in result["content_hash_gb_s"].items()) + ")")
     print(f"(the CPU normalize of one 1024^2 image, on the feed thread of a CPU build: "
           f"{result['cpu_normalize_ms_per_1024sq']:.2f} ms; load average {load})")
 
