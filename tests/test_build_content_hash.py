@@ -35,7 +35,10 @@ def stored_hashes(out) -> dict[str, bytes]:
 def expected(path, algorithm, *, draft=False) -> bytes:
     """What a build stores for an image file, written out from hashlib."""
     data = os.path.basename(path).encode() + b"\0" + open(path, "rb").read()
-    digest = hashlib.blake2b(data, digest_size=16).digest() if algorithm == "blake2b-128" else hashlib.sha256(data).digest()[:16]
+    if algorithm == "blake2b-128":
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+    else:
+        digest = hashlib.sha256(data).digest()[:16]
     return hashlib.blake2b(digest + b"\0jpeg-draft", digest_size=16).digest() if draft else digest
 
 

@@ -67,7 +67,8 @@ class _Job:
 
     kind: str  # "image" | "video"
     bucket_of: Callable[[media.Item], tuple]
-    load: Callable[[media.Item, Any], tuple[list, dict]]  # (item, its file's bytes or None) -> (its frames as RGB PIL images, resized and cropped; info)
+    # (item, its file's bytes or None) -> (its frames as RGB PIL images, resized and cropped; info)
+    load: Callable[[media.Item, Any], tuple[list, dict]]
     encode: Callable  # encoder method: (batch, **kw) -> latents
     store_std: bool = False  # the encoder's sample="store": fields latent and latent_std
     flip: bool = False  # also encode each image's mirror: field latent_flipped (and latent_flipped_std)
@@ -131,9 +132,12 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     decode, a few levels of 255 from decoding fully on average (the DCT scaling filters differently;
     tests/test_cache_build_pipeline.py states how far). The convention is part of such an item's
     source hash, so a rebuild with the other one re-encodes exactly the drafted items; the meta's
-    ``jpeg_draft`` says it was on.
+    ``jpeg_draft`` says it was on. The source hashes (what a rebuild compares to find the edited images)
+    of a new cache are SHA-256 cut to 16 bytes, stamped as the meta's ``content_hash``; a cache made
+    before the stamp (BLAKE2b-128) keeps being compared, rebuilt and resumed with BLAKE2b.
     ``stats`` (a dict) receives counts and timings: each stage's busy seconds (``decode_s``, summed
-    over the decode workers, hashing the sources of a new build included; ``feed_s``, planning batches and issuing the copies to the device, and on
+    over the decode workers, hashing the sources of a new build included; ``feed_s``, planning batches
+    and issuing the copies to the device, and on
     a CPU build the normalize; ``h2d_s``, the copies on the device; ``encode_s``, encoding, and on CUDA
     the normalize before it; ``write_s``),
     ``encode_wait_s`` (the encoder waiting for pixels), ``bound``, the stage that bounds the build
@@ -174,7 +178,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
         raise ArgumentTypeError(f"flip must be a bool, got {type(flip).__name__} ({flip!r})")
     if not isinstance(jpeg_draft, bool):
         raise ArgumentTypeError(f"jpeg_draft must be a bool, got {type(jpeg_draft).__name__} ({jpeg_draft!r})")
-    job = _Job("image", bucket_of, lambda item, data: _one_frame(*media.fitted_image(item, data)), encoder.encode, flip=flip, latent_dtype=_latent_dtype(latent_dtype),
+    job = _Job("image", bucket_of, lambda item, data: _one_frame(*media.fitted_image(item, data)), encoder.encode,
+               flip=flip, latent_dtype=_latent_dtype(latent_dtype),
                jpeg_draft=jpeg_draft)
     settings = {"buckets": [list(b) for b in bucket_list], "resize": "lanczos-cover-center-crop",
                 "encode_dtype": _encode_dtype(encoder, autocast_dtype)}

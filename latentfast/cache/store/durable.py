@@ -268,7 +268,8 @@ def content_hash(paths, chunk: int = 1 << 20, *, algorithm: str = LEGACY_CONTENT
     elif algorithm == "sha256-128":
         digest = hashlib.sha256()
     else:
-        raise InvalidArgumentError(f"algorithm must be one of {CONTENT_HASHES} (a content hash this version computes), got {algorithm!r}")
+        raise InvalidArgumentError(f"algorithm must be one of {CONTENT_HASHES} (the content hashes this version computes), "
+                                   f"got {algorithm!r}")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     if data is not None and len(paths) != 1:
