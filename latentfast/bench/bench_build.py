@@ -171,6 +171,7 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
             paths = write_sources(folder, n, size, fmt)
             ceiling_pass(paths, bucket, workers)  # warm the page cache and the decoders
             ceiling, build, phase, host, cpu, stats = [], [], [], [], {"ceiling": [], "build": []}, None
+            idle = {"head_s": [], "tail_s": []}  # the build's wall seconds before its first decode and after its last
             for _ in range(runs):
                 c0 = process_cpu()
                 ceiling.append(n / ceiling_pass(paths, bucket, workers))
@@ -181,6 +182,8 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
                 build.append(n / seconds)
                 phase.append(n / (seconds - stats["plan_s"]))
                 host.append(host_s / n / (bucket[0] * bucket[1] / 2**20))
+                for key, values in idle.items():
+                    values.append(stats[key])
             result["formats"][fmt] = {
                 "ceiling_images_s": _spread(ceiling), "build_images_s": _spread(build),
                 "ratio": statistics.median(build) / statistics.median(ceiling),
@@ -188,6 +191,7 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
                 "main_thread_ms_per_1024sq": 1000 * statistics.median(host),
                 "cpu_ms_per_image": {side: 1000 * statistics.median(v) for side, v in cpu.items()},
                 "cpu_ratio": statistics.median(cpu["ceiling"]) / statistics.median(cpu["build"]),
+                **{key: _spread(values) for key, values in idle.items()},
                 "last_stats": {k: v for k, v in stats.items() if k.endswith("_s") or k in ("bound", "decode_workers")},
                 "file_mib": sum(os.path.getsize(p) for p in paths) / n / 2**20,
             }
@@ -315,6 +319,10 @@ def print_report(result: dict) -> None:
         ["format", "MiB/file", "PIL+draft ceiling", "build_image_cache", "build/ceiling", "build after its plan",
          "after plan/ceiling", "CPU ms/image ceiling / build", "main-thread CPU ms/1024^2",
          "bound", "last run's stage seconds"], rows))
+    for fmt, r in result["formats"].items():
+        print(f"({fmt}: the decoders idle {r['head_s']['median']:.3f} s [{r['head_s']['min']:.3f}-{r['head_s']['max']:.3f}] "
+              f"before the first decode, {r['tail_s']['median']:.3f} s [{r['tail_s']['min']:.3f}-{r['tail_s']['max']:.3f}] "
+              f"after the last)")
     load = ", ".join(f"{x:.1f}" for x in result["load_average"])
     w = result["slot_write_ms_per_1024sq"]
     print(f"(writing a decoded image into its planar slot: {w['pillow_planes']:.2f} CPU ms per 1024^2 by Pillow's planes, "

@@ -142,7 +142,10 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     the normalize before it; ``write_s``),
     ``encode_wait_s`` (the encoder waiting for pixels), ``bound``, the stage that bounds the build
     (the most busy seconds per thread), and ``plan_s`` (listing and probing, and hashing the sources where
-    a cache or an interrupted build in the folder is compared with them, before them). ``latent_dtype``
+    a cache or an interrupted build in the folder is compared with them, before them); where anything was
+    decoded, ``head_s`` (from the call to the first decode's start: planning, the lock, opening the writer)
+    and ``tail_s`` (from the last decode's end to the return: the last batch's normalize, encode and
+    write, and publishing), the wall time the decoders stand idle. ``latent_dtype``
     (``"float16"``, ``"bfloat16"`` or ``"float32"``): the stored dtype of the latent and the fields
     beside it that share its meaning (``latent_std``, ``latent_flipped``); a rebuild with another one
     re-encodes. ``bucket_rule``: a callable ``(width, height) -> (height, width)`` that picks each image's
@@ -347,6 +350,8 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
         with writer:
             runner = _Runner(job, encoder, writer, previous, pool, device, autocast_dtype, counts, workers)
             runner.run(_batches(items, batch_size), quiet=quiet)
+    if runner.decoded:
+        counts.update(head_s=runner.decoded[0] - wall, tail_s=time.perf_counter() - runner.decoded[1])
     factors = [media.upscale_factor(item, item.bucket) for item in items]
     counts.update(upscaled=sum(f > 1.0 for f in factors), max_upscale=max(factors), decode_workers=workers,
                   bound=max(_STAGE_SECONDS, key=lambda k: counts[k] / (workers if k == "decode_s" else 1)).removesuffix("_s"))
@@ -458,6 +463,7 @@ class _Runner:
         self.previous = previous
         self.old_rows = {} if previous is None else _old_rows(previous)
         self.seeded = getattr(encoder, "sample", "mode") == "sample" and _accepts_seeds(job.encode)
+        self.decoded: tuple = ()  # (the first decode's start, the last one's end), once any ran
         self.dtype = pixel_dtype(encoder)
 
     def run(self, batches, *, quiet: bool) -> None:
@@ -538,7 +544,7 @@ class _Runner:
                                                for j, item in enumerate(to_encode)]
 
     def _load_into(self, item, buffers, slot: torch.Tensor):
-        """Decode one item (each frame once) straight into its slot of the batch buffer; ``(info, seconds)``.
+        """Decode one item (each frame once) straight into its slot of the batch buffer; ``(info, start, end)``.
         An item not hashed yet (nothing to compare it with) is hashed here: an image from the bytes its
         decoder reads (the file read once), a clip's files beside the other decodes."""
         t0 = time.perf_counter()
@@ -548,19 +554,22 @@ class _Runner:
             item.digest = self.job.digest(item, data)
         frames, info = self.job.load(item, data)
         buffers.place(slot, frames)
-        return info, time.perf_counter() - t0
+        return info, t0, time.perf_counter()
 
     def _finish(self, plan, buffers, stages):
         """The batch's decodes waited for, its buffer sent to the device (on the CPU: normalized)."""
         batch, copies, to_encode, buf, futures = plan
         loads = [stages.result(future) for future in futures]
-        self.counts["decode_s"] += sum(seconds for _, seconds in loads)
+        self.counts["decode_s"] += sum(end - start for _, start, end in loads)
+        if loads:  # (perf_counter stamps: the build's head and tail, see build_image_cache's stats)
+            first = min(start for _, start, _ in loads)
+            self.decoded = (min(first, self.decoded[0]) if self.decoded else first, max(end for *_, end in loads))
         sent = None
         if to_encode:
             output = buffers.output()  # (CPU) waited for outside feed_s: a slow encoder holds the outputs
             with timed(self.counts, "feed_s"):
                 sent = buffers.send(buf, buffers.shape(len(to_encode), to_encode[0].bucket), output)
-        return batch, copies, to_encode, [info for info, _ in loads], sent
+        return batch, copies, to_encode, [info for info, *_ in loads], sent
 
     # -- the caller's thread: (on CUDA, normalize and) encode ----------------------------------------
     def _encode_batch(self, buffers, batch, copies, to_encode, infos, sent):
