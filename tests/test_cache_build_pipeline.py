@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -274,6 +275,31 @@ def test_stats_hold_every_stages_busy_time_and_the_bound(tmp_path, monkeypatch):
         assert stats[key] > 0, key
     assert stats["h2d_s"] == 0  # no copy: the device is the host
     assert stats["bound"] in {"decode", "feed", "h2d", "encode", "write"} and stats["encode_wait_s"] >= 0
+
+
+def test_stats_hold_the_head_and_tail_where_the_decoders_stand_idle(tmp_path):
+    """``head_s`` ends as the first decode starts, before the first encode; ``tail_s`` starts at the last
+    decode's end, before the last batch is encoded; a rebuild that decodes nothing has neither."""
+
+    class StampingVAE(ToyVAE):
+        starts: list = []
+
+        def encode(self, images):
+            self.starts.append(time.perf_counter())
+            return super().encode(images)
+
+    images = str(tmp_path / "imgs")
+    make_images(images)
+    vae, stats = StampingVAE(), {}
+    called = time.perf_counter()
+    build_image_cache(vae, images, str(tmp_path / "out"), buckets=BUCKETS, batch_size=3, quiet=True, stats=stats)
+    returned = time.perf_counter()
+    assert 0 < stats["head_s"] and 0 < stats["tail_s"] and stats["head_s"] + stats["tail_s"] < stats["wall_s"]
+    assert called + stats["head_s"] < vae.starts[0]
+    assert returned - stats["tail_s"] < vae.starts[-1]
+    stats = {}
+    build_image_cache(vae, images, str(tmp_path / "out"), buckets=BUCKETS, batch_size=3, quiet=True, stats=stats)
+    assert stats["unchanged"] and "head_s" not in stats and "tail_s" not in stats
 
 
 class FailingVAE(ToyVAE):

@@ -20,6 +20,10 @@ normalizes on the feed thread, beside the encoder (the host is the device there;
 ``stats["feed_s"]``), so the main thread does not; the normalize's own wall time
 (``ops.normalize_uint8`` of one planar 1024^2 image to float32) is printed beside it.
 
+Content hashes -- GB/s (CPU time of one thread) of each algorithm a build may hash its sources with
+(``durable.CONTENT_HASHES``: BLAKE2b-128, the old caches'; SHA-256 cut to 16 bytes, new caches') over a
+file of the benchmark's JPEG size, in memory.
+
 With CUDA -- an SDXL-class VAE (random weights, bfloat16): ``build_image_cache`` images/s against the
 encoder alone on batches already on the device (``vae_report``; bench/gpu_check.sh runs it).
 
@@ -47,6 +51,7 @@ from latentfast import ops
 from latentfast.bench.common import format_table, machine_summary, median_seconds
 from latentfast.cache.builders import media
 from latentfast.cache.builders.images import build_image_cache
+from latentfast.cache.store.durable import CONTENT_HASHES, content_hash
 from latentfast.testing import photo_like
 
 
@@ -166,6 +171,7 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
             paths = write_sources(folder, n, size, fmt)
             ceiling_pass(paths, bucket, workers)  # warm the page cache and the decoders
             ceiling, build, phase, host, cpu, stats = [], [], [], [], {"ceiling": [], "build": []}, None
+            idle = {"head_s": [], "tail_s": []}  # the build's wall seconds before its first decode and after its last
             for _ in range(runs):
                 c0 = process_cpu()
                 ceiling.append(n / ceiling_pass(paths, bucket, workers))
@@ -176,6 +182,8 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
                 build.append(n / seconds)
                 phase.append(n / (seconds - stats["plan_s"]))
                 host.append(host_s / n / (bucket[0] * bucket[1] / 2**20))
+                for key, values in idle.items():
+                    values.append(stats[key])
             result["formats"][fmt] = {
                 "ceiling_images_s": _spread(ceiling), "build_images_s": _spread(build),
                 "ratio": statistics.median(build) / statistics.median(ceiling),
@@ -183,12 +191,14 @@ def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -
                 "main_thread_ms_per_1024sq": 1000 * statistics.median(host),
                 "cpu_ms_per_image": {side: 1000 * statistics.median(v) for side, v in cpu.items()},
                 "cpu_ratio": statistics.median(cpu["ceiling"]) / statistics.median(cpu["build"]),
+                **{key: _spread(values) for key, values in idle.items()},
                 "last_stats": {k: v for k, v in stats.items() if k.endswith("_s") or k in ("bound", "decode_workers")},
                 "file_mib": sum(os.path.getsize(p) for p in paths) / n / 2**20,
             }
     if torch.cuda.is_available():
         result["vae"] = vae_report("cuda", quick)
     result["slot_write_ms_per_1024sq"] = slot_write_report(bucket)
+    result["content_hash_gb_s"] = hash_report(int(result["formats"]["JPEG"]["file_mib"] * 2**20))
     one = torch.randint(0, 256, (1, 3, 1024, 1024), dtype=torch.uint8)
     result["cpu_normalize_ms_per_1024sq"] = 1000 * median_seconds(lambda: ops.normalize_uint8(one), repeat=7, warmup=2)
     result["load_average"] = os.getloadavg()
@@ -225,6 +235,22 @@ def slot_write_report(bucket: tuple[int, int]) -> dict:
 
     return {"pillow_planes": cpu_ms(lambda: media.write_rgb(image, slot, planar=True)),
             "transposing_copy": cpu_ms(lambda: np.copyto(slot, np.moveaxis(media.to_uint8(image), -1, 0)))}
+
+
+def hash_report(nbytes: int, repeat: int = 15) -> dict:
+    """GB/s of each content hash algorithm over ``nbytes`` already in memory: the thread's CPU time,
+    median of ``repeat`` (a loaded host's waits for a core are not counted)."""
+    data = np.random.default_rng(2).bytes(nbytes)
+    rates = {}
+    for algorithm in CONTENT_HASHES:
+        content_hash("source.jpg", algorithm=algorithm, data=data)
+        samples = []
+        for _ in range(repeat):
+            t0 = time.thread_time()
+            content_hash("source.jpg", algorithm=algorithm, data=data)
+            samples.append(time.thread_time() - t0)
+        rates[algorithm] = nbytes / statistics.median(samples) / 1e9
+    return rates
 
 
 def sdxl_class_vae(tiny: bool = False):
@@ -293,10 +319,16 @@ def print_report(result: dict) -> None:
         ["format", "MiB/file", "PIL+draft ceiling", "build_image_cache", "build/ceiling", "build after its plan",
          "after plan/ceiling", "CPU ms/image ceiling / build", "main-thread CPU ms/1024^2",
          "bound", "last run's stage seconds"], rows))
+    for fmt, r in result["formats"].items():
+        print(f"({fmt}: the decoders idle {r['head_s']['median']:.3f} s [{r['head_s']['min']:.3f}-{r['head_s']['max']:.3f}] "
+              f"before the first decode, {r['tail_s']['median']:.3f} s [{r['tail_s']['min']:.3f}-{r['tail_s']['max']:.3f}] "
+              f"after the last)")
     load = ", ".join(f"{x:.1f}" for x in result["load_average"])
     w = result["slot_write_ms_per_1024sq"]
     print(f"(writing a decoded image into its planar slot: {w['pillow_planes']:.2f} CPU ms per 1024^2 by Pillow's planes, "
           f"{w['transposing_copy']:.2f} by the transposing copy of its array)")
+    print("(content hashes over one source file in memory: " +
+          ", ".join(f"{name} {rate:.2f} GB/s" for name, rate in result["content_hash_gb_s"].items()) + ")")
     print(f"(the CPU normalize of one 1024^2 image, on the feed thread of a CPU build: "
           f"{result['cpu_normalize_ms_per_1024sq']:.2f} ms; load average {load})")
 

@@ -1,11 +1,13 @@
 """Build shaped latent caches from images (aspect-ratio buckets) and video clips, through the writer.
 
-Steps: list the source and probe every item in threads (size, frame count, content hash of the
-bytes); give each item its bucket; plan batches of one bucket (buckets in the order given, keys
-sorted within a bucket); then per batch either copy an item's latents from the cache already in
-the folder (same encoder and settings, same content hash, checksum intact) or decode it (Pillow /
-PyAV on a thread pool, batches ahead, uint8 into recycled buffers) and encode it, the stages
-overlapped (see :class:`_Runner`). Everything goes through
+Steps: list the source and probe every item's header in threads (size, frame count); give each item its
+bucket; plan batches of one bucket (buckets in the order given, keys sorted within a bucket); then per
+batch either copy an item's latents from the cache already in the folder (same encoder and settings,
+same content hash, checksum intact) or decode it (Pillow / PyAV on a thread pool, batches ahead, uint8
+into recycled buffers) and encode it, the stages overlapped (see :class:`_Runner`). Each source is hashed
+once (:data:`CONTENT_HASH` for a new cache; an existing one keeps the algorithm its meta names): while
+planning when there is something to compare it with (a cache or an interrupted build in the folder),
+else by the decode worker, from the bytes its decoder reads. Everything goes through
 :class:`~latentfast.cache.LatentCacheWriter`, and each batch is made durable in order, so a build
 is crash-safe (a crash loses at most the batches in flight) and resumable (rerun
 the same call), and a rerun after editing images re-encodes only the edited ones. A rerun over a
@@ -35,7 +37,7 @@ from ..store import format as fmt
 from ..store import fields as fieldstore
 from . import distributed, media
 from .encode import BatchBuffers, Stages, Stopped, encode, owned, pixel_dtype, prepare, timed
-from ..store.durable import BuildLock
+from ..store.durable import LEGACY_CONTENT_HASH, BuildLock
 from ..store.writer import encoder_identity, open_for_sources
 from ..captions import Captions
 from ..store.opening import LatentCache
@@ -44,6 +46,9 @@ from ...progress import progress_bar
 
 
 _QUEUE = 2  # batches waiting between two stages
+# the content hash of a new cache's sources, stamped in its meta (``content_hash``): SHA-256 cut to 16 bytes
+# runs at 2.0 GB/s here on the CPU's SHA extensions, BLAKE2b-128 (every cache before, unstamped) at 1.4
+CONTENT_HASH = "sha256-128"
 _DONE = object()  # the end of a stage's batches
 
 
@@ -62,7 +67,8 @@ class _Job:
 
     kind: str  # "image" | "video"
     bucket_of: Callable[[media.Item], tuple]
-    load: Callable[[media.Item], tuple[list, dict]]  # item -> (its frames as RGB PIL images, resized and cropped; info)
+    # (item, its file's bytes or None) -> (its frames as RGB PIL images, resized and cropped; info)
+    load: Callable[[media.Item, Any], tuple[list, dict]]
     encode: Callable  # encoder method: (batch, **kw) -> latents
     store_std: bool = False  # the encoder's sample="store": fields latent and latent_std
     flip: bool = False  # also encode each image's mirror: field latent_flipped (and latent_flipped_std)
@@ -70,6 +76,17 @@ class _Job:
     captions: Any = None  # (key, path) -> caption, with text_encoder
     latent_dtype: torch.dtype = torch.float16  # latent_dtype=: the latent fields' stored dtype
     jpeg_draft: bool = False  # jpeg_draft=: JPEGs shrunk >= 2x decode at a reduced DCT scale
+    content_hash: str = CONTENT_HASH  # the algorithm of the sources' content hashes (the cache's own, on a rebuild)
+
+    def digest(self, item: media.Item, data: bytes | None = None) -> bytes:
+        """The source hash stored for ``item``: its content hash and what else decides its latents (the
+        JPEG draft convention, its caption), so that a rebuild re-encodes an item whose any of these changed."""
+        digest = media.source_digest(item, self.content_hash, data)
+        if item.draft:  # the resize convention is part of the source: a rebuild without it re-encodes the item
+            digest = hashlib.blake2b(digest + b"\0jpeg-draft", digest_size=16).digest()
+        if item.caption is not None:  # the caption is part of the source: an edited one re-encodes the item
+            digest = hashlib.blake2b(digest + item.caption.encode(), digest_size=16).digest()
+        return digest
 
 
 # the dtypes a builder can store the latent in (and the fields beside it that share its meaning:
@@ -115,13 +132,20 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
     decode, a few levels of 255 from decoding fully on average (the DCT scaling filters differently;
     tests/test_cache_build_pipeline.py states how far). The convention is part of such an item's
     source hash, so a rebuild with the other one re-encodes exactly the drafted items; the meta's
-    ``jpeg_draft`` says it was on.
+    ``jpeg_draft`` says it was on. The source hashes (what a rebuild compares to find the edited images)
+    of a new cache are SHA-256 cut to 16 bytes, stamped as the meta's ``content_hash``; a cache made
+    before the stamp (BLAKE2b-128) keeps being compared, rebuilt and resumed with BLAKE2b.
     ``stats`` (a dict) receives counts and timings: each stage's busy seconds (``decode_s``, summed
-    over the decode workers; ``feed_s``, planning batches and issuing the copies to the device, and on
+    over the decode workers, hashing the sources of a new build included; ``feed_s``, planning batches
+    and issuing the copies to the device, and on
     a CPU build the normalize; ``h2d_s``, the copies on the device; ``encode_s``, encoding, and on CUDA
     the normalize before it; ``write_s``),
     ``encode_wait_s`` (the encoder waiting for pixels), ``bound``, the stage that bounds the build
-    (the most busy seconds per thread), and ``plan_s`` (listing, probing and hashing, before them). ``latent_dtype``
+    (the most busy seconds per thread), and ``plan_s`` (listing and probing, and hashing the sources where
+    a cache or an interrupted build in the folder is compared with them, before them); where anything was
+    decoded, ``head_s`` (from the call to the first decode's start: planning, the lock, opening the writer)
+    and ``tail_s`` (from the last decode's end to the return: the last batch's normalize, encode and
+    write, and publishing), the wall time the decoders stand idle. ``latent_dtype``
     (``"float16"``, ``"bfloat16"`` or ``"float32"``): the stored dtype of the latent and the fields
     beside it that share its meaning (``latent_std``, ``latent_flipped``); a rebuild with another one
     re-encodes. ``bucket_rule``: a callable ``(width, height) -> (height, width)`` that picks each image's
@@ -157,7 +181,8 @@ def build_image_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
         raise ArgumentTypeError(f"flip must be a bool, got {type(flip).__name__} ({flip!r})")
     if not isinstance(jpeg_draft, bool):
         raise ArgumentTypeError(f"jpeg_draft must be a bool, got {type(jpeg_draft).__name__} ({jpeg_draft!r})")
-    job = _Job("image", bucket_of, lambda item: _one_frame(*media.fitted_image(item)), encoder.encode, flip=flip, latent_dtype=_latent_dtype(latent_dtype),
+    job = _Job("image", bucket_of, lambda item, data: _one_frame(*media.fitted_image(item, data)), encoder.encode,
+               flip=flip, latent_dtype=_latent_dtype(latent_dtype),
                jpeg_draft=jpeg_draft)
     settings = {"buckets": [list(b) for b in bucket_list], "resize": "lanczos-cover-center-crop",
                 "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
@@ -193,7 +218,7 @@ def build_video_cache(encoder: Any, source, out_dir, split: str = "train", *, bu
         raise InvalidArgumentError(f"frame_stride must be a positive int, got {frame_stride!r}")
     bucket_list = media.check_buckets(buckets, video=True, factor=getattr(encoder, "spatial_downscale", None))
     job = _Job("video", lambda item: media.clip_bucket(item, bucket_list, frame_stride),
-               lambda item: media.fitted_clip(item, frame_stride), encoder.encode_video,
+               lambda item, _: media.fitted_clip(item, frame_stride), encoder.encode_video,
                latent_dtype=_latent_dtype(latent_dtype))
     settings = {"buckets": [list(b) for b in bucket_list], "frame_stride": frame_stride,
                 "resize": "lanczos-cover-center-crop", "encode_dtype": _encode_dtype(encoder, autocast_dtype)}
@@ -304,6 +329,13 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
         lock = BuildLock(out_dir, split, lock_timeout)
         try:
             previous = _previous_cache(out_dir, split, identity, meta)
+            job.content_hash = _content_hash_of(out_dir, split, previous)
+            if job.content_hash != LEGACY_CONTENT_HASH:
+                meta["content_hash"] = job.content_hash
+            if previous is not None or fmt.build_in_progress(out_dir, split):
+                with timed(counts, "plan_s"):  # compared with what is there (copies, resume): hashed now
+                    for item, digest in zip(items, pool.map(job.digest, items)):
+                        item.digest = digest
             if previous is not None and _unchanged(previous, items):
                 lock.release()
                 if stats is not None:
@@ -318,6 +350,8 @@ def _build(job: _Job, encoder, source, out_dir, split, settings, *, batch_size, 
         with writer:
             runner = _Runner(job, encoder, writer, previous, pool, device, autocast_dtype, counts, workers)
             runner.run(_batches(items, batch_size), quiet=quiet)
+    if runner.decoded:
+        counts.update(head_s=runner.decoded[0] - wall, tail_s=time.perf_counter() - runner.decoded[1])
     factors = [media.upscale_factor(item, item.bucket) for item in items]
     counts.update(upscaled=sum(f > 1.0 for f in factors), max_upscale=max(factors), decode_workers=workers,
                   bound=max(_STAGE_SECONDS, key=lambda k: counts[k] / (workers if k == "decode_s" else 1)).removesuffix("_s"))
@@ -334,7 +368,7 @@ _STAGE_SECONDS = ("decode_s", "feed_s", "h2d_s", "encode_s", "write_s")
 
 
 def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], list[dict]]:
-    """Probe every item (threads), then give each its bucket; unreadable items raise or are skipped."""
+    """Probe every item's header (threads), then give each its bucket; unreadable items raise or are skipped."""
     entries = media.list_items(source, video=job.kind == "video")
     if not entries:
         raise InvalidArgumentError(f"source {os.fspath(source)} holds no {job.kind}s")
@@ -347,11 +381,8 @@ def _plan(job: _Job, source, pool, skip_bad: bool) -> tuple[list[media.Item], li
             item = future.result()
             item.bucket = tuple(job.bucket_of(item))
             item.draft = job.jpeg_draft and media.plan_draft(item)
-            if item.draft:  # the resize convention is part of the source: a rebuild without it re-encodes the item
-                item.digest = hashlib.blake2b(item.digest + b"\0jpeg-draft", digest_size=16).digest()
-            if job.captions is not None:  # the caption is part of the source: an edited one re-encodes the item
+            if job.captions is not None:
                 item.caption = job.captions(key, path)
-                item.digest = hashlib.blake2b(item.digest + item.caption.encode(), digest_size=16).digest()
         except ImageError as exc:
             if not skip_bad:
                 raise
@@ -369,6 +400,16 @@ def _batches(items: list[media.Item], batch_size: int) -> list[list[media.Item]]
     for item in sorted(items, key=lambda x: x.key):
         by_bucket.setdefault(item.bucket, []).append(item)
     return [group[k : k + batch_size] for group in by_bucket.values() for k in range(0, len(group), batch_size)]
+
+
+def _content_hash_of(out_dir, split, previous) -> str:
+    """The content hash algorithm of this build: the one the complete cache it copies from, else the
+    interrupted build it may resume, was made with (named in its meta; none named: BLAKE2b-128, every
+    cache before the stamp), so their stored hashes are compared with like; else :data:`CONTENT_HASH`."""
+    if previous is not None:
+        return previous.meta.get("content_hash", LEGACY_CONTENT_HASH)
+    logged = fmt.progress_meta(out_dir, split)
+    return CONTENT_HASH if logged is None else logged.get("content_hash", LEGACY_CONTENT_HASH)
 
 
 def _previous_cache(out_dir, split, identity, meta):
@@ -422,6 +463,7 @@ class _Runner:
         self.previous = previous
         self.old_rows = {} if previous is None else _old_rows(previous)
         self.seeded = getattr(encoder, "sample", "mode") == "sample" and _accepts_seeds(job.encode)
+        self.decoded: tuple = ()  # (the first decode's start, the last one's end), once any ran
         self.dtype = pixel_dtype(encoder)
 
     def run(self, batches, *, quiet: bool) -> None:
@@ -502,23 +544,32 @@ class _Runner:
                                                for j, item in enumerate(to_encode)]
 
     def _load_into(self, item, buffers, slot: torch.Tensor):
-        """Decode one item (each frame once) straight into its slot of the batch buffer; ``(info, seconds)``."""
+        """Decode one item (each frame once) straight into its slot of the batch buffer; ``(info, start, end)``.
+        An item not hashed yet (nothing to compare it with) is hashed here: an image from the bytes its
+        decoder reads (the file read once), a clip's files beside the other decodes."""
         t0 = time.perf_counter()
-        frames, info = self.job.load(item)
+        data = None
+        if not item.digest:
+            data = media.read_image(item) if self.job.kind == "image" else None
+            item.digest = self.job.digest(item, data)
+        frames, info = self.job.load(item, data)
         buffers.place(slot, frames)
-        return info, time.perf_counter() - t0
+        return info, t0, time.perf_counter()
 
     def _finish(self, plan, buffers, stages):
         """The batch's decodes waited for, its buffer sent to the device (on the CPU: normalized)."""
         batch, copies, to_encode, buf, futures = plan
         loads = [stages.result(future) for future in futures]
-        self.counts["decode_s"] += sum(seconds for _, seconds in loads)
+        self.counts["decode_s"] += sum(end - start for _, start, end in loads)
+        if loads:  # (perf_counter stamps: the build's head and tail, see build_image_cache's stats)
+            first = min(start for _, start, _ in loads)
+            self.decoded = (min(first, self.decoded[0]) if self.decoded else first, max(end for *_, end in loads))
         sent = None
         if to_encode:
             output = buffers.output()  # (CPU) waited for outside feed_s: a slow encoder holds the outputs
             with timed(self.counts, "feed_s"):
                 sent = buffers.send(buf, buffers.shape(len(to_encode), to_encode[0].bucket), output)
-        return batch, copies, to_encode, [info for info, _ in loads], sent
+        return batch, copies, to_encode, [info for info, *_ in loads], sent
 
     # -- the caller's thread: (on CUDA, normalize and) encode ----------------------------------------
     def _encode_batch(self, buffers, batch, copies, to_encode, infos, sent):

@@ -34,7 +34,7 @@ class Item:
     width: int = 0
     height: int = 0
     frames: int = 1  # frame count of a clip (1 for an image)
-    digest: bytes = b""
+    digest: bytes = b""  # the content hash of its source (see :func:`source_digest`); b"" until hashed
     frame_paths: list = field(default_factory=list)  # a folder clip's frames, in order
     bucket: tuple = ()  # (h, w) or (frames, h, w) once planned
     caption: str | None = None  # with a text encoder: the item's caption, once planned
@@ -95,9 +95,9 @@ def _read_manifest(path: str) -> list[tuple[str, str]]:
 
 
 def probe(key: str, path: str, decode: bool = False) -> Item:
-    """Size (as displayed), frame count and content hash of one item (the hash reads the whole
-    file or folder). ``decode``: also decode every image / frame fully, so a truncated file fails
-    here (the header alone reads fine) rather than in the middle of the build."""
+    """Size (as displayed) and frame count of one item, from its header (a video's packets); its
+    content hash is :func:`source_digest`'s. ``decode``: also decode every image / frame fully, so a
+    truncated file fails here (the header alone reads fine) rather than in the middle of the build."""
     try:
         if os.path.isdir(path):
             return _probe_frames(key, path, decode)
@@ -111,7 +111,7 @@ def probe(key: str, path: str, decode: bool = False) -> Item:
             jpeg = im.format == "JPEG"
             if decode:
                 im.load()
-        return Item(key, path, width, height, 1, content_hash(path), orientation=turn, jpeg=jpeg)
+        return Item(key, path, width, height, 1, orientation=turn, jpeg=jpeg)
     except ImageError:
         raise
     except Exception as exc:  # noqa: BLE001 - any reader failure is reported with its key
@@ -132,7 +132,7 @@ def _probe_frames(key: str, folder: str, decode: bool) -> Item:
                 im.load()
             except Exception as exc:  # noqa: BLE001 - name the frame, not just the clip
                 raise ImageError(f"item {key!r} ({folder}): frame {os.path.basename(frame)}: cannot decode: {exc}") from None
-    return Item(key, folder, width, height, len(frames), content_hash(frames), frame_paths=frames)
+    return Item(key, folder, width, height, len(frames), frame_paths=frames)
 
 
 def _probe_video(key: str, path: str, decode: bool) -> Item:
@@ -144,7 +144,26 @@ def _probe_video(key: str, path: str, decode: bool) -> Item:
             frames = sum(1 for _ in container.decode(stream))
         else:
             frames = sum(1 for packet in container.demux(stream) if packet.size)
-    return Item(key, path, width, height, frames, content_hash(path))
+    return Item(key, path, width, height, frames)
+
+
+def source_digest(item: Item, algorithm: str, data: bytes | None = None) -> bytes:
+    """The content hash (:func:`~latentfast.cache.store.durable.content_hash`, of ``algorithm``) of an
+    item's source: its file, or a clip folder's frames in order. ``data``: an image file's bytes, read
+    already (:func:`read_image`)."""
+    try:
+        return content_hash(item.frame_paths or item.path, algorithm=algorithm, data=data)
+    except OSError as exc:
+        raise ImageError(f"item {item.key!r} ({item.path}): cannot read: {exc}") from None
+
+
+def read_image(item: Item) -> bytes:
+    """An image item's file, whole: what :func:`source_digest` hashes and :func:`fitted_image` decodes, read once."""
+    try:
+        with open(item.path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ImageError(f"item {item.key!r} ({item.path}): cannot read: {exc}") from None
 
 
 def _import_av():
@@ -358,14 +377,17 @@ def plan_draft(item: Item) -> bool:
     return min(item.width // rw, item.height // rh) >= 2
 
 
-def fitted_image(item: Item) -> tuple:
-    """``(the item as an RGB PIL image resized and cropped to its bucket, its info)``. A planned draft
-    asks the JPEG decoder for the resized size (in the file's orientation), so it decodes at the
-    largest DCT scale that stays at least that big; the resize is reckoned from the full size."""
+def fitted_image(item: Item, data: bytes | None = None) -> tuple:
+    """``(the item as an RGB PIL image resized and cropped to its bucket, its info)``, decoded from
+    ``data`` (the file's bytes, :func:`read_image`) when given. A planned draft asks the JPEG decoder
+    for the resized size (in the file's orientation), so it decodes at the largest DCT scale that stays
+    at least that big; the resize is reckoned from the full size."""
+    import io
+
     from PIL import Image
 
     try:
-        with Image.open(item.path) as im:
+        with Image.open(item.path if data is None else io.BytesIO(data)) as im:
             if item.draft:
                 rw, rh = cover_size(item.width, item.height, item.bucket)
                 im.draft("RGB", (rh, rw) if item.orientation in (5, 6, 7, 8) else (rw, rh))

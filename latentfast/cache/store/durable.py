@@ -10,8 +10,8 @@ place, the meta (the completion mark) last, the log removed.
 
 - :func:`pwrite_all` writes every byte or raises: ``os.pwrite`` may write fewer bytes than asked
   (a disk filling up), and a loop that ignores the count leaves zeros where a latent should be.
-- :func:`content_hash` hashes a source file's bytes (BLAKE2b, 16 bytes): what decides whether an
-  edited image must be encoded again.
+- :func:`content_hash` hashes a source file's bytes (16 bytes: BLAKE2b, or SHA-256 cut to 16 bytes for
+  the images and clips of caches stamped so): what decides whether an edited image must be encoded again.
 - :class:`BuildLock` is an exclusive ``fcntl.flock`` on ``.{split}.latents.lock`` in the cache
   folder, held for a whole build: a second build of the same split into the same folder waits up to
   ``timeout`` seconds, then raises :class:`~latentfast.errors.CacheLockedError` naming the holder.
@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...errors import CacheLockedError
+from ...errors import CacheLockedError, InvalidArgumentError
 from . import format as fmt
 
 HASH_BYTES = 16
@@ -251,17 +251,38 @@ def file_size(path: str) -> int:
         return -1
 
 
-def content_hash(paths, chunk: int = 1 << 20) -> bytes:
-    """BLAKE2b-128 of the bytes of one file, or of several files in order (names included)."""
+# the algorithms a source's content hash may be computed with (16 bytes each), and the one of every cache whose
+# meta names none (``content_hash``): the builders compare an existing cache's stored hashes with its own algorithm
+CONTENT_HASHES = ("blake2b-128", "sha256-128")
+LEGACY_CONTENT_HASH = "blake2b-128"
+
+
+def content_hash(paths, chunk: int = 1 << 20, *, algorithm: str = LEGACY_CONTENT_HASH, data: bytes | None = None) -> bytes:
+    """The 16-byte hash of the bytes of one file, or of several files in order (names included):
+    ``algorithm`` ``"blake2b-128"`` (BLAKE2b, digest size 16) or ``"sha256-128"`` (SHA-256's first 16
+    bytes; hashlib runs it on the CPU's SHA extensions where it has them). Both keep 128 bits, so finding
+    two sources with one hash takes ~2^64 work for either. ``data``: the bytes of the one file, already
+    read (hashed instead of reading the file again)."""
+    if algorithm == "blake2b-128":
+        digest = hashlib.blake2b(digest_size=HASH_BYTES)
+    elif algorithm == "sha256-128":
+        digest = hashlib.sha256()
+    else:
+        raise InvalidArgumentError(f"algorithm must be one of {CONTENT_HASHES} (the content hashes this version computes), "
+                                   f"got {algorithm!r}")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    digest = hashlib.blake2b(digest_size=HASH_BYTES)
+    if data is not None and len(paths) != 1:
+        raise InvalidArgumentError(f"data= holds the bytes of one file; {len(paths)} paths were given")
     for path in paths:
         digest.update(os.path.basename(os.fspath(path)).encode() + b"\0")
+        if data is not None:
+            digest.update(data)
+            continue
         with open(path, "rb") as fh:
             while block := fh.read(chunk):
                 digest.update(block)
-    return digest.digest()
+    return digest.digest()[:HASH_BYTES]
 
 
 def lock_path(cache_dir: str | os.PathLike, split: str) -> str:

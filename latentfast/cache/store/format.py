@@ -119,13 +119,19 @@ def build_in_progress(cache_dir: str | os.PathLike, split: str) -> bool:
 def resume_command(cache_dir: str | os.PathLike, split: str) -> str:
     """The command whose rerun resumes an interrupted build of this split: ``latentfast cache import``
     when the writer's progress log says it is an import (its header's meta ``kind``), else ``cache build``."""
+    meta = progress_meta(cache_dir, split)
+    return "latentfast cache import" if meta is not None and meta.get("kind") == "import" else "latentfast cache build"
+
+
+def progress_meta(cache_dir: str | os.PathLike, split: str) -> dict | None:
+    """The meta in the header of this split's progress log (an interrupted build's); None without a readable one."""
     try:
         with open(cache_path(cache_dir, split, "progress"), "rb") as fh:
             head = json.loads(fh.readline(1 << 20) or b"{}")
     except (OSError, ValueError):
-        head = {}
+        return None
     meta = head.get("meta") if isinstance(head, dict) else None
-    return "latentfast cache import" if isinstance(meta, dict) and meta.get("kind") == "import" else "latentfast cache build"
+    return meta if isinstance(meta, dict) else None
 
 
 def row_elements(meta: Mapping[str, Any]) -> int:

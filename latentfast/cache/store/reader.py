@@ -439,7 +439,8 @@ class LatentCache:
         return dict(self._info[i]) if self._info else {}
 
     def content_hashes(self) -> np.ndarray | None:
-        """uint8 ``[N, 16]`` BLAKE2b-128 of each item's source bytes, or None when the cache stores none."""
+        """uint8 ``[N, 16]`` content hash of each item's source bytes (of the algorithm the meta's
+        ``content_hash`` names; BLAKE2b-128 where it names none), or None when the cache stores none."""
         path = fmt.cache_path(self.cache_dir, self.split, "hashes")
         self._local([path])
         if not os.path.exists(path):
