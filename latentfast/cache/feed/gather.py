@@ -36,7 +36,7 @@ from ..store import layout
 from ..store.layout import ELEMENT_BYTES
 from ... import ops, sampling
 from . import coldread, device as device_path
-from .buffers import take
+from .buffers import fresh_host, take
 from .readspec import SPEC_OPTIONS, ReadSpec
 
 _CPU = torch.device("cpu")
@@ -404,7 +404,7 @@ def _copy_local(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch
 def _gather_cpu(table, dtype, out, backend, cold) -> torch.Tensor:
     """The CPU path, trimmed for small batches, where fixed per-call costs rival the copy."""
     if out is None:  # (a given out was checked in resolve)
-        out = torch.empty((table.index.numel(), table.channels, table.latent_h, table.width), dtype=dtype)
+        out = fresh_host((table.index.numel(), table.channels, table.latent_h, table.width), dtype)
     white = table.white
     if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
         white = white.to(torch.float16).contiguous()
