@@ -25,8 +25,10 @@ batch instead of ~0.4 (``bench/RESULTS.md``).
 """
 from __future__ import annotations
 
+import collections
 import math
 import mmap
+import os
 import threading
 import weakref
 
@@ -100,41 +102,71 @@ class _Recycler:
 
     def __init__(self):
         self._idle: list[mmap.mmap] = []  # oldest first
-        self._lock = threading.Lock()  # (a view's last reference may die in any thread)
+        self._returned: collections.deque[mmap.mmap] = collections.deque()  # given back since the last call
+        self._lent: dict[int, tuple[weakref.ref, mmap.mmap]] = {}  # id(weak reference to an array) -> it, its map
+        self._lock = threading.Lock()  # (fresh outputs made in several threads)
 
-    def tensor(self, nbytes: int) -> torch.Tensor:
-        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    def array(self, shape, np_dtype) -> np.ndarray:
+        """A numpy array ``[shape]`` over a recycled (or new) map; its map comes back when it is gone."""
+        count = math.prod(shape)
+        size = -(-count * np.dtype(np_dtype).itemsize // HUGE_PAGE) * HUGE_PAGE
         with self._lock:
+            self._take_returned()
             found = [k for k, region in enumerate(self._idle) if len(region) == size]
             region = self._idle.pop(found[-1]) if found else None
         if region is None:
             region = huge_page_map(size)
-        array = np.frombuffer(region, dtype=np.uint8)
-        # the tensor's storage holds `array`: when its last view is gone, the map comes back here
-        weakref.finalize(array, self._give_back, region).atexit = False
-        return torch.from_numpy(array)[:nbytes]
+        array = np.frombuffer(region, dtype=np_dtype, count=count).reshape(shape)
+        # a tensor made from `array` holds it; when its last view is gone the weak reference calls back
+        # (weakref.finalize would cost 5 us a batch, a tenth of a 2 MiB batch's copy)
+        ref = weakref.ref(array, self._give_back)
+        self._lent[id(ref)] = (ref, region)
+        return array
 
-    def _give_back(self, region: mmap.mmap) -> None:
-        with self._lock:
-            self._idle.append(region)
-            while sum(len(r) for r in self._idle) > self.KEEP_BYTES:
-                self._idle.pop(0)  # (unmapped when the last reference goes)
+    def _give_back(self, ref: weakref.ref) -> None:
+        # (runs wherever the last view dies, maybe inside array() of this very thread: it never waits
+        # for the lock; what it cannot file now, the next call files)
+        region = self._lent.pop(id(ref))[1]
+        if len(region) > self.KEEP_BYTES:
+            return
+        self._returned.append(region)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._take_returned()
+            finally:
+                self._lock.release()
+
+    def _take_returned(self) -> None:
+        while self._returned:
+            self._idle.append(self._returned.popleft())
+        while sum(len(region) for region in self._idle) > self.KEEP_BYTES:
+            self._idle.pop(0)  # (unmapped when the last reference goes)
 
     def idle_bytes(self) -> int:
         with self._lock:
-            return sum(len(r) for r in self._idle)
+            self._take_returned()
+            return sum(len(region) for region in self._idle)
 
 
 _RECYCLER = _Recycler()
+if hasattr(os, "register_at_fork"):  # a child forked while another thread held the lock gets a free one
+    os.register_at_fork(after_in_child=lambda: setattr(_RECYCLER, "_lock", threading.Lock()))
+
+
+# a 2-byte dtype's array is float16 in numpy (the same bytes), viewed as the dtype in torch
+_NUMPY_TWIN = {torch.float16: np.float16, torch.bfloat16: np.float16, torch.float32: np.float32, torch.uint8: np.uint8,
+               torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
 
 
 def fresh_host(shape, dtype: torch.dtype) -> torch.Tensor:
     """A new contiguous CPU tensor ``[shape]`` of ``dtype`` (contents undefined), as ``torch.empty`` makes;
     from 2 MiB on, over a recycled huge-page map (see the module's docstring)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE:
-        return torch.empty(tuple(shape), dtype=dtype)
-    return _RECYCLER.tensor(nbytes).view(dtype).view(tuple(shape))
+    shape = tuple(shape)
+    twin = _NUMPY_TWIN.get(dtype)
+    if twin is None or math.prod(shape) * dtype.itemsize < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    tensor = torch.from_numpy(_RECYCLER.array(shape, twin))
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 def take(out, name: str, shape, dtype: torch.dtype, device, *, pin: bool = False) -> torch.Tensor:
