@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from latentfast import ops, reference
+from latentfast.backends import native
 from latentfast.cache import BatchBuffers, LatentCache, LatentCacheWriter, read_batch
 from latentfast.cache.feed.buffers import fresh_host
 from latentfast.errors import InvalidArgumentError
@@ -357,3 +358,19 @@ def test_fresh_shaped_batches_over_recycled_poisoned_maps_equal_the_items(tmp_pa
         assert shapes.tolist() == [[16, 64, 64]] * 64
         torch.empty(0, dtype=torch.uint8).set_(latents.untyped_storage()).fill_(0xFF)
         del latents
+
+
+# ---- the gathers' thread choice (csrc/cpu/gather_rows_kernel.cpp's ThreadChoice) ---------------------------
+@pytest.mark.skipif(native.LIB is None, reason="needs the native library")
+def test_thread_choice_backs_off_trying_a_way_that_keeps_losing_and_returns_when_it_wins():
+    n = 4096
+    fast, slow = torch.full((n,), 1000, dtype=torch.int64), torch.full((n,), 20000, dtype=torch.int64)
+    pool_tries = int(native.thread_choice_trace(fast, slow).sum())  # the threads 20x slower throughout
+    assert 1 <= pool_tries <= 8 + n // (8 << 5)  # (tried every 8th gather without the backoff: 512 tries)
+    solo_tries = int((1 - native.thread_choice_trace(slow, fast)).sum())
+    assert 1 <= solo_tries <= 8 + n // (8 << 5)
+    # the threads slow for the first half, then 4x faster than alone: taken again within one backed-off interval
+    pool = torch.cat([slow[: n // 2], torch.full((n // 2,), 250, dtype=torch.int64)])
+    used = native.thread_choice_trace(fast, pool)
+    assert int(used[: n // 2].sum()) <= 8 + n // 2 // (8 << 5)
+    assert bool(used[n // 2 + (8 << 5) + 200:].float().mean() > 0.85)
