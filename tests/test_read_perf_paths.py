@@ -374,3 +374,23 @@ def test_thread_choice_backs_off_trying_a_way_that_keeps_losing_and_returns_when
     used = native.thread_choice_trace(fast, pool)
     assert int(used[: n // 2].sum()) <= 8 + n // 2 // (8 << 5)
     assert bool(used[n // 2 + (8 << 5) + 200:].float().mean() > 0.85)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32], ids=str)
+def test_shaped_bfloat16_batch_into_a_given_misaligned_poisoned_tensor(tmp_path, dtype):
+    """A given out= of the stored dtype is gathered into directly (of another dtype: cast into); off a 32-byte
+    boundary, NaN-filled, guarded: equal to the items, nothing written outside it."""
+    g = torch.Generator().manual_seed(10)
+    items = [torch.randn((3, 5, 7), generator=g).bfloat16() for _ in range(20)]
+    with LatentCacheWriter(tmp_path / "shaped") as writer:
+        for i, z in enumerate(items):
+            writer.append(f"k{i:03d}", {"latent": z})
+    cache = LatentCache(tmp_path / "shaped")
+    indices = [4, 19, 0, 4, 11]
+    want = torch.stack([items[i] for i in indices])
+    out, buffer = guarded_out((5, 3, 5, 7), torch.bfloat16 if dtype is None else dtype, shift=3)
+    latents, shapes = read_batch(cache, indices, out=out, dtype=dtype)
+    assert latents.data_ptr() == out.data_ptr()
+    assert torch.equal(latents, want if dtype is None else want.to(dtype))
+    assert shapes.tolist() == [[3, 5, 7]] * 5
+    assert bool(buffer[:3].isnan().all() and buffer[3 + out.numel():].isnan().all()), "a store ran outside out"

@@ -359,11 +359,15 @@ def _shaped_batch(table, device, dtype, out, backend, cold, buffers=None, name="
         return latents.view(B, *shape), torch.from_numpy(table.shapes)
     # bfloat16 / float32 latents: the gather copies their 2-byte units as they are, viewed in the stored dtype
     units_out = None
-    if buffers is not None:
+    if out is not None and dtype == stored:  # a given output of the stored dtype: gathered into, no second copy
+        units_out = _as_units(out, B, table.width)
+    elif buffers is not None:
         units_out = (_as_units(take(buffers, name, (B, *shape), stored, device), B, table.width) if dtype == stored
                      else take(buffers, name + ".units", (B, 1, 1, table.width), torch.float16, device))
     units = _copy(table, on_cpu, device, torch.float16, units_out, backend, cold)
     latents = units.view(B, -1).view(stored).view(B, *shape)
+    if out is not None and dtype == stored:
+        return out, torch.from_numpy(table.shapes)
     if out is None and buffers is not None and dtype != stored:
         out = take(buffers, name, (B, *shape), dtype, device)
     if out is not None:
