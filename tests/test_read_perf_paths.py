@@ -293,9 +293,9 @@ def test_line_cache_batch_above_the_streaming_size(tmp_path, layout):
     assert got_widths.tolist() == widths.tolist()
 
 
-# ---- fresh outputs of 2 MiB and more: recycled maps (feed/buffers.fresh_host) ---------------------------
+# ---- fresh outputs of 4 MiB and more: recycled maps (feed/buffers.fresh_host) ---------------------------
 def test_fresh_host_outputs_recycle_a_dead_batchs_map_and_never_a_live_ones():
-    shape = (64, 16, 8, 128)  # the 2 MiB line batch
+    shape = (128, 16, 8, 128)  # 4 MiB
     first = fresh_host(shape, torch.float16)
     assert first.shape == shape and first.dtype == torch.float16 and first.is_contiguous()
     address = first.data_ptr()
@@ -322,17 +322,17 @@ def test_fresh_host_keeps_a_bounded_number_of_idle_maps():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fresh_line_batches_over_recycled_poisoned_maps_equal_the_rows(tmp_path, threads):
-    """Batches of 2 MiB and more, each read after the last one's map was filled with garbage and given back:
+    """Batches of 4 MiB and more, each read after the last one's map was filled with garbage and given back:
     every byte of the next (the padding too) is written by the gather."""
     folder = write_random_cache(tmp_path, 300, 16, 8, 128, seed=6, layouts=("padded", "ragged"))
     rng = np.random.default_rng(7)
     with torch_threads(threads):
         for layout in ("padded", "ragged"):
             cache = LatentCache(folder[layout])
-            for size in (64, 64, 97, 64):
+            for size in (128, 128, 201, 128):
                 indices = rng.integers(0, 300, size=size)
                 latents, widths = read_batch(cache, indices, width=128)
-                assert latents.numel() * 2 >= 2 << 20
+                assert latents.numel() * 2 >= 4 << 20
                 W = 128
                 want = torch.stack([torch.cat([cache[int(i)], cache.white_column.expand(-1, -1, W - int(w))], dim=-1)
                                     for i, w in zip(indices, widths)])

@@ -15,7 +15,7 @@ a forked child would write into the parent's); ``pin=True`` buffers are pinned (
 GPU: the copy is asynchronous); ``shared=True`` buffers live in shared memory (a DataLoader worker's:
 the batch reaches the main process as a handle, not a copy).
 
-A batch read without ``out=`` gets a fresh tensor; :func:`fresh_host` makes the large ones (2 MiB
+A batch read without ``out=`` gets a fresh tensor; :func:`fresh_host` makes the large ones (4 MiB
 and up) from the same maps, and takes back the map of one whose last view is gone, so the next
 batch of that size is written into pages already faulted in. Measured on the CI VM (8 MiB): a fresh
 map costs 2.5-4 ms of page faults on 4 KiB pages, 0.13 ms on huge pages, a recycled one nothing;
@@ -38,6 +38,9 @@ import torch
 from ...checks import check_out_tensor
 
 HUGE_PAGE = 2 << 20  # large host buffers are rounded to (and advised for) 2 MiB pages
+# fresh outputs from this size on come from recycled maps; smaller ones from torch.empty (glibc's heap gave a
+# 2 MiB batch recycled pages every time, and its torch.empty costs 1.3 us to fresh_host's 3 us)
+RECYCLE_BYTES = 4 << 20
 
 
 class BatchBuffers:
@@ -160,10 +163,10 @@ _NUMPY_TWIN = {torch.float16: np.float16, torch.bfloat16: np.float16, torch.floa
 
 def fresh_host(shape, dtype: torch.dtype) -> torch.Tensor:
     """A new contiguous CPU tensor ``[shape]`` of ``dtype`` (contents undefined), as ``torch.empty`` makes;
-    from 2 MiB on, over a recycled huge-page map (see the module's docstring)."""
+    from ``RECYCLE_BYTES`` on, over a recycled huge-page map (see the module's docstring)."""
     shape = tuple(shape)
     twin = _NUMPY_TWIN.get(dtype)
-    if twin is None or math.prod(shape) * dtype.itemsize < HUGE_PAGE:
+    if twin is None or math.prod(shape) * dtype.itemsize < RECYCLE_BYTES:
         return torch.empty(shape, dtype=dtype)
     tensor = torch.from_numpy(_RECYCLER.array(shape, twin))
     return tensor if tensor.dtype == dtype else tensor.view(dtype)
