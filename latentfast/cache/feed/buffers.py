@@ -121,7 +121,7 @@ class _Recycler:
             region = huge_page_map(size)
         array = np.frombuffer(region, dtype=np_dtype, count=count).reshape(shape)
         # a tensor made from `array` holds it; when its last view is gone the weak reference calls back
-        # (weakref.finalize would cost 5 us a batch, a tenth of a 2 MiB batch's copy)
+        # (a weak reference costs 0.1 us, weakref.finalize 5 us)
         ref = weakref.ref(array, self._give_back)
         self._lent[id(ref)] = (ref, region)
         return array

@@ -9,7 +9,9 @@ A batch far larger than the CPU caches (a padded text field of a batch of record
 is written into reused buffers with streaming stores, padding included, and a 2-byte field's pad
 value is padded by the gather itself; the gather takes its threads only where they have measured faster than its caller
 alone (a busy host preempts pool workers mid-batch). Into reused buffers (``out=``) such a batch
-costs about a memcpy of its useful bytes (``bench/RESULTS.md``).
+costs about a memcpy of its useful bytes (``bench/RESULTS.md``). A fresh batch (no ``out=``) of 4 MiB or
+more is written into a recycled huge-page map (:func:`~latentfast.cache.feed.buffers.fresh_host`), not
+into pages the kernel has to fault in and zero for every batch.
 
 CUDA target (:mod:`latentfast.cache.feed.device`): the same rows' real columns only are gathered
 back to back into a slot of a pinned ring buffer, copied to the device on a side stream (bytes over
