@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from latentfast import ops, reference
+from latentfast.backends import native
 from latentfast.cache import BatchBuffers, LatentCache, LatentCacheWriter, read_batch
+from latentfast.cache.feed.buffers import fresh_host
 from latentfast.errors import InvalidArgumentError
 from latentfast.testing import poisoned_like, torch_threads, write_random_cache
 
@@ -289,3 +291,106 @@ def test_line_cache_batch_above_the_streaming_size(tmp_path, layout):
     latents, got_widths = read_batch(cache, indices, out=out)
     assert latents.data_ptr() == out.data_ptr() and torch.equal(latents, want)
     assert got_widths.tolist() == widths.tolist()
+
+
+# ---- fresh outputs of 4 MiB and more: recycled maps (feed/buffers.fresh_host) ---------------------------
+def test_fresh_host_outputs_recycle_a_dead_batchs_map_and_never_a_live_ones():
+    shape = (128, 16, 8, 128)  # 4 MiB
+    first = fresh_host(shape, torch.float16)
+    assert first.shape == shape and first.dtype == torch.float16 and first.is_contiguous()
+    address = first.data_ptr()
+    view = first[3:]  # a live view holds the map
+    del first
+    second = fresh_host(shape, torch.float16)
+    assert second.data_ptr() != address
+    second_address = second.data_ptr()
+    del view, second
+    third = fresh_host(shape, torch.bfloat16)  # the same byte size in another dtype
+    assert third.data_ptr() in (address, second_address)
+    fourth, fifth = fresh_host(shape, torch.float16), fresh_host(shape, torch.float16)  # one map idle, two wanted
+    assert len({third.data_ptr(), fourth.data_ptr(), fifth.data_ptr()}) == 3
+    assert fresh_host((3, 5), torch.float32).shape == (3, 5)  # small outputs: plain torch.empty
+
+
+def test_fresh_host_keeps_a_bounded_number_of_idle_maps():
+    from latentfast.cache.feed import buffers
+
+    outputs = [fresh_host((40 << 20,), torch.uint8) for _ in range(3)]  # 120 MiB when all are dropped
+    del outputs
+    assert buffers._RECYCLER.idle_bytes() <= buffers._Recycler.KEEP_BYTES
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fresh_line_batches_over_recycled_poisoned_maps_equal_the_rows(tmp_path, threads):
+    """Batches of 4 MiB and more, each read after the last one's map was filled with garbage and given back:
+    every byte of the next (the padding too) is written by the gather."""
+    folder = write_random_cache(tmp_path, 300, 16, 8, 128, seed=6, layouts=("padded", "ragged"))
+    rng = np.random.default_rng(7)
+    with torch_threads(threads):
+        for layout in ("padded", "ragged"):
+            cache = LatentCache(folder[layout])
+            for size in (128, 128, 201, 128):
+                indices = rng.integers(0, 300, size=size)
+                latents, widths = read_batch(cache, indices, width=128)
+                assert latents.numel() * 2 >= 4 << 20
+                W = 128
+                want = torch.stack([torch.cat([cache[int(i)], cache.white_column.expand(-1, -1, W - int(w))], dim=-1)
+                                    for i, w in zip(indices, widths)])
+                assert torch.equal(latents, want)
+                torch.empty(0, dtype=torch.uint8).set_(latents.untyped_storage()).fill_(0xFF)
+                del latents  # its map goes back, full of NaN, for the next batch
+
+
+def test_fresh_shaped_batches_over_recycled_poisoned_maps_equal_the_items(tmp_path):
+    """64 items of [16, 64, 64] bfloat16 (8 MiB: bench_loader's shaped rows), fresh, in each dtype."""
+    g = torch.Generator().manual_seed(8)
+    items = [torch.randn((16, 64, 64), generator=g).bfloat16() for _ in range(80)]
+    with LatentCacheWriter(tmp_path / "shaped") as writer:
+        for i, z in enumerate(items):
+            writer.append(f"k{i:03d}", {"latent": z})
+    cache = LatentCache(tmp_path / "shaped")
+    rng = np.random.default_rng(9)
+    for dtype in (None, None, torch.float32, torch.float16):
+        indices = rng.choice(80, 64, replace=False)
+        latents, shapes = read_batch(cache, indices, dtype=dtype)
+        want = torch.stack([items[i] for i in indices])
+        assert torch.equal(latents, want if dtype is None else want.to(dtype))
+        assert shapes.tolist() == [[16, 64, 64]] * 64
+        torch.empty(0, dtype=torch.uint8).set_(latents.untyped_storage()).fill_(0xFF)
+        del latents
+
+
+# ---- the gathers' thread choice (csrc/cpu/gather_rows_kernel.cpp's ThreadChoice) ---------------------------
+@pytest.mark.skipif(native.LIB is None, reason="needs the native library")
+def test_thread_choice_backs_off_trying_a_way_that_keeps_losing_and_returns_when_it_wins():
+    n = 4096
+    fast, slow = torch.full((n,), 1000, dtype=torch.int64), torch.full((n,), 20000, dtype=torch.int64)
+    pool_tries = int(native.thread_choice_trace(fast, slow).sum())  # the threads 20x slower throughout
+    assert 1 <= pool_tries <= 8 + n // (8 << 5)  # (tried every 8th gather without the backoff: 512 tries)
+    solo_tries = int((1 - native.thread_choice_trace(slow, fast)).sum())
+    assert 1 <= solo_tries <= 8 + n // (8 << 5)
+    # the threads slow for the first half, then 4x faster than alone: taken again within one backed-off interval
+    pool = torch.cat([slow[: n // 2], torch.full((n // 2,), 250, dtype=torch.int64)])
+    used = native.thread_choice_trace(fast, pool)
+    assert int(used[: n // 2].sum()) <= 8 + n // 2 // (8 << 5)
+    assert bool(used[n // 2 + (8 << 5) + 200:].float().mean() > 0.85)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32], ids=str)
+def test_shaped_bfloat16_batch_into_a_given_misaligned_poisoned_tensor(tmp_path, dtype):
+    """A given out= of the stored dtype is gathered into directly (of another dtype: cast into); off a 32-byte
+    boundary, NaN-filled, guarded: equal to the items, nothing written outside it."""
+    g = torch.Generator().manual_seed(10)
+    items = [torch.randn((3, 5, 7), generator=g).bfloat16() for _ in range(20)]
+    with LatentCacheWriter(tmp_path / "shaped") as writer:
+        for i, z in enumerate(items):
+            writer.append(f"k{i:03d}", {"latent": z})
+    cache = LatentCache(tmp_path / "shaped")
+    indices = [4, 19, 0, 4, 11]
+    want = torch.stack([items[i] for i in indices])
+    out, buffer = guarded_out((5, 3, 5, 7), torch.bfloat16 if dtype is None else dtype, shift=3)
+    latents, shapes = read_batch(cache, indices, out=out, dtype=dtype)
+    assert latents.data_ptr() == out.data_ptr()
+    assert torch.equal(latents, want if dtype is None else want.to(dtype))
+    assert shapes.tolist() == [[3, 5, 7]] * 5
+    assert bool(buffer[:3].isnan().all() and buffer[3 + out.numel():].isnan().all()), "a store ran outside out"

@@ -322,9 +322,14 @@ inline void fence_streaming_stores(bool stream) {
 // 1. So the gathers time themselves: per size class of batch (powers of 2 from 256 KiB), the
 // picoseconds per KiB of gathers on the caller alone and with the pool's threads, each a running
 // average, and a gather takes the way that has been faster, the other way every kExploreEvery-th
-// gather of its class (so a host that quiets down, or gets busy, is noticed). Which thread copies
-// which row never changes a result.
+// gather of its class (so a host that quiets down, or gets busy, is noticed). A try of the slower way
+// that loses again doubles the interval to the next (up to kExploreEvery << kMaxBackoff; one that wins
+// puts it back to kExploreEvery): on a host
+// at load 12, a try with the pool's threads cost 2-5 ms where the batch took 0.1 ms alone, and one try
+// in 8 made the 2 MiB line batch 7x slower on average. Which thread copies which row never changes a
+// result.
 constexpr uint64_t kExploreEvery = 8;
+constexpr int kMaxBackoff = 5;
 constexpr int kSizeClasses = 8;
 
 class ThreadChoice {
@@ -337,7 +342,8 @@ class ThreadChoice {
     if (pool == 0) return true;  // each way measured once first
     if (solo == 0) return false;
     const bool faster = pool <= solo;
-    return call % kExploreEvery == 0 ? !faster : faster;
+    const uint64_t every = kExploreEvery << c.losses.load(std::memory_order_relaxed);
+    return call % every == 0 ? !faster : faster;
   }
 
   // A gather of `bytes` took `ns`, with the pool's threads or on the caller alone.
@@ -346,13 +352,22 @@ class ThreadChoice {
     std::atomic<int64_t>& average = threads ? c.pool_ps : c.solo_ps;
     const int64_t ps_per_kib = std::max<int64_t>(1, ns * 1000 / std::max<int64_t>(1, bytes >> 10));
     const int64_t old = average.load(std::memory_order_relaxed);
-    average.store(old == 0 ? ps_per_kib : old + (ps_per_kib - old) / 4, std::memory_order_relaxed);
+    const bool tried_slower = old != 0 && old > (threads ? c.solo_ps : c.pool_ps).load(std::memory_order_relaxed);
+    const int64_t now = old == 0 ? ps_per_kib : old + (ps_per_kib - old) / 4;
+    average.store(now, std::memory_order_relaxed);
+    if (tried_slower) {  // a try of the slower way: lost again (back off), or won (try as often as at first
+      // while its average, which remembers the slow tries, catches up)
+      const bool lost = ps_per_kib > (threads ? c.solo_ps : c.pool_ps).load(std::memory_order_relaxed);
+      const int backoff = c.losses.load(std::memory_order_relaxed);
+      c.losses.store(lost ? std::min(backoff + 1, kMaxBackoff) : 0, std::memory_order_relaxed);
+    }
   }
 
  private:
   struct Class {
     std::atomic<uint64_t> calls{0};
     std::atomic<int64_t> solo_ps{0}, pool_ps{0};  // picoseconds per KiB (0: not measured yet)
+    std::atomic<int> losses{0};  // tries of the slower way in a row that lost (the interval's doubling)
   };
 
   static int size_class(int64_t bytes) {
@@ -484,6 +499,24 @@ void gather_rows_packed_into_cpu(const Tensor& data, const Tensor& row_offsets, 
 }
 
 }  // namespace
+
+// A test hook: a fresh ThreadChoice over n gathers of 2 MiB, gather k taking solo_ns[k] alone and pool_ns[k]
+// with the pool's threads (int64 [n] each); out[k] = 1 where gather k used the threads (int64 [n]).
+LATENTFAST_ENTRY(latentfast_thread_choice_trace) {
+  const Tensor solo_ns = in.tensor(), pool_ns = in.tensor(), out = in.tensor();
+  in.finish();
+  for (const Tensor* t : {&solo_ns, &pool_ns, &out}) {
+    LF_CHECK_VALUE(t->is_cpu() && t->dtype == kLong && t->dim() == 1 && t->is_contiguous() && t->numel() == out.numel(),
+                   "thread_choice_trace: solo_ns, pool_ns and out must be contiguous 1-D int64 CPU tensors of one length");
+  }
+  ThreadChoice choice;
+  int64_t* used = out.ptr<int64_t>();
+  for (int64_t k = 0; k < out.numel(); ++k) {
+    const bool threads = choice.use_threads(2 << 20);
+    choice.record(threads, 2 << 20, std::max<int64_t>(1, (threads ? pool_ns : solo_ns).ptr<int64_t>()[k]));
+    used[k] = threads;
+  }
+}
 
 int64_t check_row_vectors(const char* op, const Tensor& row_offsets, const Tensor& widths, int64_t pitch,
                           const Tensor& indices) {

@@ -36,7 +36,8 @@ ENTRY_POINTS = {  # op -> exported kernel
     "gather_rows_multi_into": "latentfast_gather_rows_multi_into",  # sharded caches (see gather_rows_multi_into below)
 }
 # entry points that are no op's kernel: test hooks
-HOOKS = {"sample_latents_philox_words": "latentfast_sample_latents_philox_words"}
+HOOKS = {"sample_latents_philox_words": "latentfast_sample_latents_philox_words",
+         "thread_choice_trace": "latentfast_thread_choice_trace"}
 # torch's ScalarType numbers (csrc/native.h's Dtype); 99: a dtype no kernel takes
 _DTYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
            torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
@@ -228,6 +229,15 @@ def sample_latents_philox_words(item_seeds, n: int, *, first_group: int = 0) -> 
     each item from group ``first_group`` on (:func:`latentfast.sampling.philox_words`'s stream; a test hook)."""
     out = torch.empty(item_seeds.shape[0], 4 * ((n + 3) // 4), dtype=torch.int64)
     _call(_FN["latentfast_sample_latents_philox_words"], (*_tensor(item_seeds), first_group, *_tensor(out)))
+    return out
+
+
+def thread_choice_trace(solo_ns: torch.Tensor, pool_ns: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]``: 1 where the gathers' thread choice (csrc/cpu/gather_rows_kernel.cpp's ThreadChoice), fresh,
+    took the pool's threads for each of n 2 MiB gathers, gather k costing ``solo_ns[k]`` alone and ``pool_ns[k]``
+    with them (int64 ``[n]`` each; a test hook)."""
+    out = torch.empty(len(solo_ns), dtype=torch.int64)
+    _call(_FN["latentfast_thread_choice_trace"], (*_tensor(solo_ns), *_tensor(pool_ns), *_tensor(out)))
     return out
 
 

@@ -9,7 +9,9 @@ A batch far larger than the CPU caches (a padded text field of a batch of record
 is written into reused buffers with streaming stores, padding included, and a 2-byte field's pad
 value is padded by the gather itself; the gather takes its threads only where they have measured faster than its caller
 alone (a busy host preempts pool workers mid-batch). Into reused buffers (``out=``) such a batch
-costs about a memcpy of its useful bytes (``bench/RESULTS.md``).
+costs about a memcpy of its useful bytes (``bench/RESULTS.md``). A fresh batch (no ``out=``) of 4 MiB or
+more is written into a recycled huge-page map (:func:`~latentfast.cache.feed.buffers.fresh_host`), not
+into pages the kernel has to fault in and zero for every batch.
 
 CUDA target (:mod:`latentfast.cache.feed.device`): the same rows' real columns only are gathered
 back to back into a slot of a pinned ring buffer, copied to the device on a side stream (bytes over
@@ -36,7 +38,7 @@ from ..store import layout
 from ..store.layout import ELEMENT_BYTES
 from ... import ops, sampling
 from . import coldread, device as device_path
-from .buffers import take
+from .buffers import fresh_host, take
 from .readspec import SPEC_OPTIONS, ReadSpec
 
 _CPU = torch.device("cpu")
@@ -359,11 +361,15 @@ def _shaped_batch(table, device, dtype, out, backend, cold, buffers=None, name="
         return latents.view(B, *shape), torch.from_numpy(table.shapes)
     # bfloat16 / float32 latents: the gather copies their 2-byte units as they are, viewed in the stored dtype
     units_out = None
-    if buffers is not None:
+    if out is not None and dtype == stored:  # a given output of the stored dtype: gathered into, no second copy
+        units_out = _as_units(out, B, table.width)
+    elif buffers is not None:
         units_out = (_as_units(take(buffers, name, (B, *shape), stored, device), B, table.width) if dtype == stored
                      else take(buffers, name + ".units", (B, 1, 1, table.width), torch.float16, device))
     units = _copy(table, on_cpu, device, torch.float16, units_out, backend, cold)
     latents = units.view(B, -1).view(stored).view(B, *shape)
+    if out is not None and dtype == stored:
+        return out, torch.from_numpy(table.shapes)
     if out is None and buffers is not None and dtype != stored:
         out = take(buffers, name, (B, *shape), dtype, device)
     if out is not None:
@@ -404,7 +410,7 @@ def _copy_local(table, on_cpu: bool, device, dtype, out, backend, cold) -> torch
 def _gather_cpu(table, dtype, out, backend, cold) -> torch.Tensor:
     """The CPU path, trimmed for small batches, where fixed per-call costs rival the copy."""
     if out is None:  # (a given out was checked in resolve)
-        out = torch.empty((table.index.numel(), table.channels, table.latent_h, table.width), dtype=dtype)
+        out = fresh_host((table.index.numel(), table.channels, table.latent_h, table.width), dtype)
     white = table.white
     if white is not None and (white.dtype != torch.float16 or not white.is_contiguous()):
         white = white.to(torch.float16).contiguous()
