@@ -210,7 +210,7 @@ class KeyTable:
                 raise CacheCorruptError(f"latent cache key table checksums {cpath} must be uint32 [{first}], got "
                                         f"{crcs.dtype} {list(crcs.shape)}")
             fmt.check_recorded(self.cache_dir, self.split, self.meta, (CRC_KIND,))
-            self._crcs, self._verified = crcs, set()
+            self._crcs, self._verified = crcs, np.zeros(first, dtype=bool)  # (a byte a block: no object per block checked)
             self._maps = maps
         return self._maps
 
@@ -219,12 +219,12 @@ class KeyTable:
         array, raw, first = self._map()[kind]
         bb, size = self.block_bytes, array.itemsize
         for b in range(lo * size // bb, (hi * size - 1) // bb + 1) if hi > lo else ():
-            if first + b not in self._verified:
+            if not self._verified[first + b]:
                 if zlib.crc32(raw[b * bb: (b + 1) * bb]) != int(self._crcs[first + b]):
                     path = fmt.cache_path(self.cache_dir, self.split, kind)
                     raise CacheCorruptError(f"latent cache {kind} file {path}: block {b} (bytes {b * bb}..{min(raw.size, (b + 1) * bb) - 1}) "
                                             f"fails its CRC-32 checksum; rerun the build to repair it")
-                self._verified.add(first + b)
+                self._verified[first + b] = True
         return array[lo:hi]
 
     # -- reading ------------------------------------------------------------------------------
