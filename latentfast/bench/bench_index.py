@@ -37,7 +37,7 @@ batches; a :class:`~latentfast.cache.LatentLoader`'s bucket sampler on the cache
 first (items/s, GB/s). A table per kind of figure, N in rows.
 
     python -m latentfast.bench.bench_index [--quick] [--runs 5]
-    python -m latentfast.bench.bench_index --scale [--sizes 1e6,1e7,1e8] [--dir DIR] [--runs 3] [--workers 8] [--no-verify]
+    python -m latentfast.bench.bench_index --scale [--sizes 1e6,1e7,1e8] [--dir DIR] [--runs 3] [--workers 8] [--no-verify] [--json OUT]
     pytest latentfast/bench/bench_index.py --benchmark-only
 """
 from __future__ import annotations
@@ -502,7 +502,10 @@ if __name__ == "__main__":
             result = CHILDREN[what](folder, *rest)
         print(json.dumps(result))
     elif "--scale" in sys.argv:
-        scale_report(_sizes(_option("--sizes", "1e6,1e7,1e8")), _option("--dir", SCALE_DIR), int(_option("--runs", 3)),
-                     int(_option("--workers", WORKERS)), verify="--no-verify" not in sys.argv)
+        report = scale_report(_sizes(_option("--sizes", "1e6,1e7,1e8")), _option("--dir", SCALE_DIR), int(_option("--runs", 3)),
+                              int(_option("--workers", WORKERS)), verify="--no-verify" not in sys.argv)
+        if "--json" in sys.argv:  # every figure, each run's
+            with open(_option("--json", None), "w") as fh:
+                json.dump(report, fh, indent=1)
     else:
         run_report(quick="--quick" in sys.argv, runs=int(_option("--runs", 3)))
