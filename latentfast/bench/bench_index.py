@@ -34,10 +34,12 @@ index blocks checked by then); the private memory (``Private_Dirty`` of ``/proc/
 8 forked and 8 spawned workers (``multiprocessing`` contexts) that receive the opened cache and read 4 keyed
 batches; a :class:`~latentfast.cache.LatentLoader`'s bucket sampler on the cache's shapes (the loader built,
 3 epoch plans, an epoch's first batch); ``verify_cache`` with the cache's files dropped from the page cache
-first (items/s, GB/s). A table per kind of figure, N in rows.
+first (items/s, GB/s, the most anonymous memory it added). A table per kind of figure, N in rows. ``--only``
+measures some kinds; ``--hot`` starts each reader with the cache's files read into the page cache instead.
 
     python -m latentfast.bench.bench_index [--quick] [--runs 5]
-    python -m latentfast.bench.bench_index --scale [--sizes 1e6,1e7,1e8] [--dir DIR] [--runs 3] [--workers 8] [--no-verify] [--json OUT]
+    python -m latentfast.bench.bench_index --scale [--sizes 1e6,1e7,1e8] [--dir DIR] [--runs 3] [--workers 8]
+        [--only reader,workers,plan,verify] [--hot] [--json OUT]
     pytest latentfast/bench/bench_index.py --benchmark-only
 """
 from __future__ import annotations
@@ -375,31 +377,65 @@ def evict_files(folder: str) -> int:
     return sum(coldread.evict(os.path.join(folder, f)) or 0 for f in sorted(os.listdir(folder)))
 
 
+def read_files(folder: str) -> int:
+    """Read every file of the cache at ``folder`` once (into the page cache); the bytes resident after."""
+    from latentfast.cache.feed import coldread
+
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb", buffering=0) as fh:
+            while fh.read(16 << 20):
+                pass
+    return sum(coldread.resident_bytes(os.path.join(folder, f)) or 0 for f in sorted(os.listdir(folder)))
+
+
+class AnonPeak:
+    """The most ``RssAnon`` this process had while the ``with`` block ran, sampled every 20 ms by a thread
+    (``VmHWM`` would count the mapped files' pages too)."""
+
+    def __enter__(self) -> "AnonPeak":
+        import threading
+
+        self.peak, self._done = anon_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.02):
+            self.peak = max(self.peak, anon_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, anon_bytes())
+
+
 def scale_verify(folder: str) -> dict:
     """``verify_cache`` of the cache at ``folder``, its files dropped from the page cache first (and the
-    bytes still resident said); items/s, GB/s of the data file and of every file of the cache."""
+    bytes still resident said); items/s, GB/s of the data file and of every file of the cache, and the
+    most anonymous memory it added."""
     from latentfast.cache import verify_cache
 
     paths = [os.path.join(folder, f) for f in sorted(os.listdir(folder))]
     resident = evict_files(folder)
-    before = _peak_rss()
-    start = time.perf_counter()
-    report = verify_cache(folder)
-    seconds = time.perf_counter() - start
+    before = anon_bytes()
+    with AnonPeak() as peak:
+        start = time.perf_counter()
+        report = verify_cache(folder)
+        seconds = time.perf_counter() - start
     total = sum(os.path.getsize(p) for p in paths)
     return {"seconds": seconds, "items_per_s": report["rows"] / seconds, "data_gb_per_s": report["bytes"] / seconds / 1e9,
             "files_gb_per_s": total / seconds / 1e9, "files_bytes": total, "resident_before": resident,
-            "peak_rss_growth": _peak_rss() - before}
+            "peak_anon_growth": peak.peak - before}
 
 
-def _peak_rss() -> int:
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+SCALE_PARTS = ("reader", "workers", "plan", "verify")
 
 
 def measure_scale(sizes=SCALE_SIZES, folder: str = SCALE_DIR, runs: int = 3, workers: int = WORKERS,
-                  verify: bool = True) -> dict:
-    """Every scale figure of each N in ``sizes``: the cache ``folder/n{N}`` built or reused, then fresh processes."""
+                  parts=SCALE_PARTS, hot: bool = False) -> dict:
+    """The scale figures of ``parts`` for each N in ``sizes``: the cache ``folder/n{N}`` built or reused, then
+    fresh processes; the reader's start with the cache's files dropped from the page cache (``hot``: read in)."""
     warm = os.path.join(folder, "warm")
     scale_cache(warm, 1000)
     out = {}
@@ -408,58 +444,73 @@ def measure_scale(sizes=SCALE_SIZES, folder: str = SCALE_DIR, runs: int = 3, wor
         how = scale_cache(path, n)
         print(f"{time.strftime('%H:%M:%S')} n={n:,}: cache {how}; measuring (load {os.getloadavg()[0]:.1f})",
               file=sys.stderr, flush=True)
-        out[n] = {"cache": how,
-                  "reader": [(evict_files(path), _child("scale-read", path, warm, str(r)))[1] for r in range(runs)],
-                  "fork": _child("scale-workers", path, warm, "fork", str(workers)),
-                  "spawn": _child("scale-workers", path, warm, "spawn", str(workers)),
-                  "plan": _child("scale-plan", path, warm),
-                  "verify": _child("scale-verify", path) if verify else None,
-                  "load": os.getloadavg()[0]}
+        f = out[n] = {"cache": how}
+        if "reader" in parts:
+            f["reader"] = []
+            for r in range(runs):
+                f["resident"] = read_files(path) if hot else evict_files(path)
+                f["reader"].append(_child("scale-read", path, warm, str(r)))
+        if "workers" in parts:
+            f["fork"], f["spawn"] = (_child("scale-workers", path, warm, method, str(workers)) for method in ("fork", "spawn"))
+        if "plan" in parts:
+            f["plan"] = _child("scale-plan", path, warm)
+        if "verify" in parts:
+            f["verify"] = _child("scale-verify", path)
+        f["load"] = os.getloadavg()[0]
     return out
 
 
-def scale_report(sizes=SCALE_SIZES, folder: str = SCALE_DIR, runs: int = 3, workers: int = WORKERS, verify: bool = True) -> dict:
-    figures = measure_scale(sizes, folder, runs, workers, verify)
+def scale_report(sizes=SCALE_SIZES, folder: str = SCALE_DIR, runs: int = 3, workers: int = WORKERS, parts=SCALE_PARTS,
+                 hot: bool = False) -> dict:
+    figures = measure_scale(sizes, folder, runs, workers, parts, hot)
     reader_rows, worker_rows, plan_rows, verify_rows = [], [], [], []
     for n, f in figures.items():
-        r = f["reader"]
-        reader_rows.append([f"{n:,}", _spread([x["open_ms"] for x in r]), _spread([x["first_batch_ms"] for x in r]),
-                            _spread([x["second_batch_ms"] for x in r]), _spread([x["anon_open"] for x in r], MiB),
-                            _spread([x["anon_first_batch"] for x in r], MiB),
-                            *(f"{_spread([x[k] for x in r])} / {statistics.median(x[k.replace('_us', '_again_us')] for x in r):.3g}"
-                              for k in ("index_us", "contains_us", "key_us")),
-                            _spread([x["anon_lookups"] for x in r], MiB), f"{f['load']:.1f}"])
-        row = [f"{n:,}"]
-        for method in ("fork", "spawn"):
-            w = f[method]["workers"]
-            row += [_spread([x["end"]["private_dirty"] for x in w], MiB),
-                    _spread([x["end"]["private_dirty"] - x["start"]["private_dirty"] for x in w], MiB)]
-        row += [_spread([x["end"]["rss_anon"] - x["start"]["rss_anon"] for x in f["spawn"]["workers"]], MiB),
-                f"{f['spawn']['pickle_bytes'] / 1024:.2f}"]
-        worker_rows.append(row)
-        p = f["plan"]
-        plan_rows.append([f"{n:,}", p["sampler"], f"{p['build_s']:.3g}", _spread(p["plan_s"]), f"{statistics.median(p['plan_s']) / n * 1e9:.0f}",
-                          f"{p['first_batch_s']:.3g}", f"{p['anon_loader'] / n:.2f}", f"{p['sampler_bytes'] / n:.2f}"])
-        if f["verify"]:
+        if "reader" in f:
+            r = f["reader"]
+            reader_rows.append([f"{n:,}", _spread([x["open_ms"] for x in r]), _spread([x["first_batch_ms"] for x in r]),
+                                _spread([x["second_batch_ms"] for x in r]), _spread([x["anon_open"] for x in r], MiB),
+                                _spread([x["anon_first_batch"] for x in r], MiB),
+                                *(f"{_spread([x[k] for x in r])} / {statistics.median(x[k.replace('_us', '_again_us')] for x in r):.3g}"
+                                  for k in ("index_us", "contains_us", "key_us")),
+                                _spread([x["anon_lookups"] for x in r], MiB), f"{f['resident'] / 2**20:.0f}", f"{f['load']:.1f}"])
+        if "fork" in f:
+            row = [f"{n:,}"]
+            for method in ("fork", "spawn"):
+                w = f[method]["workers"]
+                row += [_spread([x["end"]["private_dirty"] for x in w], MiB),
+                        _spread([x["end"]["private_dirty"] - x["start"]["private_dirty"] for x in w], MiB)]
+            row += [_spread([x["end"]["rss_anon"] - x["start"]["rss_anon"] for x in f["spawn"]["workers"]], MiB),
+                    f"{f['spawn']['pickle_bytes'] / 1024:.2f}"]
+            worker_rows.append(row)
+        if "plan" in f:
+            p = f["plan"]
+            plan_rows.append([f"{n:,}", p["sampler"], f"{p['build_s']:.3g}", _spread(p["plan_s"]),
+                              f"{statistics.median(p['plan_s']) / n * 1e9:.0f}", f"{p['first_batch_s']:.3g}",
+                              f"{p['anon_loader'] / n:.2f}", f"{p['sampler_bytes'] / n:.2f}"])
+        if "verify" in f:
             v = f["verify"]
             verify_rows.append([f"{n:,}", f"{v['seconds']:.1f}", f"{v['items_per_s'] / 1e6:.3g}", f"{v['data_gb_per_s']:.3g}",
                                 f"{v['files_gb_per_s']:.3g}", f"{v['files_bytes'] / 1e9:.2f}", f"{v['resident_before'] / 2**20:.0f}",
-                                f"{v['peak_rss_growth'] * MiB:.0f}"])
-    print(format_table(f"reader, median [range] of {runs} fresh processes, the cache's files dropped from the page cache before each "
-                       f"(tiny [4, 1, 1] f16 items, batches of {BATCH} random items with keys)",
-                       ["N", "open ms", "first batch ms", "second batch ms", "anon after open MiB", "+ first batch MiB",
-                        "index(key) us / again", "key in cache us / again", "key(i) us / again", "+ 6,000 lookups MiB", "load"],
-                       reader_rows))
-    print(format_table(f"{workers} workers each (median [range] over them), after {WORKER_BATCHES} keyed batches",
-                       ["N", "fork Private_Dirty MiB", "fork growth MiB", "spawn Private_Dirty MiB", "spawn growth MiB",
-                        "spawn RssAnon growth MiB", "pickle KiB"], worker_rows))
-    print(format_table(f"LatentLoader's sampler (batches of {BATCH}), {PLAN_EPOCHS} epoch plans",
-                       ["N", "sampler", "loader built s", "epoch plan s", "plan ns/item", "first batch of an epoch s",
-                        "loader anon B/item", "sampler kept B/item"], plan_rows))
+                                f"{v['peak_anon_growth'] * MiB:.0f}"])
+    state = "read into the page cache" if hot else "dropped from the page cache"
+    if reader_rows:
+        print(format_table(f"reader, median [range] of {runs} fresh processes, the cache's files {state} before each "
+                           f"(tiny [4, 1, 1] f16 items, batches of {BATCH} random items with keys)",
+                           ["N", "open ms", "first batch ms", "second batch ms", "anon after open MiB", "+ first batch MiB",
+                            "index(key) us / again", "key in cache us / again", "key(i) us / again", "+ 6,000 lookups MiB",
+                            "resident MiB", "load"], reader_rows))
+    if worker_rows:
+        print(format_table(f"{workers} workers each (median [range] over them), after {WORKER_BATCHES} keyed batches",
+                           ["N", "fork Private_Dirty MiB", "fork growth MiB", "spawn Private_Dirty MiB", "spawn growth MiB",
+                            "spawn RssAnon growth MiB", "pickle KiB"], worker_rows))
+    if plan_rows:
+        print(format_table(f"LatentLoader's sampler (batches of {BATCH}), {PLAN_EPOCHS} epoch plans",
+                           ["N", "sampler", "loader built s", "epoch plan s", "plan ns/item", "first batch of an epoch s",
+                            "loader anon B/item", "sampler kept B/item"], plan_rows))
     if verify_rows:
         print(format_table("verify_cache, the cache's files dropped from the page cache first",
                            ["N", "s", "M items/s", "data GB/s", "all files GB/s", "files GB", "resident before MiB",
-                            "peak RSS growth MiB"], verify_rows))
+                            "peak anon growth MiB"], verify_rows))
     return {"machine": {**machine_summary(), "load_average_1min": os.getloadavg()[0]},
             "figures": {str(n): f for n, f in figures.items()}}
 
@@ -502,8 +553,9 @@ if __name__ == "__main__":
             result = CHILDREN[what](folder, *rest)
         print(json.dumps(result))
     elif "--scale" in sys.argv:
+        parts = tuple(_option("--only", ",".join(SCALE_PARTS)).split(","))
         report = scale_report(_sizes(_option("--sizes", "1e6,1e7,1e8")), _option("--dir", SCALE_DIR), int(_option("--runs", 3)),
-                              int(_option("--workers", WORKERS)), verify="--no-verify" not in sys.argv)
+                              int(_option("--workers", WORKERS)), parts, hot="--hot" in sys.argv)
         if "--json" in sys.argv:  # every figure, each run's
             with open(_option("--json", None), "w") as fh:
                 json.dump(report, fh, indent=1)
