@@ -34,7 +34,7 @@ def stage_and_expand(table, device: torch.device, dtype: torch.dtype, out, backe
     slot, copied, expanded to ``[B, C, h, W]`` of ``dtype`` (into ``out`` if given)."""
     B, lines = table.index.numel(), table.lines
     ring = _ring_for(device, lines * int(table.widths.sum()), B, lines * table.w_max * max(B, DEFAULT_RING_ROWS))
-    packed, offsets, widths = ring.stage_and_copy(table.source, table.index, torch.from_numpy(table.widths),
+    packed, offsets, widths = ring.stage_and_copy(table.source, table.rows, torch.from_numpy(table.widths),
                                                   table.channels, table.latent_h, backend, cold_reads)
     if out is None:  # (a given out was checked in resolve)
         out = torch.empty((B, table.channels, table.latent_h, table.width), dtype=dtype, device=device)

@@ -328,13 +328,13 @@ def _field_packed(batch, on_cpu: bool, device, spec, out, name) -> torch.Tensor:
             _before_copy(table, spec.cold)
             data, row_offsets, widths, pitch = table.source
             if isinstance(data, torch.Tensor):
-                torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.index, 1, 1, host,
+                torch.ops.latentfast.gather_rows_packed_into.default(data, row_offsets, widths, pitch, table.rows, 1, 1, host,
                                                                      spec.backend)
             else:  # a sharded cache: the one multi-source gather, padded to the longest, then the real units kept
                 lengths = torch.from_numpy(np.ascontiguousarray(table.widths))
                 padded = take(out, name + ".staging", (len(lengths), 1, 1, int(lengths.max())), torch.float16, _CPU)
                 torch.ops.latentfast.gather_rows_multi_into.default(data.tensors, data.row_sources, row_offsets, widths, pitch,
-                                                                     table.index, torch.zeros((1, 1, 1), dtype=torch.float16),
+                                                                     table.rows, torch.zeros((1, 1, 1), dtype=torch.float16),
                                                                      padded, spec.backend)
                 host.copy_(padded.view(len(lengths), -1)[torch.arange(padded.shape[-1])[None, :] < lengths[:, None]])
     values = host.view(torch.uint8).view(batch.dtype).view(batch.shape)
@@ -419,9 +419,9 @@ def _gather_cpu(table, dtype, out, backend, cold) -> torch.Tensor:
     data, row_offsets, widths, pitch = table.source
     if not isinstance(data, torch.Tensor):  # a sharded cache's ShardSources: the one gather over every shard's data
         torch.ops.latentfast.gather_rows_multi_into.default(data.tensors, data.row_sources, row_offsets, widths, pitch,
-                                                             table.index, white, out, backend)
+                                                             table.rows, white, out, backend)
     else:
-        torch.ops.latentfast.gather_rows_into.default(data, row_offsets, widths, pitch, table.index, white, out, backend)
+        torch.ops.latentfast.gather_rows_into.default(data, row_offsets, widths, pitch, table.rows, white, out, backend)
     if state is not None and state.hot:  # a hot batch pays this clock read and a compare
         seconds = time.perf_counter() - start
         if seconds > coldread.SLOW_FLOOR_S:

@@ -16,8 +16,9 @@ are ``keys.bin``), in bounded memory at any N, byte for byte the same files. A r
 the same at any N: nothing is read until a key is asked for) and checks each block against its CRC
 the first time it reads from it, in each process: a damaged table raises :class:`CacheCorruptError`
 naming the file and block before any wrong key or item is returned. The CRC file is small (4 bytes
-per 64 KiB) and is checked whole, against the meta's record, on first use. A lookup is a binary
-search over the hash blocks (each probed block checked), then the candidates' key bytes compared.
+per 64 KiB) and is checked whole, against the meta's record, on first use. A lookup is a
+step from the block where the key's hash would sit if the hashes were spread evenly (they are: one or two
+blocks read at any N), then the candidates' key bytes compared.
 A cache in object storage maps sparse local copies of the tables: each block is fetched (``storage.local``,
 see :mod:`latentfast.cache.store.tables`) right before its first check, and fetched once more before a
 block that fails is refused.
@@ -86,6 +87,7 @@ def key_hashes(encoded: list[bytes]) -> np.ndarray:
 
 
 SORT_CHUNK = 1 << 18  # hashes sorted at once by sort_hashes: ~10 MiB of temporaries
+CHECK_CHUNK = 1 << 16  # keys checked at once by KeyTable.check_cuts and check_all: a few MiB of temporaries
 
 
 def sort_hashes(read, n: int, out_hashes: np.ndarray, out_rows: np.ndarray, chunk: int = SORT_CHUNK) -> None:
@@ -215,7 +217,7 @@ class KeyTable:
                 raise CacheCorruptError(f"latent cache key table checksums {cpath} must be uint32 [{first}], got "
                                         f"{crcs.dtype} {list(crcs.shape)}")
             fmt.check_recorded(self.cache_dir, self.split, self.meta, (CRC_KIND,))
-            self._crcs, self._verified = crcs, set()
+            self._crcs, self._verified = crcs, np.zeros(first, dtype=bool)  # (a byte a block: no object per block checked)
             self._maps = maps
         return self._maps
 
@@ -223,7 +225,7 @@ class KeyTable:
         """Table ``kind``'s elements ``[lo, hi)``, every block under them checked (once per process)."""
         array, raw, first = self._map()[kind]
         bb, size = self.block_bytes, array.itemsize
-        todo = [b for b in (range(lo * size // bb, (hi * size - 1) // bb + 1) if hi > lo else ()) if first + b not in self._verified]
+        todo = [b for b in (range(lo * size // bb, (hi * size - 1) // bb + 1) if hi > lo else ()) if not self._verified[first + b]]
         if self.storage is not None and todo:
             self.storage.local([self._byte_ranges(kind, todo)])
         for b in todo:
@@ -232,7 +234,7 @@ class KeyTable:
                 where = path if self.storage is None else self.storage.where(path, start, end)
                 raise CacheCorruptError(f"latent cache {kind} file {where}: block {b} (bytes {b * bb}..{min(raw.size, (b + 1) * bb) - 1}) "
                                         f"fails its CRC-32 checksum; rerun the build to repair it")
-            self._verified.add(first + b)
+            self._verified[first + b] = True
         return array[lo:hi]
 
     def _byte_ranges(self, kind: str, blocks: list[int]) -> tuple[str, list[int], list[int]]:
@@ -273,17 +275,23 @@ class KeyTable:
 
     def index(self, key: str) -> int | None:
         """The first item whose key is ``key``, or None."""
-        h = np.uint64(key_hash(key))
+        if self.n == 0:
+            return None
+        h = key_hash(key)
         per = self.block_bytes // 8
-        lo, hi = 0, _blocks(self.n, per)  # the first entry >= h lies in block lo or at the start of block lo + 1
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self._checked("key_hashes", mid * per, mid * per + 1)[0] < h:
-                lo = mid
-            else:
-                hi = mid
-        block = self._checked("key_hashes", lo * per, min(self.n, (lo + 1) * per))
-        j = lo * per + int(np.searchsorted(block, h, side="left"))
+        last = _blocks(self.n, per) - 1
+        # the hashes are uniform: the block where h would sit in a sorted table is about h / 2^64 of the way
+        # along (off by ~sqrt(N) entries: under a block of 8,192 up to 10^8 items), then a step at a time to the
+        # block holding the first entry >= h -- one or two blocks read and checked at any N, not a binary search's log N
+        b = min(last, (h * self.n >> 64) // per)
+        block = self._hash_block(b, per)
+        while b > 0 and block[0] >= h:  # back, until the block starts below h
+            b -= 1
+            block = self._hash_block(b, per)
+        while b < last and block[-1] < h:  # on, until the block ends at or past h
+            b += 1
+            block = self._hash_block(b, per)
+        j = b * per + int(np.searchsorted(block, np.uint64(h), side="left"))
         while j < self.n and self._checked("key_hashes", j, j + 1)[0] == h:
             row = int(self._checked("key_rows", j, j + 1)[0])
             if not 0 <= row < self.n:
@@ -294,27 +302,51 @@ class KeyTable:
             j += 1
         return None
 
+    def _hash_block(self, b: int, per: int) -> np.ndarray:
+        return self._checked("key_hashes", b * per, min(self.n, (b + 1) * per))
+
     def all(self) -> list[str]:
         """Every key, in item order (the whole table checked and decoded)."""
+        self.check_cuts()
         offsets = self._checked("key_offsets", 0, self.n + 1)
         text = self._checked("key_bytes", 0, self._map()["key_bytes"][1].size).tobytes()
-        if self.n and (offsets[0] != 0 or offsets[-1] != len(text) or np.any(np.diff(offsets) < 0)):
-            raise CacheCorruptError(f"latent cache key_offsets file {fmt.cache_path(self.cache_dir, self.split, 'key_offsets')} "
-                                    f"does not cut the key table into {self.n} keys")
-        try:
-            return [text[a:b].decode("utf-8") for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
-        except UnicodeDecodeError:
-            raise CacheCorruptError(f"latent cache key_bytes file {fmt.cache_path(self.cache_dir, self.split, 'key_bytes')} "
-                                    f"holds a key that is not UTF-8") from None
+        return [text[a:b].decode("utf-8") for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+
+    def check_cuts(self, chunk: int = CHECK_CHUNK) -> None:
+        """Check that the offsets cut the key bytes into ``n`` keys and that every key is UTF-8, ``chunk``
+        keys at a time (no list of keys, no temporary that grows with N): the offsets start at 0, never
+        go back and end at the table's end; each chunk's bytes decode, and no key starts inside a
+        character (a continuation byte), so each key decodes alone."""
+        raw = self._map()["key_bytes"][1]
+        for lo in range(0, self.n, chunk):
+            hi = min(self.n, lo + chunk)
+            offsets = self._checked("key_offsets", lo, hi + 1)
+            if (lo == 0 and offsets[0] != 0) or np.any(offsets[1:] < offsets[:-1]) or (hi == self.n and offsets[-1] != raw.size):
+                raise CacheCorruptError(f"latent cache key_offsets file {fmt.cache_path(self.cache_dir, self.split, 'key_offsets')} "
+                                        f"does not cut the key table into {self.n} keys")
+            text = self._checked("key_bytes", int(offsets[0]), int(offsets[-1]))
+            starts = offsets[:-1][offsets[1:] > offsets[:-1]]  # (of the non-empty keys)
+            try:
+                text.tobytes().decode("utf-8")
+                inside = np.flatnonzero(raw[starts] & 0xC0 == 0x80)
+            except UnicodeDecodeError:
+                inside = [0]
+            if len(inside):
+                raise CacheCorruptError(f"latent cache key_bytes file {fmt.cache_path(self.cache_dir, self.split, 'key_bytes')} "
+                                        f"holds a key that is not UTF-8 (among items {lo}..{hi - 1})")
 
     def check_all(self) -> None:
-        """Check every block of every table (what ``verify`` does), then that the hash index is sorted."""
+        """Check every block of every table (what ``verify`` does), that the hash index is sorted and that
+        the offsets cut the key bytes into UTF-8 keys (:meth:`check_cuts`), a chunk at a time."""
         for kind in TABLES:
             array = self._map()[kind][0]
             self._checked(kind, 0, array.size)
         hashes = self._map()["key_hashes"][0]
-        if self.n > 1 and np.any(hashes[1:] < hashes[:-1]):
-            raise CacheCorruptError(f"latent cache key_hashes file {fmt.cache_path(self.cache_dir, self.split, 'key_hashes')} is not sorted")
+        for lo in range(0, self.n - 1, CHECK_CHUNK):  # (chunks overlap by one: every neighbouring pair compared)
+            pairs = hashes[lo: lo + CHECK_CHUNK + 1]
+            if np.any(pairs[1:] < pairs[:-1]):
+                raise CacheCorruptError(f"latent cache key_hashes file {fmt.cache_path(self.cache_dir, self.split, 'key_hashes')} is not sorted")
+        self.check_cuts()
 
 
 def _size(path: str) -> int:

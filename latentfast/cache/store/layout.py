@@ -79,6 +79,7 @@ class Items:
         self._fd: int | None = None
         self._mm: np.ndarray | None = None
         self._data: torch.Tensor | None = None
+        self._whole: tuple | None = None  # source(): every item's offsets and widths
         self._block_checks: BlockChecks | None = None
         self._stamp = (-1, -1)  # (size, mtime_ns) of the data file when this process opened it
 
@@ -117,26 +118,54 @@ class Items:
             )
 
     def source(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """``(data, row_offsets, widths, pitch)`` for the compiled gathers (see
-        :meth:`latentfast.cache.LatentCache.gather_source`); checks the file size first."""
+        """``(data, row_offsets, widths, pitch)`` over every item, for the compiled gathers (see
+        :meth:`latentfast.cache.LatentCache.gather_source`); checks the file size first. A shaped cache's
+        ``widths`` (each item's units) is a table of 4 bytes an item made on the first call: a batch
+        reads through :meth:`batch_source` instead."""
         if self._source is not None:
             return self._source()
+        if self._whole is None:
+            with warnings.catch_warnings():  # torch warns that a shaped cache's mapped offsets are not writable
+                warnings.simplefilter("ignore", UserWarning)
+                row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
+            if self.shaped and self.index_checks is not None:  # filled block by block as the blocks are checked
+                widths = self.index_checks.unit_counts()
+            elif self.shaped:
+                widths = self._unit_counts(self.row_starts[:-1], self.row_starts[1:])
+            else:
+                widths = np.ascontiguousarray(self.widths)
+            self._whole = (self._data_tensor(), row_offsets, torch.from_numpy(widths), self.pitch)
+        self.check_unchanged()
+        return self._whole
+
+    def batch_source(self, index: torch.Tensor, index_np: np.ndarray) -> tuple[tuple, torch.Tensor]:
+        """``(source, rows)`` for a batch of the items ``index``: what the gathers copy from and the rows of
+        it they copy. A shaped cache's (the items in range, their index blocks checked) is a source of just
+        these items -- their unit offsets and sizes, ``B`` entries read from the mapped offsets -- and rows
+        ``0 .. B-1``, so a batch costs the same at any N; a line cache's and a wrapper's (``_source``) is
+        :meth:`source` and ``index``."""
+        if self._source is not None or not self.shaped:
+            return self.source(), index
+        starts = np.asarray(self.row_starts[index_np], dtype=np.int64)
+        sizes = self._unit_counts(starts, self.row_starts[index_np + 1])
+        data = self._data_tensor()
+        self.check_unchanged()
+        return (data, torch.from_numpy(starts), torch.from_numpy(sizes), self.pitch), torch.arange(len(index_np))
+
+    def _data_tensor(self) -> torch.Tensor:
+        """The whole data file as a flat float16 tensor over this process's map (made once)."""
         if self._data is None:
-            with warnings.catch_warnings():  # torch warns that the memmaps (data, a shaped cache's offsets) are not writable
+            with warnings.catch_warnings():  # torch warns that the map is not writable
                 warnings.simplefilter("ignore", UserWarning)
                 self._data = torch.from_numpy(self.memmap())
-                self._row_offsets = torch.from_numpy(np.ascontiguousarray(self.row_starts[:-1]))
-            if self.shaped and self.index_checks is not None:  # filled block by block as the blocks are checked
-                self._widths_t = torch.from_numpy(self.index_checks.unit_counts())
-            elif self.shaped:
-                numel = np.diff(self.row_starts)  # units
-                if numel.size and numel.max() > _INT32_MAX:
-                    raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max()) * 2} bytes is too large for the batch gather (int32 widths of 2-byte units)")
-                self._widths_t = torch.from_numpy(numel.astype(np.int32))
-            else:
-                self._widths_t = torch.from_numpy(np.ascontiguousarray(self.widths))
-        self.check_unchanged()
-        return self._data, self._row_offsets, self._widths_t, self.pitch
+        return self._data
+
+    def _unit_counts(self, starts, ends) -> np.ndarray:
+        """int32 units from ``starts`` to ``ends`` (items' offsets): what the gathers take as a shaped item's width."""
+        numel = np.asarray(ends, dtype=np.int64) - starts
+        if numel.size and numel.max() > _INT32_MAX:
+            raise InvalidArgumentError(f"latent cache {self.cache_dir}: an item of {int(numel.max()) * 2} bytes is too large for the batch gather (int32 widths of 2-byte units)")
+        return numel.astype(np.int32)
 
     @property
     def block_checks(self) -> BlockChecks:
@@ -149,9 +178,7 @@ class Items:
 
     def __getstate__(self) -> dict:  # a process maps the file for itself
         state = self.__dict__.copy()
-        state.update(_fd=None, _mm=None, _data=None, _block_checks=None)
-        state.pop("_row_offsets", None)
-        state.pop("_widths_t", None)
+        state.update(_fd=None, _mm=None, _data=None, _whole=None, _block_checks=None)
         return state
 
 
@@ -224,12 +251,14 @@ class SpanTable:
     for); ``white`` the float16 ``[C, h, 1]`` padding column or None; ``shape``/``shapes`` a shaped
     batch's item shape and ``[B, ndim]`` shapes (None for line caches); ``checked`` whether the
     indices were range-checked here (if not, the kernel checks each before copying). ``source`` is
-    the cache's ``(data, row_offsets, widths, pitch)`` and ``row_starts`` its item offsets (item
+    the ``(data, row_offsets, widths, pitch)`` the gathers copy from and ``rows`` (int64 tensor ``[B]``) the
+    rows of it they copy: the cache's whole tables and ``index``, or (a shaped cache: see
+    :meth:`Items.batch_source`) the batch's items' own and ``0 .. B-1``. ``row_starts`` is the cache's item offsets (item
     ``i``'s bytes in ``cache.path`` are ``[2 * row_starts[i], 2 * row_starts[i + 1])``, its checksum
     block ``i // block_rows``). ``row_ends`` is None, or (a field's table, where items sharing a
     value share its bytes) each item's end, in the same units as ``row_starts``."""
 
-    __slots__ = ("cache", "source", "row_starts", "row_ends", "index", "index_np", "widths", "lines", "channels", "latent_h",
+    __slots__ = ("cache", "source", "rows", "row_starts", "row_ends", "index", "index_np", "widths", "lines", "channels", "latent_h",
                  "pitch", "width", "w_max", "white", "shape", "shapes", "checked")
 
 
@@ -246,7 +275,7 @@ def resolve(cache: Items, indices, *, width=None, clip: bool = False, out=None, 
     given) must be the batch's exact output: ``[B, C, h, W]`` (a shaped cache: ``[B, *shape]``) of
     ``dtype`` on ``device``."""
     table = SpanTable()
-    table.cache, table.source = cache, cache.source()
+    table.cache = cache
     table.row_starts, table.white, table.row_ends = cache.row_starts, cache.white, None
     index, index_np = _as_int64_vector(indices) if clip and not cache.shaped else (None, None)
     table.checked = index is None
@@ -258,6 +287,7 @@ def resolve(cache: Items, indices, *, width=None, clip: bool = False, out=None, 
         cache.index_checks.check(index_np)
     if cache.verify_rows:  # before any other check of the batch: a damaged block is the news
         cache.block_checks.check(cache, table.row_starts, index_np)
+    table.source, table.rows = cache.batch_source(index, index_np) if isinstance(cache, Items) else (cache.source(), index)
     table.pitch = int(table.source[3])
     if cache.shaped:
         _resolve_shaped(table, cache, width)
@@ -299,7 +329,7 @@ def _resolve_shaped(table: SpanTable, cache, width) -> None:
     table.channels = table.latent_h = table.lines = 1  # each item one line of all its units
     units = fmt.LATENT_DTYPES[str(cache.dtype).removeprefix("torch.")] // fmt.UNIT_BYTES
     table.width = table.w_max = int(np.prod(table.shape)) * units if table.shape else 0
-    table.widths = table.source[2].numpy()[table.index_np]
+    table.widths = table.source[2].numpy()[table.rows.numpy()]
     table.white = None
 
 
@@ -514,6 +544,7 @@ def _resolve_field(items, index: torch.Tensor, index_np: np.ndarray, padded: boo
     table = batch.table = SpanTable()
     table.cache, table.source = items, items.source()
     table.row_starts, table.row_ends, table.index, table.index_np = items.row_starts, items.row_ends, index, index_np
+    table.rows = index
     table.widths = table.source[2].numpy()[index_np]
     table.channels = table.latent_h = table.lines = 1
     nbytes = int(np.prod(batch.shape, dtype=np.int64)) * torch.empty(0, dtype=items.dtype).element_size()

@@ -600,10 +600,20 @@ def _load_json(path: str, what: str):
         raise CacheCorruptError(f"latent cache {what} file {path} is not valid JSON: {exc}") from None
 
 
+# what bad_blocks checks in one pass: up to 8 MiB (2-byte units) and 65,536 blocks, so blocks of small items are
+# checked many at a time and a pass's temporaries stay a few MiB
+_CHECK_UNITS = 1 << 22
+_CHECK_BLOCKS = 1 << 16
+
+
 def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tuple[int, int, int, int | None]], int]:
     """``([(block, first_row, end_row, nonfinite_row)], block_rows)`` for every checksum block that
     fails its CRC-32 (``nonfinite_row`` None) or holds a non-finite value (the first such row);
-    only the first bad block when ``first_only``."""
+    only the first bad block when ``first_only``.
+
+    The blocks are checked a group of up to :data:`_CHECK_UNITS` and :data:`_CHECK_BLOCKS` at a time (every block's CRC, then
+    one finiteness pass over the group); only a group with a bad block is looked at block by block.
+    So a cache of tiny items (one block per item) costs a CRC per item, not a pass of numpy calls."""
     meta_path = fmt.cache_path(cache.cache_dir, cache.split, "meta")
     block_rows = fmt.checksum_block_rows(cache.meta, meta_path)
     n = len(cache)
@@ -612,25 +622,50 @@ def bad_blocks(cache: LatentCache, *, first_only: bool = False) -> tuple[list[tu
         block_rows = max(1, fmt.CHECKSUM_BLOCK_BYTES // (2 * max(1, int(cache.row_starts[-1]) // max(1, n))))
     data = cache._memmap()
     cache.check_unchanged()
-    widest = int(np.diff(cache.row_starts).max(initial=0))
-    scratch = np.empty(max(1, min(int(cache.row_starts[-1]), block_rows * widest)), dtype=np.uint16)
-    found = []
-    for b, r0, r1, e0, e1 in fmt.block_bounds(cache.row_starts, n, block_rows):
-        block = data[e0:e1]
-        with layout.holding(cache.items, [2 * e0], [2 * e1]):  # (a cache in object storage: fetched block by block)
-            damaged = sums is not None and zlib.crc32(block) != int(sums[b])
-            bad = -1 if damaged else fmt.first_nonfinite(block, scratch if block.size <= scratch.size else None,
-                                                         cache.meta.get("dtype", "float16"))
-        if damaged:
-            found.append((b, r0, r1, None))
-        else:
-            if bad < 0:
-                continue
-            row = int(np.searchsorted(cache.row_starts, e0 + bad, side="right")) - 1
-            found.append((b, r0, r1, row))
-        if first_only:
-            break
+    starts, dtype = cache.row_starts, cache.meta.get("dtype", "float16")
+    scratch = np.empty(max(1, min(int(starts[-1]), _CHECK_UNITS)), dtype=np.uint16)
+    found, blocks, b0 = [], -(-n // block_rows), 0
+    while b0 < blocks and not (first_only and found):
+        e0 = int(starts[b0 * block_rows])
+        last_row = int(np.searchsorted(starts, e0 + _CHECK_UNITS, side="right")) - 1  # (rows before it end in reach)
+        b1 = min(b0 + _CHECK_BLOCKS, blocks if last_row >= n else max(b0 + 1, last_row // block_rows))
+        bounds = np.asarray(starts[np.minimum(np.arange(b0, b1 + 1) * block_rows, n)], dtype=np.int64)
+        with layout.holding(cache.items, [2 * e0], [2 * int(bounds[-1])]):  # (a cache in object storage: fetched a group at a time)
+            if not _clean(data, bounds, None if sums is None else sums[b0:b1], scratch, dtype):
+                for b in range(b0, b1):
+                    bad = _bad_block(data, starts, b, block_rows, n, sums, scratch, dtype)
+                    if bad is not None:
+                        found.append(bad)
+                        if first_only:
+                            break
+        b0 = b1
     return found, block_rows
+
+
+def _clean(data: np.ndarray, bounds: np.ndarray, sums, scratch: np.ndarray, dtype: str) -> bool:
+    """Whether the blocks between the unit offsets ``bounds`` all match their ``sums`` (None: no checksums)
+    and hold finite values only."""
+    group = data[int(bounds[0]): int(bounds[-1])]
+    if sums is not None:
+        view, cuts = memoryview(group).cast("B"), (2 * (bounds - bounds[0])).tolist()
+        crcs = np.fromiter((zlib.crc32(view[a:b]) for a, b in zip(cuts[:-1], cuts[1:])), dtype=np.uint32, count=len(cuts) - 1)
+        if not np.array_equal(crcs, sums):
+            return False
+    return fmt.first_nonfinite(group, scratch if group.size <= scratch.size else None, dtype) < 0
+
+
+def _bad_block(data, starts, b: int, block_rows: int, n: int, sums, scratch, dtype: str):
+    """``(block, first_row, end_row, nonfinite_row)`` if block ``b`` fails its CRC (``nonfinite_row``
+    None) or holds a non-finite value (its first such row), else None."""
+    r0, r1 = b * block_rows, min(n, (b + 1) * block_rows)
+    e0, e1 = int(starts[r0]), int(starts[r1])
+    block = data[e0:e1]
+    if sums is not None and zlib.crc32(block) != int(sums[b]):
+        return b, r0, r1, None
+    bad = fmt.first_nonfinite(block, scratch if block.size <= scratch.size else None, dtype)
+    if bad < 0:
+        return None
+    return b, r0, r1, int(np.searchsorted(starts, e0 + bad, side="right")) - 1
 
 
 def verify_single(cache: LatentCache) -> dict:
@@ -663,9 +698,10 @@ def verify_single(cache: LatentCache) -> dict:
         have = np.arange(items.n) if items.present is None else np.flatnonzero(items.present)
         _, first = np.unique(items.row_starts[have], return_index=True)
         items.check(have[first], finite=True)
-    if cache._key_table() is not None:  # every block of the key table against its CRC
+    if cache._key_table() is not None:  # every block of the key table against its CRC, its keys cut and decoded
         cache._key_table().check_all()
-    cache.keys  # noqa: B018 - a malformed keys file fails verify
+    else:
+        cache.keys  # noqa: B018 - a malformed keys file fails verify (a key table is checked without the list)
     seconds = time.perf_counter() - start
     nbytes = int(cache.row_starts[-1]) * 2
     n = len(cache)
