@@ -20,8 +20,10 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
+import torch
 from torch.utils.data import Sampler
 
+from ...backends import native
 from ...checks import as_int
 from ...errors import ArgumentTypeError, InvalidArgumentError
 from ..store.format import CHUNK_BYTES
@@ -34,6 +36,9 @@ SAMPLER_CHUNK_BYTES = 64 * CHUNK_BYTES  # 1 MiB: 64 of the local chunk cache's c
 PLAN_BLOCK = 1 << 20  # items (or shape rows) handled at once while planning: temporaries of a few MiB whatever N
 GROUP_RUNS = 4096  # up to this many keys, a block's items of each key are moved as one slice
 TABLE_KEYS = 1 << 24  # shape keys ranked by a lookup table up to this many (~80 MiB), else by a sorted list
+# the native library's planning passes (csrc/cpu/plan_epoch.cpp), or None: numpy's, the reference
+# (the same plan either way; without the library, or with this set to None, as tests do)
+NATIVE = native if native.LIB is not None else None
 
 
 def item_chunks(cache, chunk_bytes: int = SAMPLER_CHUNK_BYTES) -> np.ndarray:
@@ -206,7 +211,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         window_of_chunk = rank_of_chunk // self.chunk_window
         windows = int(window_of_chunk.max(initial=0)) + 1
         shuffled = np.arange(self.n_items, dtype=_index_dtype(self.n_items))
-        rng.shuffle(shuffled)  # the draws (and the order) of rng.permutation(n_items), in 4 bytes an item
+        _shuffle(rng, shuffled)  # the draws (and the order) of rng.permutation(n_items), in 4 bytes an item
         # each item's group, (bucket, window) as one int, made in item order (reads in order, not at random)
         bound = windows * (1 if buckets is None else _id_count(buckets))
         keys = np.empty(self.n_items, dtype=_id_dtype(bound))
@@ -325,7 +330,7 @@ class WidthBucketBatchSampler(ShardedBatchSampler):
             return self._windowed_plan(rng)
         n, bs = self.n_items, self.batch_size
         items = np.arange(n, dtype=_index_dtype(n))
-        rng.shuffle(items)  # rng.permutation(n)'s draws and order
+        _shuffle(rng, items)  # rng.permutation(n)'s draws and order
         part = bs * self.bucket_batches
         _sort_segments(items, np.append(np.arange(0, n, part), n), self._width_rank, self._widths_count)
         whole = n // bs * bs  # (only the very last batch can be short: the parts are whole batches)
@@ -424,7 +429,7 @@ class ShapeBucketBatchSampler(_BucketedSampler):
         items = self._grouped()
         first = 0
         for size in self._sizes.tolist():  # (a loop per bucket, not per item)
-            rng.shuffle(items[first : first + size])  # in place: the draws and order of members[rng.permutation(size)]
+            _shuffle(rng, items[first : first + size])  # in place: the draws and order of members[rng.permutation(size)]
             first += size
         starts, ends = self._bucket_bounds()
         order = rng.permutation(len(starts))
@@ -464,6 +469,15 @@ def _index_dtype(n: int) -> type:
     return np.int32 if n < 2**31 else np.int64
 
 
+def _shuffle(rng: np.random.Generator, items: np.ndarray) -> None:
+    """``rng.shuffle(items)`` (int32/int64, contiguous), in place: the same draws and order from the native
+    kernel, which prefetches the items it will swap (at 10^8 items numpy's waits for one miss per item)."""
+    if NATIVE is None:
+        rng.shuffle(items)
+    else:
+        NATIVE.shuffle_like_numpy(rng, torch.from_numpy(items))
+
+
 def _counts(values: np.ndarray, length: int) -> np.ndarray:
     """``np.bincount(values, minlength=length)`` a block at a time (bincount copies its input to int64 first)."""
     counts = np.zeros(length, dtype=np.int64)
@@ -497,6 +511,10 @@ def _group(keys: np.ndarray, bound: int, seq: np.ndarray | None = None) -> np.nd
     cursor = _counts(keys, bound)
     cursor = np.cumsum(cursor) - cursor  # where each key's next item goes
     out = np.empty(n, dtype=dtype)
+    if seq is not None and NATIVE is not None:  # seq's items at random: one pass, prefetching their keys and slots
+        signed = keys if keys.dtype == np.uint8 else keys.view(f"i{keys.itemsize}")  # (torch's dtypes; read as unsigned)
+        NATIVE.group_by_key(*(torch.from_numpy(a) for a in (seq, signed, cursor, out)))
+        return out
     for r0 in range(0, n, PLAN_BLOCK):
         part = seq[r0 : r0 + PLAN_BLOCK] if seq is not None else None
         part_keys = keys[part] if seq is not None else keys[r0 : r0 + PLAN_BLOCK]

@@ -1,0 +1,152 @@
+// The two passes of a sampler's epoch plan (latentfast/cache/feed/sampler.py) that touch every item at
+// random: a shuffle in numpy's order, and a stable grouping of the shuffled items by a key per item.
+// At 10^8 items each is bound by memory latency (one cache miss per item, ~100 ns), not by arithmetic:
+// these do the same work as numpy's, with the next items' addresses prefetched a few dozen steps ahead,
+// so the misses overlap instead of following one another.
+//
+// shuffle_like_numpy: numpy.random.Generator.shuffle(data) of a 1-D int32/int64 array, exactly: the
+// same draws from the generator's own bit generator (its bitgen_t, from the capsule), in the same
+// order, the same swaps (numpy 1.17+'s Fisher-Yates: i from n-1 down to 1, j = random_interval(i)),
+// so the plan is the same with or without the native library. The draws do not depend on the data,
+// so they are made ahead of the swaps that use them.
+//
+// group_by_key: out[cursor[key[v]]++] = v for each v of seq in order (a counting sort's placing pass;
+// cursor: where each key's next item goes, the exclusive prefix sums of the keys' counts).
+//
+// Not an op's kernel (csrc/cpu/<op>_kernel.cpp): entry points of backends/native.py's HOOKS, whose numpy
+// reference is the sampler's own code (tests/test_sampler_kernels.py compares them).
+#include <cstdint>
+
+#include "native.h"
+
+namespace latentfast {
+namespace {
+
+// numpy/random/bitgen.h (a stable ABI: numpy's C-API for bit generators)
+struct BitGen {
+  void* state;
+  uint64_t (*next_uint64)(void* st);
+  uint32_t (*next_uint32)(void* st);
+  double (*next_double)(void* st);
+  uint64_t (*next_raw)(void* st);
+};
+
+// numpy's random_interval (distributions.c): uniform in [0, max] by masked rejection
+inline uint64_t random_interval(BitGen* g, uint64_t max) {
+  if (max == 0) return 0;
+  uint64_t mask = max;
+  mask |= mask >> 1;
+  mask |= mask >> 2;
+  mask |= mask >> 4;
+  mask |= mask >> 8;
+  mask |= mask >> 16;
+  mask |= mask >> 32;
+  uint64_t value;
+  if (max <= 0xffffffffULL) {
+    while ((value = (g->next_uint32(g->state) & mask)) > max) {
+    }
+  } else {
+    while ((value = (g->next_uint64(g->state) & mask)) > max) {
+    }
+  }
+  return value;
+}
+
+constexpr int64_t kAhead = 64;  // draws (and prefetches) made ahead of their swap: enough misses in flight
+
+template <typename T>
+void shuffle(BitGen* g, T* data, int64_t n) {
+  int64_t ring[kAhead];  // ring[i % kAhead]: the j drawn for step i
+  int64_t drawn = n - 1;  // the next step to draw for (steps run n-1 down to 1)
+  for (int64_t i = n - 1; i >= 1; --i) {
+    for (; drawn >= 1 && drawn > i - kAhead; --drawn) {
+      const int64_t j = static_cast<int64_t>(random_interval(g, static_cast<uint64_t>(drawn)));
+      ring[drawn % kAhead] = j;
+      __builtin_prefetch(data + j, 1);
+    }
+    const int64_t j = ring[i % kAhead];
+    const T held = data[j];
+    data[j] = data[i];
+    data[i] = held;
+  }
+}
+
+template <typename T>
+T* checked_vector(const Tensor& t, const char* name) {
+  LF_CHECK_VALUE(t.is_cpu() && t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-D CPU tensor, got ",
+                 t.device_name(), " shape ", t.shape(), " strides ", t.strides());
+  return t.ptr<T>();
+}
+
+template <typename Item, typename Key>
+void group(const Item* seq, int64_t n, const Key* keys, int64_t n_keys, int64_t* cursor, int64_t bound, Item* out,
+           int64_t n_out) {
+  // three stages kAhead apart: the item's key, then its key's cursor, then the slot the cursor points at
+  auto key_of = [&](int64_t i) -> uint64_t {
+    const Item v = seq[i];
+    LF_CHECK_INDEX(v >= 0 && static_cast<int64_t>(v) < n_keys, "group_by_key: seq[", i, "] = ", static_cast<int64_t>(v),
+                   " is not an item of keys [", n_keys, "]");
+    const uint64_t k = keys[v];
+    LF_CHECK_INDEX(k < static_cast<uint64_t>(bound), "group_by_key: the key of item ", static_cast<int64_t>(v), " is ", k,
+                   ", keys must be < ", bound, " (the cursors)");
+    return k;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + 3 * kAhead < n) __builtin_prefetch(keys + seq[i + 3 * kAhead]);
+    if (i + 2 * kAhead < n) __builtin_prefetch(cursor + key_of(i + 2 * kAhead), 1);
+    if (i + kAhead < n) {
+      const int64_t slot = cursor[key_of(i + kAhead)];
+      if (slot >= 0 && slot < n_out) __builtin_prefetch(out + slot, 1);
+    }
+    const Item v = seq[i];
+    const uint64_t k = key_of(i);
+    const int64_t slot = cursor[k]++;
+    LF_CHECK_INDEX(slot >= 0 && slot < n_out, "group_by_key: key ", k, "'s cursor reached ", slot,
+                   ", past out [", n_out, "] (the cursors must be the prefix sums of the keys' counts)");
+    out[slot] = v;
+  }
+}
+
+template <typename Item>
+void group_keys(const Tensor& seq, const Tensor& keys, const Tensor& cursor, const Tensor& out) {
+  const Item* s = checked_vector<Item>(seq, "seq");
+  Item* o = checked_vector<Item>(out, "out");
+  int64_t* c = checked_vector<int64_t>(cursor, "cursor");
+  const int64_t n = seq.size(0), n_keys = keys.size(0), bound = cursor.size(0), n_out = out.size(0);
+  switch (keys.dtype) {  // keys are read as unsigned ints of their width
+    case kByte: return group(s, n, checked_vector<uint8_t>(keys, "keys"), n_keys, c, bound, o, n_out);
+    case kShort: return group(s, n, checked_vector<uint16_t>(keys, "keys"), n_keys, c, bound, o, n_out);
+    case kInt: return group(s, n, checked_vector<uint32_t>(keys, "keys"), n_keys, c, bound, o, n_out);
+    case kLong: return group(s, n, checked_vector<uint64_t>(keys, "keys"), n_keys, c, bound, o, n_out);
+    default:
+      LF_CHECK_VALUE(false, "group_by_key: keys must be 8, 16, 32 or 64-bit ints, got ", dtype_name(keys.dtype));
+  }
+}
+
+}  // namespace
+}  // namespace latentfast
+
+using namespace latentfast;
+
+// args: the address of the generator's bitgen_t, data
+LATENTFAST_ENTRY(latentfast_shuffle_like_numpy) {
+  auto* g = reinterpret_cast<BitGen*>(static_cast<uintptr_t>(in.integer()));
+  const Tensor data = in.tensor();
+  in.finish();
+  LF_CHECK_VALUE(g != nullptr, "shuffle_like_numpy: no bit generator");
+  if (data.dtype == kInt) return shuffle(g, checked_vector<int32_t>(data, "data"), data.size(0));
+  LF_CHECK_VALUE(data.dtype == kLong, "shuffle_like_numpy: data must be int32 or int64, got ", dtype_name(data.dtype));
+  shuffle(g, checked_vector<int64_t>(data, "data"), data.size(0));
+}
+
+// args: seq, keys (one per item), cursor (int64, one per key: advanced), out (seq's dtype)
+LATENTFAST_ENTRY(latentfast_group_by_key) {
+  const Tensor seq = in.tensor(), keys = in.tensor(), cursor = in.tensor(), out = in.tensor();
+  in.finish();
+  LF_CHECK_VALUE(cursor.dtype == kLong, "group_by_key: cursor must be int64, got ", dtype_name(cursor.dtype));
+  LF_CHECK_VALUE(out.dtype == seq.dtype, "group_by_key: out must have seq's dtype ", dtype_name(seq.dtype), ", got ",
+                 dtype_name(out.dtype));
+  if (seq.dtype == kInt) return group_keys<int32_t>(seq, keys, cursor, out);
+  LF_CHECK_VALUE(seq.dtype == kLong, "group_by_key: seq must be int32 or int64, got ", dtype_name(seq.dtype));
+  group_keys<int64_t>(seq, keys, cursor, out);
+}
