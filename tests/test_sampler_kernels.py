@@ -1,6 +1,6 @@
 """The native library's planning passes (csrc/cpu/plan_epoch.cpp) against their numpy references: the
 shuffle against ``numpy.random.Generator.shuffle`` (the same result and the same generator state after,
-for several bit generators), the grouping against the sampler's numpy counting sort; on fresh random
+for several bit generators), the grouping and the segments' sort against the sampler's numpy ones; on fresh random
 inputs of odd sizes, every key dtype, outputs poisoned beforehand; and their argument checks."""
 from __future__ import annotations
 
@@ -105,6 +105,51 @@ def test_shuffle_refuses_bad_arguments():
         native.shuffle_like_numpy(rng, torch.zeros(5))
     with pytest.raises(ValueError, match=r"data must be a contiguous 1-D CPU tensor, got cpu shape \[2, 3\]"):
         native.shuffle_like_numpy(rng, torch.zeros(2, 3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("rank_dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+@pytest.mark.parametrize("item_dtype", [np.int32, np.int64])
+def test_sort_segments_is_the_numpy_sort(monkeypatch, rank_dtype, item_dtype):
+    monkeypatch.setattr(sampler_module, "PLAN_BLOCK", 97)  # the reference takes several segments a block
+    rng = np.random.default_rng()
+    # few ranks (a counting sort per segment) and far more ranks than a segment's items (a comparison sort)
+    for n, count in ((0, 3), (1, 1), (211, 5), (4099, 225), (4099, 70_000), (3001, 2**40)):
+        count = min(count, int(np.iinfo(rank_dtype).max) + 1)
+        ranks = rng.integers(0, count, n + 13).astype(rank_dtype)  # ranks of more items than are sorted
+        items = rng.permutation(n + 13)[:n].astype(item_dtype)
+        cuts = np.sort(rng.integers(0, n + 1, rng.integers(0, 40)))
+        bounds = np.concatenate([[0], cuts, [n]]).astype(np.int64)  # empty segments included
+        mine, theirs = items.copy(), items.copy()
+        sampler_module._sort_segments(mine, bounds, ranks, count)
+        monkeypatch.setattr(sampler_module, "NATIVE", None)
+        sampler_module._sort_segments(theirs, bounds, ranks, count)
+        monkeypatch.setattr(sampler_module, "NATIVE", native)
+        assert np.array_equal(mine, theirs), (n, count)
+        for s0, s1 in zip(bounds[:-1], bounds[1:]):  # and what it stands for
+            part = items[s0:s1]
+            assert np.array_equal(mine[s0:s1], part[np.argsort(ranks[part], kind="stable")])
+
+
+def test_sort_segments_refuses_bad_arguments():
+    items = torch.arange(10, dtype=torch.int32)
+    ranks = torch.from_numpy(np.arange(10, dtype=np.uint8) % 3)
+    bounds = torch.tensor([0, 4, 10])
+    with pytest.raises(IndexError, match=r"bounds\[1:3\] = \[4, 11\] is not a segment of items \[10\]"):
+        native.sort_segments(items, torch.tensor([0, 4, 11]), ranks, 3)
+    with pytest.raises(IndexError, match=r"bounds\[0:2\] = \[5, 4\] is not a segment"):
+        native.sort_segments(items, torch.tensor([5, 4, 10]), ranks, 3)
+    before = items.clone()
+    with pytest.raises(IndexError, match=r"the rank of item 2 is 2, ranks must be < 2"):
+        native.sort_segments(items, bounds, ranks, 2)
+    with pytest.raises(IndexError, match=r"items\[3\] = 12 is not an item of ranks \[10\]"):
+        native.sort_segments(torch.tensor([0, 1, 2, 12], dtype=torch.int32), torch.tensor([0, 4]), ranks, 3)
+    assert torch.equal(items, before)  # a refused segment is left as it was
+    with pytest.raises(ValueError, match="bounds must be int64, got Int"):
+        native.sort_segments(items, bounds.int(), ranks, 3)
+    with pytest.raises(ValueError, match="ranks must be 8, 16, 32 or 64-bit ints, got Double"):
+        native.sort_segments(items, bounds, ranks.double(), 3)
+    with pytest.raises(ValueError, match="items must be int32 or int64, got Short"):
+        native.sort_segments(items.short(), bounds, ranks, 3)
 
 
 # ---- the samplers' plans: the same with and without the library ---------------------------------

@@ -13,9 +13,16 @@
 // group_by_key: out[cursor[key[v]]++] = v for each v of seq in order (a counting sort's placing pass;
 // cursor: where each key's next item goes, the exclusive prefix sums of the keys' counts).
 //
+// sort_segments: each segment items[bounds[s]:bounds[s + 1]] sorted stably by ranks[item] (ints below
+// count), in place: a counting sort per segment (a comparison sort of its (rank, place) pairs where the
+// ranks outnumber the items), the ranks' reads prefetched.
+//
 // Not an op's kernel (csrc/cpu/<op>_kernel.cpp): entry points of backends/native.py's HOOKS, whose numpy
 // reference is the sampler's own code (tests/test_sampler_kernels.py compares them).
+#include <algorithm>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "native.h"
 
@@ -107,6 +114,61 @@ void group(const Item* seq, int64_t n, const Key* keys, int64_t n_keys, int64_t*
   }
 }
 
+template <typename Item, typename Rank>
+void sort_segments(Item* items, int64_t n_items, const int64_t* bounds, int64_t n_bounds, const Rank* ranks,
+                   int64_t n_ranks, int64_t count) {
+  for (int64_t s = 0; s + 1 < n_bounds; ++s) {  // every bound checked before an item moves
+    LF_CHECK_INDEX(bounds[s] >= 0 && bounds[s] <= bounds[s + 1] && bounds[s + 1] <= n_items, "sort_segments: bounds[",
+                   s, ":", s + 2, "] = [", bounds[s], ", ", bounds[s + 1], "] is not a segment of items [", n_items, "]");
+  }
+  const int64_t last = n_bounds ? bounds[n_bounds - 1] : 0;
+  std::vector<uint64_t> rank_of;  // the segment's items' ranks, in place order
+  std::vector<Item> sorted;
+  std::vector<int64_t> slots, place;
+  for (int64_t s = 0; s + 1 < n_bounds; ++s) {
+    const int64_t r0 = bounds[s], len = bounds[s + 1] - r0;
+    rank_of.resize(len);
+    sorted.resize(len);
+    for (int64_t i = 0; i < len; ++i) {
+      if (r0 + i + kAhead < last) __builtin_prefetch(ranks + items[r0 + i + kAhead]);
+      const Item v = items[r0 + i];
+      LF_CHECK_INDEX(v >= 0 && static_cast<int64_t>(v) < n_ranks, "sort_segments: items[", r0 + i, "] = ",
+                     static_cast<int64_t>(v), " is not an item of ranks [", n_ranks, "]");
+      rank_of[i] = ranks[v];
+      LF_CHECK_INDEX(rank_of[i] < static_cast<uint64_t>(count), "sort_segments: the rank of item ", static_cast<int64_t>(v),
+                     " is ", rank_of[i], ", ranks must be < ", count);
+    }
+    if (count <= 2 * len + 64) {  // counting sort: the ranks' slots
+      slots.assign(count, 0);
+      for (int64_t i = 0; i < len; ++i) ++slots[rank_of[i]];
+      int64_t sum = 0;
+      for (int64_t r = 0; r < count; ++r) sum += std::exchange(slots[r], sum);
+      for (int64_t i = 0; i < len; ++i) sorted[slots[rank_of[i]]++] = items[r0 + i];
+    } else {  // far more ranks than items: sort the places by rank, ties in place order
+      place.resize(len);
+      for (int64_t i = 0; i < len; ++i) place[i] = i;
+      std::stable_sort(place.begin(), place.end(), [&](int64_t a, int64_t b) { return rank_of[a] < rank_of[b]; });
+      for (int64_t i = 0; i < len; ++i) sorted[i] = items[r0 + place[i]];
+    }
+    std::copy(sorted.begin(), sorted.end(), items + r0);
+  }
+}
+
+template <typename Item>
+void segments_by_rank(const Tensor& items, const Tensor& bounds, const Tensor& ranks, int64_t count) {
+  Item* it = checked_vector<Item>(items, "items");
+  const int64_t* b = checked_vector<int64_t>(bounds, "bounds");
+  const int64_t n = items.size(0), n_bounds = bounds.size(0), n_ranks = ranks.size(0);
+  switch (ranks.dtype) {  // ranks are read as unsigned ints of their width
+    case kByte: return sort_segments(it, n, b, n_bounds, checked_vector<uint8_t>(ranks, "ranks"), n_ranks, count);
+    case kShort: return sort_segments(it, n, b, n_bounds, checked_vector<uint16_t>(ranks, "ranks"), n_ranks, count);
+    case kInt: return sort_segments(it, n, b, n_bounds, checked_vector<uint32_t>(ranks, "ranks"), n_ranks, count);
+    case kLong: return sort_segments(it, n, b, n_bounds, checked_vector<uint64_t>(ranks, "ranks"), n_ranks, count);
+    default:
+      LF_CHECK_VALUE(false, "sort_segments: ranks must be 8, 16, 32 or 64-bit ints, got ", dtype_name(ranks.dtype));
+  }
+}
+
 template <typename Item>
 void group_keys(const Tensor& seq, const Tensor& keys, const Tensor& cursor, const Tensor& out) {
   const Item* s = checked_vector<Item>(seq, "seq");
@@ -149,4 +211,16 @@ LATENTFAST_ENTRY(latentfast_group_by_key) {
   if (seq.dtype == kInt) return group_keys<int32_t>(seq, keys, cursor, out);
   LF_CHECK_VALUE(seq.dtype == kLong, "group_by_key: seq must be int32 or int64, got ", dtype_name(seq.dtype));
   group_keys<int64_t>(seq, keys, cursor, out);
+}
+
+// args: items (sorted in place), bounds (int64: segment s is items[bounds[s]:bounds[s + 1]]), ranks (one per item), count
+LATENTFAST_ENTRY(latentfast_sort_segments) {
+  const Tensor items = in.tensor(), bounds = in.tensor(), ranks = in.tensor();
+  const int64_t count = in.integer();
+  in.finish();
+  LF_CHECK_VALUE(bounds.dtype == kLong, "sort_segments: bounds must be int64, got ", dtype_name(bounds.dtype));
+  LF_CHECK_VALUE(count >= 0, "sort_segments: count must be >= 0, got ", count);
+  if (items.dtype == kInt) return segments_by_rank<int32_t>(items, bounds, ranks, count);
+  LF_CHECK_VALUE(items.dtype == kLong, "sort_segments: items must be int32 or int64, got ", dtype_name(items.dtype));
+  segments_by_rank<int64_t>(items, bounds, ranks, count);
 }

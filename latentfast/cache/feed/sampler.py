@@ -478,6 +478,11 @@ def _shuffle(rng: np.random.Generator, items: np.ndarray) -> None:
         NATIVE.shuffle_like_numpy(rng, torch.from_numpy(items))
 
 
+def _as_signed(ids: np.ndarray) -> np.ndarray:
+    """Unsigned ids as a tensor-able view (torch has no uint16-64 the kernels take; they read them back as unsigned)."""
+    return ids if ids.dtype == np.uint8 else ids.view(f"i{ids.itemsize}")
+
+
 def _counts(values: np.ndarray, length: int) -> np.ndarray:
     """``np.bincount(values, minlength=length)`` a block at a time (bincount copies its input to int64 first)."""
     counts = np.zeros(length, dtype=np.int64)
@@ -512,8 +517,7 @@ def _group(keys: np.ndarray, bound: int, seq: np.ndarray | None = None) -> np.nd
     cursor = np.cumsum(cursor) - cursor  # where each key's next item goes
     out = np.empty(n, dtype=dtype)
     if seq is not None and NATIVE is not None:  # seq's items at random: one pass, prefetching their keys and slots
-        signed = keys if keys.dtype == np.uint8 else keys.view(f"i{keys.itemsize}")  # (torch's dtypes; read as unsigned)
-        NATIVE.group_by_key(*(torch.from_numpy(a) for a in (seq, signed, cursor, out)))
+        NATIVE.group_by_key(*(torch.from_numpy(a) for a in (seq, _as_signed(keys), cursor, out)))
         return out
     for r0 in range(0, n, PLAN_BLOCK):
         part = seq[r0 : r0 + PLAN_BLOCK] if seq is not None else None
@@ -540,7 +544,11 @@ def _group(keys: np.ndarray, bound: int, seq: np.ndarray | None = None) -> np.nd
 
 def _sort_segments(items: np.ndarray, bounds: np.ndarray, ranks: np.ndarray, count: int) -> None:
     """Sort each segment ``items[bounds[s]:bounds[s + 1]]`` stably by ``ranks`` of its items (ints in
-    ``[0, count)``), in place, the segments of about :data:`PLAN_BLOCK` items at once."""
+    ``[0, count)``), in place, the segments of about :data:`PLAN_BLOCK` items at once (the native pass: one at a time)."""
+    if NATIVE is not None:
+        NATIVE.sort_segments(torch.from_numpy(items), torch.from_numpy(bounds.astype(np.int64, copy=False)),
+                             torch.from_numpy(_as_signed(ranks)), count)
+        return
     s = 0
     while s < len(bounds) - 1:
         t = max(s + 1, int(np.searchsorted(bounds, bounds[s] + PLAN_BLOCK, side="right")) - 1)
