@@ -334,7 +334,7 @@ def print_scale(result: dict) -> None:
              round(r["first_batch_s"], 2), r["kept_bytes_per_item"], r["plan_bytes_per_item"], r["peak_bytes_per_item"],
              round(r["load_average"], 1)] for label, r in result["rows"].items()]
     native = "native passes" if sampler_module.NATIVE is not None else "NO native library: numpy's passes both ways"
-    print(format_table(f"samplers at scale, synthetic bucket ids (rows "cache": a real cache's), batches of {result['batch']}, {result['runs']} epochs each, {native}",
+    print(format_table(f"samplers at scale, synthetic bucket ids (the rows ', cache': a real cache's), batches of {result['batch']}, {result['runs']} epochs each, {native}",
                        ["sampler @ N", "build s", "plan s", "/ perm", "perm s", "numpy plan s", "native x", "same",
                         "first batch s", "kept B/item", "plan B/item", "peak B/item", "load"], rows))
     if result["ids_from_shapes"]:
