@@ -1,6 +1,6 @@
 """The native library's planning passes (csrc/cpu/plan_epoch.cpp) against their numpy references: the
 shuffle against ``numpy.random.Generator.shuffle`` (the same result and the same generator state after,
-for several bit generators), the grouping and the segments' sort against the sampler's numpy ones; on fresh random
+for several bit generators), the counts, the grouping and the segments' sort against the sampler's numpy ones; on fresh random
 inputs of odd sizes, every key dtype, outputs poisoned beforehand; and their argument checks."""
 from __future__ import annotations
 
@@ -105,6 +105,27 @@ def test_shuffle_refuses_bad_arguments():
         native.shuffle_like_numpy(rng, torch.zeros(5))
     with pytest.raises(ValueError, match=r"data must be a contiguous 1-D CPU tensor, got cpu shape \[2, 3\]"):
         native.shuffle_like_numpy(rng, torch.zeros(2, 3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("key_dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_counts_are_numpys_bincount(key_dtype):
+    rng = np.random.default_rng()
+    for n, bound in ((0, 1), (1, 1), (999, 7), (10_007, 300), (10_007, 70_000)):
+        bound = min(bound, int(np.iinfo(key_dtype).max) + 1)
+        keys = rng.integers(0, bound, n).astype(key_dtype)
+        assert np.array_equal(sampler_module._counts(keys, bound + 3), np.bincount(keys, minlength=bound + 3))
+    counts = np.full(4, 10, dtype=np.int64)  # counts are added to
+    native.count_keys(torch.tensor([3, 0, 3], dtype=torch.uint8), torch.from_numpy(counts))
+    assert counts.tolist() == [11, 10, 10, 12]
+
+
+def test_counts_refuse_bad_arguments():
+    with pytest.raises(IndexError, match=r"keys\[2\] = 4, keys must be < 4 \(the counts\)"):
+        native.count_keys(torch.tensor([3, 0, 4], dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="counts must be int64, got Int"):
+        native.count_keys(torch.tensor([3, 0], dtype=torch.uint8), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="keys must be 8, 16, 32 or 64-bit ints, got Float"):
+        native.count_keys(torch.zeros(3), torch.zeros(4, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("rank_dtype", [np.uint8, np.uint16, np.uint32, np.uint64])

@@ -11,7 +11,9 @@
 // so they are made ahead of the swaps that use them.
 //
 // group_by_key: out[cursor[key[v]]++] = v for each v of seq in order (a counting sort's placing pass;
-// cursor: where each key's next item goes, the exclusive prefix sums of the keys' counts).
+// cursor: where each key's next item goes, the exclusive prefix sums of the keys' counts); and
+// count_keys, its counting pass: counts[k] += 1 for each key k (numpy's bincount copies its input to int64
+// and allocates all the counts again for each block of the input).
 //
 // sort_segments: each segment items[bounds[s]:bounds[s + 1]] sorted stably by ranks[item] (ints below
 // count), in place: a counting sort per segment (a comparison sort of its (rank, place) pairs where the
@@ -169,6 +171,16 @@ void segments_by_rank(const Tensor& items, const Tensor& bounds, const Tensor& r
   }
 }
 
+template <typename Key>
+void count(const Key* keys, int64_t n, int64_t* counts, int64_t bound) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t k = keys[i];
+    LF_CHECK_INDEX(k < static_cast<uint64_t>(bound), "count_keys: keys[", i, "] = ", k, ", keys must be < ", bound,
+                   " (the counts)");
+    ++counts[k];
+  }
+}
+
 template <typename Item>
 void group_keys(const Tensor& seq, const Tensor& keys, const Tensor& cursor, const Tensor& out) {
   const Item* s = checked_vector<Item>(seq, "seq");
@@ -223,4 +235,21 @@ LATENTFAST_ENTRY(latentfast_sort_segments) {
   if (items.dtype == kInt) return segments_by_rank<int32_t>(items, bounds, ranks, count);
   LF_CHECK_VALUE(items.dtype == kLong, "sort_segments: items must be int32 or int64, got ", dtype_name(items.dtype));
   segments_by_rank<int64_t>(items, bounds, ranks, count);
+}
+
+// args: keys, counts (int64, one per key: each key's count added)
+LATENTFAST_ENTRY(latentfast_count_keys) {
+  const Tensor keys = in.tensor(), counts = in.tensor();
+  in.finish();
+  LF_CHECK_VALUE(counts.dtype == kLong, "count_keys: counts must be int64, got ", dtype_name(counts.dtype));
+  int64_t* c = checked_vector<int64_t>(counts, "counts");
+  const int64_t n = keys.size(0), bound = counts.size(0);
+  switch (keys.dtype) {  // keys are read as unsigned ints of their width
+    case kByte: return count(checked_vector<uint8_t>(keys, "keys"), n, c, bound);
+    case kShort: return count(checked_vector<uint16_t>(keys, "keys"), n, c, bound);
+    case kInt: return count(checked_vector<uint32_t>(keys, "keys"), n, c, bound);
+    case kLong: return count(checked_vector<uint64_t>(keys, "keys"), n, c, bound);
+    default:
+      LF_CHECK_VALUE(false, "count_keys: keys must be 8, 16, 32 or 64-bit ints, got ", dtype_name(keys.dtype));
+  }
 }

@@ -38,7 +38,7 @@ ENTRY_POINTS = {  # op -> exported kernel
 # entry points that are no op's kernel: test hooks, and the samplers' planning passes (feed/sampler.py)
 HOOKS = {"sample_latents_philox_words": "latentfast_sample_latents_philox_words",
          "shuffle_like_numpy": "latentfast_shuffle_like_numpy", "group_by_key": "latentfast_group_by_key",
-         "sort_segments": "latentfast_sort_segments"}
+         "sort_segments": "latentfast_sort_segments", "count_keys": "latentfast_count_keys"}
 # torch's ScalarType numbers (csrc/native.h's Dtype); 99: a dtype no kernel takes
 _DTYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
            torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
@@ -255,6 +255,11 @@ def group_by_key(seq, keys, cursor, out) -> None:
     """``out[cursor[keys[v]]++] = v`` for each ``v`` of ``seq`` in order (keys read as unsigned ints of their width)."""
     _call(_FN["latentfast_group_by_key"], (*_tensor(seq), *_tensor(keys), *_tensor(cursor), *_tensor(out)))
 
+
+
+def count_keys(keys, counts) -> None:
+    """``counts[k] += 1`` for each ``k`` of ``keys`` (read as unsigned ints of their width)."""
+    _call(_FN["latentfast_count_keys"], (*_tensor(keys), *_tensor(counts)))
 
 
 def sort_segments(items, bounds, ranks, count: int) -> None:

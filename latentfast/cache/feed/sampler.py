@@ -10,7 +10,11 @@ its width's rank, each in the smallest unsigned dtype that holds them), never ``
 shapes table (a cache's is mapped) is read :data:`PLAN_BLOCK` rows at a time. An epoch's plan is
 arrays (:class:`Batches`: the items in batch order, int32 below 2^31 items, and each batch's bounds),
 not a list per batch, computed with numpy a block at a time; its order is the one the list-building
-code of before gave for the same seed (the same generator calls, in the same order)."""
+code of before gave for the same seed (the same generator calls, in the same order), so a state saved
+by any earlier version resumes exactly. The passes that touch every item at random (the shuffle, the
+grouping by (bucket, window), the sort of each part by width) run in the native library where it is
+built (``csrc/cpu/plan_epoch.cpp``: numpy's draws and results, its memory reads prefetched; at 10^8
+items numpy's wait for one cache miss per item), else in numpy: the same plan either way."""
 from __future__ import annotations
 
 import collections
@@ -207,7 +211,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         in the epoch's random chunk order), in random order within a window; with ``buckets``, grouped
         by bucket first. ``window_of_chunk``: each chunk's window."""
         rank_of_chunk = np.empty(self._n_chunks, dtype=np.int64)
-        rank_of_chunk[rng.permutation(self._n_chunks)] = np.arange(self._n_chunks)
+        rank_of_chunk[_permutation(rng, self._n_chunks)] = np.arange(self._n_chunks)
         window_of_chunk = rank_of_chunk // self.chunk_window
         windows = int(window_of_chunk.max(initial=0)) + 1
         shuffled = np.arange(self.n_items, dtype=_index_dtype(self.n_items))
@@ -222,8 +226,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     @staticmethod
     def _in_window_order(batch_windows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The order of batches: by window, shuffled within each."""
-        return np.lexsort((rng.permutation(len(batch_windows)), batch_windows))
+        """The order of batches: by window, shuffled within each: ``np.lexsort((rng.permutation(len(batch_windows)),
+        batch_windows))``, as the batches in the order of their draw grouped stably by window (a counting sort)."""
+        tie = _permutation(rng, len(batch_windows))
+        by_tie = np.empty_like(tie)
+        by_tie[tie] = np.arange(len(tie))
+        return _group(batch_windows, int(batch_windows.max(initial=0)) + 1, by_tie)
 
     def _plan(self, rng: np.random.Generator) -> Batches:
         raise NotImplementedError
@@ -335,7 +343,7 @@ class WidthBucketBatchSampler(ShardedBatchSampler):
         _sort_segments(items, np.append(np.arange(0, n, part), n), self._width_rank, self._widths_count)
         whole = n // bs * bs  # (only the very last batch can be short: the parts are whole batches)
         # shuffle the order of the whole batches, a short one kept last so drop_last-free shards stay full-sized
-        starts = rng.permutation(whole // bs) * bs
+        starts = _permutation(rng, whole // bs) * bs
         if whole < n and not self.drop_last:
             starts = np.append(starts, whole)
         return Batches(items, starts, np.minimum(starts + bs, n))
@@ -432,7 +440,7 @@ class ShapeBucketBatchSampler(_BucketedSampler):
             _shuffle(rng, items[first : first + size])  # in place: the draws and order of members[rng.permutation(size)]
             first += size
         starts, ends = self._bucket_bounds()
-        order = rng.permutation(len(starts))
+        order = _permutation(rng, len(starts))
         return Batches(items, starts[order], ends[order])
 
     def _windowed_plan(self, rng: np.random.Generator) -> Batches:
@@ -483,9 +491,20 @@ def _as_signed(ids: np.ndarray) -> np.ndarray:
     return ids if ids.dtype == np.uint8 else ids.view(f"i{ids.itemsize}")
 
 
+def _permutation(rng: np.random.Generator, n: int) -> np.ndarray:
+    """``rng.permutation(n)``: its draws and result (numpy's shuffles ``np.arange(n)``)."""
+    items = np.arange(n)
+    _shuffle(rng, items)
+    return items
+
+
 def _counts(values: np.ndarray, length: int) -> np.ndarray:
-    """``np.bincount(values, minlength=length)`` a block at a time (bincount copies its input to int64 first)."""
+    """``np.bincount(values, minlength=length)`` a block at a time (bincount copies its input to int64 first,
+    and makes ``length`` counts per block: the native pass counts in place)."""
     counts = np.zeros(length, dtype=np.int64)
+    if NATIVE is not None:
+        NATIVE.count_keys(torch.from_numpy(_as_signed(values)), torch.from_numpy(counts))
+        return counts
     for r0 in range(0, len(values), PLAN_BLOCK):
         counts += np.bincount(values[r0 : r0 + PLAN_BLOCK], minlength=length)
     return counts
