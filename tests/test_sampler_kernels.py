@@ -1,6 +1,7 @@
 """The native library's planning passes (csrc/cpu/plan_epoch.cpp) against their numpy references: the
 shuffle against ``numpy.random.Generator.shuffle`` (the same result and the same generator state after,
-for several bit generators), the counts, the grouping and the segments' sort against the sampler's numpy ones; on fresh random
+for several bit generators), the counts, the grouping (of items, or of items packed with their keys) and the
+segments' sort against the sampler's numpy ones; on fresh random
 inputs of odd sizes, every key dtype, outputs poisoned beforehand; and their argument checks."""
 from __future__ import annotations
 
@@ -105,6 +106,54 @@ def test_shuffle_refuses_bad_arguments():
         native.shuffle_like_numpy(rng, torch.zeros(5))
     with pytest.raises(ValueError, match=r"data must be a contiguous 1-D CPU tensor, got cpu shape \[2, 3\]"):
         native.shuffle_like_numpy(rng, torch.zeros(2, 3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("item_dtype", [np.int32, np.int64])
+def test_packed_grouping_is_the_numpy_counting_sort(monkeypatch, item_dtype):
+    monkeypatch.setattr(sampler_module, "PLAN_BLOCK", 101)  # packed a block at a time
+    rng = np.random.default_rng()
+    for n, bound in ((0, 1), (1, 1), (2, 2), (5003, 300), (20_011, 70_000)):
+        keys = rng.integers(0, bound, n)
+        seed = int(rng.integers(0, 2**32))
+        mine = sampler_module._shuffled_groups(np.random.default_rng(seed), n, lambda r0: keys[r0 : r0 + 101], bound)
+        monkeypatch.setattr(sampler_module, "NATIVE", None)
+        theirs = sampler_module._group(keys, bound, np.random.default_rng(seed).permutation(n).astype(mine.dtype))
+        monkeypatch.setattr(sampler_module, "NATIVE", native)
+        assert np.array_equal(mine, theirs), (n, bound)
+        out = np.full(n, -5, dtype=item_dtype)  # poisoned, then the kernel itself
+        packed = (keys << 32) | np.random.default_rng(seed).permutation(n)
+        packed = packed[np.random.default_rng(seed).permutation(n)]
+        counts = np.bincount(keys, minlength=bound)
+        native.group_packed(*(torch.from_numpy(a) for a in (packed, np.cumsum(counts) - counts, out)))
+        items = packed & 0xFFFFFFFF
+        assert np.array_equal(out, items[np.argsort(packed >> 32, kind="stable")])
+
+
+def test_pack_keys_packs_and_counts():
+    keys = np.array([3, 0, 3, 2], dtype=np.int64)
+    packed, counts = np.full(4, -1, dtype=np.int64), np.full(5, 2, dtype=np.int64)
+    native.pack_keys(torch.from_numpy(keys), 2**32 - 4, torch.from_numpy(packed), torch.from_numpy(counts))
+    assert (packed >> 32).tolist() == [3, 0, 3, 2] and (packed & 0xFFFFFFFF).tolist() == [2**32 - 4 + i for i in range(4)]
+    assert counts.tolist() == [3, 2, 3, 4, 2]
+
+
+def test_packing_refuses_bad_arguments():
+    keys, packed, counts = torch.tensor([1, 4, 0]), torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(IndexError, match=r"keys\[1\] = 4, keys must be in \[0, 4\)"):
+        native.pack_keys(keys, 0, packed, counts)
+    with pytest.raises(ValueError, match=r"items and keys must be < 2\^32, got items from 4294967294 to 4294967297"):
+        native.pack_keys(torch.tensor([1, 2, 0]), 2**32 - 2, packed, counts)
+    with pytest.raises(ValueError, match=r"packed must hold one word per key \(3\), got 2"):
+        native.pack_keys(torch.tensor([1, 2, 0]), 0, packed[:2], counts)
+    with pytest.raises(ValueError, match="keys, packed and counts must be int64, got Int"):
+        native.pack_keys(torch.tensor([1, 2, 0], dtype=torch.int32), 0, packed, counts)
+    words = torch.tensor([(1 << 32) | 7, (5 << 32) | 8])
+    with pytest.raises(IndexError, match=r"packed\[1\]'s key is 5, keys must be < 4"):
+        native.group_packed(words, torch.tensor([0, 0, 1, 1]), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(IndexError, match=r"key 1's cursor reached 2, past out \[2\]"):
+        native.group_packed(words[:1], torch.tensor([0, 2]), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out must be int32 or int64, got Float"):
+        native.group_packed(words[:1], torch.tensor([0, 0]), torch.zeros(2))
 
 
 @pytest.mark.parametrize("key_dtype", [np.uint8, np.uint16, np.uint32, np.uint64])

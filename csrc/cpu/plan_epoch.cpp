@@ -11,7 +11,10 @@
 // so they are made ahead of the swaps that use them.
 //
 // group_by_key: out[cursor[key[v]]++] = v for each v of seq in order (a counting sort's placing pass;
-// cursor: where each key's next item goes, the exclusive prefix sums of the keys' counts); and
+// cursor: where each key's next item goes, the exclusive prefix sums of the keys' counts);
+// group_packed, the same for items shuffled with their keys, (key << 32 | item) in one uint64: the keys are
+// then read in order, not gathered at random from a table of N (at 10^8 items ~5x faster); pack_keys,
+// which makes those words of a block of items and counts their keys in one pass; and
 // count_keys, its counting pass: counts[k] += 1 for each key k (numpy's bincount copies its input to int64
 // and allocates all the counts again for each block of the input).
 //
@@ -171,6 +174,34 @@ void segments_by_rank(const Tensor& items, const Tensor& bounds, const Tensor& r
   }
 }
 
+template <typename Item>
+void place_packed(const uint64_t* packed, int64_t n, int64_t* cursor, int64_t bound, Item* out, int64_t n_out) {
+  const uint64_t keys = static_cast<uint64_t>(bound);
+  for (int64_t i = 0; i < n; ++i) {  // two stages kAhead apart: the key's cursor, then the slot it points at
+    if (i + 2 * kAhead < n && (packed[i + 2 * kAhead] >> 32) < keys) __builtin_prefetch(cursor + (packed[i + 2 * kAhead] >> 32), 1);
+    if (i + kAhead < n && (packed[i + kAhead] >> 32) < keys) {
+      const int64_t slot = cursor[packed[i + kAhead] >> 32];
+      if (slot >= 0 && slot < n_out) __builtin_prefetch(out + slot, 1);
+    }
+    const uint64_t v = packed[i], k = v >> 32;
+    LF_CHECK_INDEX(k < keys, "group_packed: packed[", i, "]'s key is ", k, ", keys must be < ", bound, " (the cursors)");
+    const int64_t slot = cursor[k]++;
+    LF_CHECK_INDEX(slot >= 0 && slot < n_out, "group_packed: key ", k, "'s cursor reached ", slot, ", past out [", n_out,
+                   "] (the cursors must be the prefix sums of the keys' counts)");
+    out[slot] = static_cast<Item>(v & 0xffffffffu);
+  }
+}
+
+// packed[i] = keys[i] << 32 | (first + i), counts[keys[i]] += 1
+void pack(const int64_t* keys, int64_t n, int64_t first, uint64_t* packed, int64_t* counts, int64_t bound) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = keys[i];
+    LF_CHECK_INDEX(k >= 0 && k < bound, "pack_keys: keys[", i, "] = ", k, ", keys must be in [0, ", bound, ") (the counts)");
+    ++counts[k];
+    packed[i] = static_cast<uint64_t>(k) << 32 | static_cast<uint64_t>(first + i);
+  }
+}
+
 template <typename Key>
 void count(const Key* keys, int64_t n, int64_t* counts, int64_t bound) {
   for (int64_t i = 0; i < n; ++i) {
@@ -252,4 +283,35 @@ LATENTFAST_ENTRY(latentfast_count_keys) {
     default:
       LF_CHECK_VALUE(false, "count_keys: keys must be 8, 16, 32 or 64-bit ints, got ", dtype_name(keys.dtype));
   }
+}
+
+// args: packed (int64: key << 32 | item), cursor (int64, one per key: advanced), out (int32 or int64)
+LATENTFAST_ENTRY(latentfast_group_packed) {
+  const Tensor packed = in.tensor(), cursor = in.tensor(), out = in.tensor();
+  in.finish();
+  LF_CHECK_VALUE(packed.dtype == kLong, "group_packed: packed must be int64, got ", dtype_name(packed.dtype));
+  LF_CHECK_VALUE(cursor.dtype == kLong, "group_packed: cursor must be int64, got ", dtype_name(cursor.dtype));
+  const auto* p = checked_vector<uint64_t>(packed, "packed");
+  int64_t* c = checked_vector<int64_t>(cursor, "cursor");
+  if (out.dtype == kInt) return place_packed(p, packed.size(0), c, cursor.size(0), checked_vector<int32_t>(out, "out"), out.size(0));
+  LF_CHECK_VALUE(out.dtype == kLong, "group_packed: out must be int32 or int64, got ", dtype_name(out.dtype));
+  place_packed(p, packed.size(0), c, cursor.size(0), checked_vector<int64_t>(out, "out"), out.size(0));
+}
+
+// args: keys (int64), first (the first item's number), packed (int64 [len(keys)]: written), counts (int64: added to)
+LATENTFAST_ENTRY(latentfast_pack_keys) {
+  const Tensor keys = in.tensor();
+  const int64_t first = in.integer();
+  const Tensor packed = in.tensor(), counts = in.tensor();
+  in.finish();
+  for (const auto* t : {&keys, &packed, &counts}) {
+    LF_CHECK_VALUE(t->dtype == kLong, "pack_keys: keys, packed and counts must be int64, got ", dtype_name(t->dtype));
+  }
+  LF_CHECK_VALUE(packed.size(0) == keys.size(0), "pack_keys: packed must hold one word per key (", keys.size(0), "), got ",
+                 packed.size(0));
+  LF_CHECK_VALUE(first >= 0 && first + keys.size(0) <= (int64_t{1} << 32) && counts.size(0) <= (int64_t{1} << 32),
+                 "pack_keys: items and keys must be < 2^32, got items from ", first, " to ", first + keys.size(0),
+                 " and ", counts.size(0), " keys");
+  pack(checked_vector<int64_t>(keys, "keys"), keys.size(0), first, checked_vector<uint64_t>(packed, "packed"),
+       checked_vector<int64_t>(counts, "counts"), counts.size(0));
 }

@@ -38,7 +38,8 @@ ENTRY_POINTS = {  # op -> exported kernel
 # entry points that are no op's kernel: test hooks, and the samplers' planning passes (feed/sampler.py)
 HOOKS = {"sample_latents_philox_words": "latentfast_sample_latents_philox_words",
          "shuffle_like_numpy": "latentfast_shuffle_like_numpy", "group_by_key": "latentfast_group_by_key",
-         "sort_segments": "latentfast_sort_segments", "count_keys": "latentfast_count_keys"}
+         "sort_segments": "latentfast_sort_segments", "count_keys": "latentfast_count_keys",
+         "group_packed": "latentfast_group_packed", "pack_keys": "latentfast_pack_keys"}
 # torch's ScalarType numbers (csrc/native.h's Dtype); 99: a dtype no kernel takes
 _DTYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
            torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
@@ -255,6 +256,16 @@ def group_by_key(seq, keys, cursor, out) -> None:
     """``out[cursor[keys[v]]++] = v`` for each ``v`` of ``seq`` in order (keys read as unsigned ints of their width)."""
     _call(_FN["latentfast_group_by_key"], (*_tensor(seq), *_tensor(keys), *_tensor(cursor), *_tensor(out)))
 
+
+
+def group_packed(packed, cursor, out) -> None:
+    """``out[cursor[v >> 32]++] = v & 0xffffffff`` for each ``v`` of ``packed`` (int64) in order."""
+    _call(_FN["latentfast_group_packed"], (*_tensor(packed), *_tensor(cursor), *_tensor(out)))
+
+
+def pack_keys(keys, first: int, packed, counts) -> None:
+    """``packed[i] = keys[i] << 32 | (first + i)`` and ``counts[keys[i]] += 1`` (all int64; keys and items < 2^32)."""
+    _call(_FN["latentfast_pack_keys"], (*_tensor(keys), first, *_tensor(packed), *_tensor(counts)))
 
 
 def count_keys(keys, counts) -> None:

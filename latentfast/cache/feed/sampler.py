@@ -214,14 +214,19 @@ class ShardedBatchSampler(Sampler[list[int]]):
         rank_of_chunk[_permutation(rng, self._n_chunks)] = np.arange(self._n_chunks)
         window_of_chunk = rank_of_chunk // self.chunk_window
         windows = int(window_of_chunk.max(initial=0)) + 1
+        bound = windows * (1 if buckets is None else _id_count(buckets))
+
+        def keys_of(r0: int) -> np.ndarray:  # items r0.. 's groups, (bucket, window) as one int, made in item order
+            key = window_of_chunk[self._chunk_of[r0 : r0 + PLAN_BLOCK]]
+            return key if buckets is None else buckets[r0 : r0 + PLAN_BLOCK] * np.int64(windows) + key
+
+        if NATIVE is not None and self.n_items <= 2**32 and bound <= 2**32:
+            return _shuffled_groups(rng, self.n_items, keys_of, bound), window_of_chunk
         shuffled = np.arange(self.n_items, dtype=_index_dtype(self.n_items))
         _shuffle(rng, shuffled)  # the draws (and the order) of rng.permutation(n_items), in 4 bytes an item
-        # each item's group, (bucket, window) as one int, made in item order (reads in order, not at random)
-        bound = windows * (1 if buckets is None else _id_count(buckets))
         keys = np.empty(self.n_items, dtype=_id_dtype(bound))
         for r0 in range(0, self.n_items, PLAN_BLOCK):
-            key = window_of_chunk[self._chunk_of[r0 : r0 + PLAN_BLOCK]]
-            keys[r0 : r0 + PLAN_BLOCK] = key if buckets is None else buckets[r0 : r0 + PLAN_BLOCK] * np.int64(windows) + key
+            keys[r0 : r0 + PLAN_BLOCK] = keys_of(r0)
         return _group(keys, bound, shuffled), window_of_chunk
 
     @staticmethod
@@ -496,6 +501,21 @@ def _permutation(rng: np.random.Generator, n: int) -> np.ndarray:
     items = np.arange(n)
     _shuffle(rng, items)
     return items
+
+
+def _shuffled_groups(rng: np.random.Generator, n: int, keys_of, bound: int) -> np.ndarray:
+    """``_group(keys, bound, rng.permutation(n))`` by the native passes (``keys_of(r0)``: the keys, below
+    2^32, of items ``r0 .. r0 + PLAN_BLOCK``; n <= 2^32): each item packed with its key in one uint64,
+    shuffled together (the same draws, so the same order), then placed by key, read in order: no gather
+    of keys at random. 8 bytes an item while planning, as the 4-byte shuffle and 4-byte keys it replaces."""
+    packed, counts = np.empty(n, dtype=np.int64), np.zeros(bound, dtype=np.int64)
+    for r0 in range(0, n, PLAN_BLOCK):
+        NATIVE.pack_keys(torch.from_numpy(keys_of(r0).astype(np.int64, copy=False)), r0,
+                         torch.from_numpy(packed[r0 : r0 + PLAN_BLOCK]), torch.from_numpy(counts))
+    _shuffle(rng, packed)
+    out = np.empty(n, dtype=_index_dtype(n))
+    NATIVE.group_packed(*(torch.from_numpy(a) for a in (packed, np.cumsum(counts) - counts, out)))
+    return out
 
 
 def _counts(values: np.ndarray, length: int) -> np.ndarray:
