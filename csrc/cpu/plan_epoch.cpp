@@ -99,8 +99,8 @@ void group(const Item* seq, int64_t n, const Key* keys, int64_t n_keys, int64_t*
     LF_CHECK_INDEX(v >= 0 && static_cast<int64_t>(v) < n_keys, "group_by_key: seq[", i, "] = ", static_cast<int64_t>(v),
                    " is not an item of keys [", n_keys, "]");
     const uint64_t k = keys[v];
-    LF_CHECK_INDEX(k < static_cast<uint64_t>(bound), "group_by_key: the key of item ", static_cast<int64_t>(v), " is ", k,
-                   ", keys must be < ", bound, " (the cursors)");
+    LF_CHECK_INDEX(k < static_cast<uint64_t>(bound), "group_by_key: the key of item ", static_cast<int64_t>(v),
+                   " is ", k, ", keys must be < ", bound, " (the cursors)");
     return k;
   };
   for (int64_t i = 0; i < n; ++i) {
@@ -123,8 +123,9 @@ template <typename Item, typename Rank>
 void sort_segments(Item* items, int64_t n_items, const int64_t* bounds, int64_t n_bounds, const Rank* ranks,
                    int64_t n_ranks, int64_t count) {
   for (int64_t s = 0; s + 1 < n_bounds; ++s) {  // every bound checked before an item moves
-    LF_CHECK_INDEX(bounds[s] >= 0 && bounds[s] <= bounds[s + 1] && bounds[s + 1] <= n_items, "sort_segments: bounds[",
-                   s, ":", s + 2, "] = [", bounds[s], ", ", bounds[s + 1], "] is not a segment of items [", n_items, "]");
+    LF_CHECK_INDEX(bounds[s] >= 0 && bounds[s] <= bounds[s + 1] && bounds[s + 1] <= n_items,
+                   "sort_segments: bounds[", s, ":", s + 2, "] = [", bounds[s], ", ", bounds[s + 1],
+                   "] is not a segment of items [", n_items, "]");
   }
   const int64_t last = n_bounds ? bounds[n_bounds - 1] : 0;
   std::vector<uint64_t> rank_of;  // the segment's items' ranks, in place order
@@ -140,8 +141,8 @@ void sort_segments(Item* items, int64_t n_items, const int64_t* bounds, int64_t 
       LF_CHECK_INDEX(v >= 0 && static_cast<int64_t>(v) < n_ranks, "sort_segments: items[", r0 + i, "] = ",
                      static_cast<int64_t>(v), " is not an item of ranks [", n_ranks, "]");
       rank_of[i] = ranks[v];
-      LF_CHECK_INDEX(rank_of[i] < static_cast<uint64_t>(count), "sort_segments: the rank of item ", static_cast<int64_t>(v),
-                     " is ", rank_of[i], ", ranks must be < ", count);
+      LF_CHECK_INDEX(rank_of[i] < static_cast<uint64_t>(count), "sort_segments: the rank of item ",
+                     static_cast<int64_t>(v), " is ", rank_of[i], ", ranks must be < ", count);
     }
     if (count <= 2 * len + 64) {  // counting sort: the ranks' slots
       slots.assign(count, 0);
@@ -178,16 +179,19 @@ template <typename Item>
 void place_packed(const uint64_t* packed, int64_t n, int64_t* cursor, int64_t bound, Item* out, int64_t n_out) {
   const uint64_t keys = static_cast<uint64_t>(bound);
   for (int64_t i = 0; i < n; ++i) {  // two stages kAhead apart: the key's cursor, then the slot it points at
-    if (i + 2 * kAhead < n && (packed[i + 2 * kAhead] >> 32) < keys) __builtin_prefetch(cursor + (packed[i + 2 * kAhead] >> 32), 1);
+    if (i + 2 * kAhead < n && (packed[i + 2 * kAhead] >> 32) < keys) {
+      __builtin_prefetch(cursor + (packed[i + 2 * kAhead] >> 32), 1);
+    }
     if (i + kAhead < n && (packed[i + kAhead] >> 32) < keys) {
       const int64_t slot = cursor[packed[i + kAhead] >> 32];
       if (slot >= 0 && slot < n_out) __builtin_prefetch(out + slot, 1);
     }
     const uint64_t v = packed[i], k = v >> 32;
-    LF_CHECK_INDEX(k < keys, "group_packed: packed[", i, "]'s key is ", k, ", keys must be < ", bound, " (the cursors)");
+    LF_CHECK_INDEX(k < keys, "group_packed: packed[", i, "]'s key is ", k, ", keys must be < ", bound,
+                   " (the cursors)");
     const int64_t slot = cursor[k]++;
-    LF_CHECK_INDEX(slot >= 0 && slot < n_out, "group_packed: key ", k, "'s cursor reached ", slot, ", past out [", n_out,
-                   "] (the cursors must be the prefix sums of the keys' counts)");
+    LF_CHECK_INDEX(slot >= 0 && slot < n_out, "group_packed: key ", k, "'s cursor reached ", slot, ", past out [",
+                   n_out, "] (the cursors must be the prefix sums of the keys' counts)");
     out[slot] = static_cast<Item>(v & 0xffffffffu);
   }
 }
@@ -196,7 +200,8 @@ void place_packed(const uint64_t* packed, int64_t n, int64_t* cursor, int64_t bo
 void pack(const int64_t* keys, int64_t n, int64_t first, uint64_t* packed, int64_t* counts, int64_t bound) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t k = keys[i];
-    LF_CHECK_INDEX(k >= 0 && k < bound, "pack_keys: keys[", i, "] = ", k, ", keys must be in [0, ", bound, ") (the counts)");
+    LF_CHECK_INDEX(k >= 0 && k < bound, "pack_keys: keys[", i, "] = ", k, ", keys must be in [0, ", bound,
+                   ") (the counts)");
     ++counts[k];
     packed[i] = static_cast<uint64_t>(k) << 32 | static_cast<uint64_t>(first + i);
   }
@@ -256,7 +261,8 @@ LATENTFAST_ENTRY(latentfast_group_by_key) {
   group_keys<int64_t>(seq, keys, cursor, out);
 }
 
-// args: items (sorted in place), bounds (int64: segment s is items[bounds[s]:bounds[s + 1]]), ranks (one per item), count
+// args: items (sorted in place), bounds (int64: segment s is items[bounds[s]:bounds[s + 1]]), ranks (one per
+// item), count
 LATENTFAST_ENTRY(latentfast_sort_segments) {
   const Tensor items = in.tensor(), bounds = in.tensor(), ranks = in.tensor();
   const int64_t count = in.integer();
@@ -293,9 +299,10 @@ LATENTFAST_ENTRY(latentfast_group_packed) {
   LF_CHECK_VALUE(cursor.dtype == kLong, "group_packed: cursor must be int64, got ", dtype_name(cursor.dtype));
   const auto* p = checked_vector<uint64_t>(packed, "packed");
   int64_t* c = checked_vector<int64_t>(cursor, "cursor");
-  if (out.dtype == kInt) return place_packed(p, packed.size(0), c, cursor.size(0), checked_vector<int32_t>(out, "out"), out.size(0));
+  const int64_t n = packed.size(0), bound = cursor.size(0), n_out = out.size(0);
+  if (out.dtype == kInt) return place_packed(p, n, c, bound, checked_vector<int32_t>(out, "out"), n_out);
   LF_CHECK_VALUE(out.dtype == kLong, "group_packed: out must be int32 or int64, got ", dtype_name(out.dtype));
-  place_packed(p, packed.size(0), c, cursor.size(0), checked_vector<int64_t>(out, "out"), out.size(0));
+  place_packed(p, n, c, bound, checked_vector<int64_t>(out, "out"), n_out);
 }
 
 // args: keys (int64), first (the first item's number), packed (int64 [len(keys)]: written), counts (int64: added to)
@@ -307,8 +314,8 @@ LATENTFAST_ENTRY(latentfast_pack_keys) {
   for (const auto* t : {&keys, &packed, &counts}) {
     LF_CHECK_VALUE(t->dtype == kLong, "pack_keys: keys, packed and counts must be int64, got ", dtype_name(t->dtype));
   }
-  LF_CHECK_VALUE(packed.size(0) == keys.size(0), "pack_keys: packed must hold one word per key (", keys.size(0), "), got ",
-                 packed.size(0));
+  LF_CHECK_VALUE(packed.size(0) == keys.size(0), "pack_keys: packed must hold one word per key (", keys.size(0),
+                 "), got ", packed.size(0));
   LF_CHECK_VALUE(first >= 0 && first + keys.size(0) <= (int64_t{1} << 32) && counts.size(0) <= (int64_t{1} << 32),
                  "pack_keys: items and keys must be < 2^32, got items from ", first, " to ", first + keys.size(0),
                  " and ", counts.size(0), " keys");

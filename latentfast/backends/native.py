@@ -257,7 +257,6 @@ def group_by_key(seq, keys, cursor, out) -> None:
     _call(_FN["latentfast_group_by_key"], (*_tensor(seq), *_tensor(keys), *_tensor(cursor), *_tensor(out)))
 
 
-
 def group_packed(packed, cursor, out) -> None:
     """``out[cursor[v >> 32]++] = v & 0xffffffff`` for each ``v`` of ``packed`` (int64) in order."""
     _call(_FN["latentfast_group_packed"], (*_tensor(packed), *_tensor(cursor), *_tensor(out)))
