@@ -19,11 +19,16 @@ from latentfast.cache.feed.sampler import Batches
 from latentfast.testing import write_random_cache
 
 
-@pytest.fixture(params=["tiny blocks, slices per key", "tiny blocks, scattered keys"])
+@pytest.fixture(params=["native passes, tiny blocks", "numpy, tiny blocks, slices per key", "numpy, tiny blocks, scattered keys"])
 def blocks(request, monkeypatch):
-    """Blocks of 37 items (every pass crosses block boundaries), with either way of moving a block's items."""
+    """Blocks of 37 items (every pass crosses block boundaries), with the native library's shuffle and
+    grouping (csrc/cpu/plan_epoch.cpp, where it is built) or numpy's, and either way numpy moves a block's items."""
     monkeypatch.setattr(sampler_module, "PLAN_BLOCK", 37)
-    monkeypatch.setattr(sampler_module, "GROUP_RUNS", 4096 if "slices" in request.param else 0)
+    monkeypatch.setattr(sampler_module, "GROUP_RUNS", 0 if "scattered" in request.param else 4096)
+    if "numpy" in request.param:
+        monkeypatch.setattr(sampler_module, "NATIVE", None)
+    elif sampler_module.NATIVE is None:
+        pytest.skip("the native library is not built here")
     return request.param
 
 

@@ -35,9 +35,12 @@ ENTRY_POINTS = {  # op -> exported kernel
     "sample_latents_into": "latentfast_sample_latents_into",
     "gather_rows_multi_into": "latentfast_gather_rows_multi_into",  # sharded caches (see gather_rows_multi_into below)
 }
-# entry points that are no op's kernel: test hooks
+# entry points that are no op's kernel: test hooks, and the samplers' planning passes (feed/sampler.py)
 HOOKS = {"sample_latents_philox_words": "latentfast_sample_latents_philox_words",
-         "thread_choice_trace": "latentfast_thread_choice_trace"}
+         "thread_choice_trace": "latentfast_thread_choice_trace",
+         "shuffle_like_numpy": "latentfast_shuffle_like_numpy", "group_by_key": "latentfast_group_by_key",
+         "sort_segments": "latentfast_sort_segments", "count_keys": "latentfast_count_keys",
+         "group_packed": "latentfast_group_packed", "pack_keys": "latentfast_pack_keys"}
 # torch's ScalarType numbers (csrc/native.h's Dtype); 99: a dtype no kernel takes
 _DTYPES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
            torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
@@ -247,6 +250,41 @@ def gather_rows_multi_into(data, row_sources, row_offsets, widths, pitch, indice
     args = (*_tensor_list(data), *_tensor(row_sources), *_tensor(row_offsets), *_tensor(widths), pitch,
             *_tensor(indices), *flag_white, *_tensor(out), torch.get_num_threads())
     _call(_FN["latentfast_gather_rows_multi_into"], args)
+
+
+def shuffle_like_numpy(rng, data) -> None:
+    """``rng.shuffle(data)`` of a 1-D int32/int64 tensor, the same draws and result, prefetching
+    (csrc/cpu/plan_epoch.cpp); under the generator's lock, as numpy's own shuffle."""
+    capsule = rng.bit_generator.capsule
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+    with rng.bit_generator.lock:
+        _call(_FN["latentfast_shuffle_like_numpy"], (get_pointer(capsule, b"BitGenerator"), *_tensor(data)))
+
+
+def group_by_key(seq, keys, cursor, out) -> None:
+    """``out[cursor[keys[v]]++] = v`` for each ``v`` of ``seq`` in order (keys read as unsigned ints of their width)."""
+    _call(_FN["latentfast_group_by_key"], (*_tensor(seq), *_tensor(keys), *_tensor(cursor), *_tensor(out)))
+
+
+def group_packed(packed, cursor, out) -> None:
+    """``out[cursor[v >> 32]++] = v & 0xffffffff`` for each ``v`` of ``packed`` (int64) in order."""
+    _call(_FN["latentfast_group_packed"], (*_tensor(packed), *_tensor(cursor), *_tensor(out)))
+
+
+def pack_keys(keys, first: int, packed, counts) -> None:
+    """``packed[i] = keys[i] << 32 | (first + i)`` and ``counts[keys[i]] += 1`` (all int64; keys and items < 2^32)."""
+    _call(_FN["latentfast_pack_keys"], (*_tensor(keys), first, *_tensor(packed), *_tensor(counts)))
+
+
+def count_keys(keys, counts) -> None:
+    """``counts[k] += 1`` for each ``k`` of ``keys`` (read as unsigned ints of their width)."""
+    _call(_FN["latentfast_count_keys"], (*_tensor(keys), *_tensor(counts)))
+
+
+def sort_segments(items, bounds, ranks, count: int) -> None:
+    """Each ``items[bounds[s]:bounds[s + 1]]`` sorted stably by ``ranks[item]`` (< ``count``), in place."""
+    _call(_FN["latentfast_sort_segments"], (*_tensor(items), *_tensor(bounds), *_tensor(ranks), count))
 
 
 KERNELS = {op: globals()[op] for op in ENTRY_POINTS}  # op -> the Python function that calls its kernel

@@ -47,6 +47,10 @@ cache: a 10^8-item cache does not fit this disk), each sampler's
 - ``plan s``: one epoch's plan (``epoch_batches()``), median [min-max] of ``--runs`` epochs, and
   ``/ perm``: its ratio to one bare ``numpy.random.Generator.permutation(N)`` timed in the same process
   right after it (the floor: the old code made that call too, and a plan with the old order must);
+- ``numpy plan s``: one more plan of epoch 0 with the sampler's numpy passes (``sampler.NATIVE = None``: what
+  runs without the native library, the reference of ``csrc/cpu/plan_epoch.cpp``'s shuffle, grouping and
+  sort), timed in the same process, and ``native x``: its ratio to the median plan; ``same``: whether
+  the two plans of epoch 0 are equal (they must be);
 - ``first batch s``: ``next(iter(sampler))`` of a fresh epoch (the plan plus one batch);
 - ``kept B/item``: the bytes of the arrays the sampler keeps, per item (``sampler.nbytes / N``), and
   ``plan B/item``: the plan's arrays (``Batches.nbytes / N``); ``peak B/item``: the most Python/numpy
@@ -58,8 +62,14 @@ Samplers: ``shape, 100 buckets`` (uint8 ids drawn uniformly), ``shape, 1 bucket`
 mapped ``[N, 4]`` int64 shapes table (100 shapes, the ``.npy`` written to a temporary directory and
 opened with ``mmap_mode="r"``, read a block of rows at a time), for N up to ``--shapes-max``.
 
+``--cache N``: the same figures on a real cache's shapes and chunks: N tiny items (``[4, 2, 2]``,
+``[4, 2, 3]``, ``[4, 3, 2]`` float16, in runs of 1-63 items of one shape) written with
+``LatentCacheWriter.append_many`` to a temporary directory, then ``shape, cache`` (its mapped shapes)
+and ``shape windowed K=8, cache`` (``chunks=item_chunks(cache, 512)``: ~16 items a chunk, as the
+synthetic rows).
+
     python -m latentfast.bench.bench_sampler [--quick]
-    python -m latentfast.bench.bench_sampler --scale [--sizes 1e6,1e7,1e8] [--runs 3] [--shapes-max 1e7] [--kinds 0,1,2,3]
+    python -m latentfast.bench.bench_sampler --scale [--sizes 1e6,1e7,1e8] [--runs 3] [--shapes-max 1e7] [--kinds 0,1,2,3] [--cache 1e6]
 
 (``--kinds``: which of the samplers, by their place in :data:`SCALE_KINDS`).
 
@@ -80,7 +90,8 @@ import numpy as np
 import pytest
 
 from latentfast.bench.common import format_table
-from latentfast.cache import ShapeBucketBatchSampler, WidthBucketBatchSampler, item_chunks
+from latentfast.cache import LatentCache, LatentCacheWriter, ShapeBucketBatchSampler, WidthBucketBatchSampler, item_chunks
+from latentfast.cache.feed import sampler as sampler_module
 from latentfast.cache.remote.chunks import CHUNK_BYTES, chunk_indices
 
 NODES, BATCH, SAMPLER_CHUNK = 4, 64, 1 << 20
@@ -207,20 +218,35 @@ def spread(times: list[float]) -> dict:
 
 def scale_row(kind: str, n: int, runs: int) -> dict:
     cls, args, kwargs = scale_inputs(kind, n)
+    return timed_plans(lambda: cls(*args, **kwargs), n, runs)
+
+
+def timed_plans(make, n: int, runs: int) -> dict:
+    """The figures of one row (see the module docstring) of the sampler ``make()`` builds over ``n`` items."""
     t0 = time.perf_counter()
-    sampler = cls(*args, **kwargs)
+    sampler = make()
     build = time.perf_counter() - t0
-    del args, kwargs
     plans, floors = [], []
     for epoch in range(runs):
         sampler.set_epoch(epoch)
         t0 = time.perf_counter()
         plan = sampler.epoch_batches()
         plans.append(time.perf_counter() - t0)
+        first_plan = plan if epoch == 0 else first_plan
         del plan
         t0 = time.perf_counter()
         np.random.default_rng(epoch).permutation(n)
         floors.append(time.perf_counter() - t0)
+    sampler.set_epoch(0)
+    native, sampler_module.NATIVE = sampler_module.NATIVE, None
+    try:
+        t0 = time.perf_counter()
+        reference = sampler.epoch_batches()
+        numpy_plan = time.perf_counter() - t0
+    finally:
+        sampler_module.NATIVE = native
+    same = all(np.array_equal(getattr(first_plan, a), getattr(reference, a)) for a in ("items", "starts", "ends"))
+    del first_plan, reference
     sampler.set_epoch(runs)
     t0 = time.perf_counter()
     next(iter(sampler))
@@ -231,7 +257,8 @@ def scale_row(kind: str, n: int, runs: int) -> dict:
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return {"build_s": build, "plan_s": spread(plans), "plan_vs_permutation": spread([p / f for p, f in zip(plans, floors)]),
-            "permutation_s": spread(floors), "first_batch_s": first, "kept_bytes_per_item": sampler.nbytes / n,
+            "permutation_s": spread(floors), "numpy_plan_s": numpy_plan, "native_speedup": numpy_plan / statistics.median(plans),
+            "same_plan": same, "native": native is not None, "first_batch_s": first, "kept_bytes_per_item": sampler.nbytes / n,
             "plan_bytes_per_item": plan.nbytes / n, "peak_bytes_per_item": peak / n, "load_average": os.getloadavg()[0]}
 
 
@@ -257,15 +284,43 @@ def ids_from_shapes_seconds(n: int, runs: int) -> dict:
     return spread(times)
 
 
-def scale_report(sizes=(10**6, 10**7, 10**8), runs: int = 3, shapes_max: int = 10**7, kinds=SCALE_KINDS) -> dict:
+CACHE_SHAPES = ((4, 2, 2), (4, 2, 3), (4, 3, 2))
+
+
+def cache_rows(n: int, runs: int) -> dict:
+    """The rows ``shape, cache`` and ``shape windowed K=8, cache`` over a real cache of ``n`` tiny items."""
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        with LatentCacheWriter(os.path.join(tmp, "cache"), flush_every=1 << 16) as writer:
+            done = 0
+            while done < n:  # runs of one shape, of 1-63 items
+                count, shape = min(n - done, int(rng.integers(1, 64))), CACHE_SHAPES[int(rng.integers(0, len(CACHE_SHAPES)))]
+                writer.append_many([f"item{i}" for i in range(done, done + count)], np.zeros((count, *shape), np.float16))
+                done += count
+        cache = LatentCache(os.path.join(tmp, "cache"))
+        chunks = item_chunks(cache, 512)
+        return {"shape, cache": timed_plans(lambda: ShapeBucketBatchSampler(cache.shapes, BATCH), n, runs),
+                "shape windowed K=8, cache": timed_plans(
+                    lambda: ShapeBucketBatchSampler(cache.shapes, BATCH, chunks=chunks, chunk_window=8), n, runs)}
+
+
+def scale_report(sizes=(10**6, 10**7, 10**8), runs: int = 3, shapes_max: int = 10**7, kinds=SCALE_KINDS,
+                 cache_items: int = 0) -> dict:
     result = {"batch": BATCH, "runs": runs, "rows": {}, "ids_from_shapes": {}}
+
+    def report(label: str, row: dict) -> None:
+        result["rows"][label] = row
+        print(f"{label}: plan {row['plan_s']['median']:.2f} s ({row['plan_vs_permutation']['median']:.2f}x a permutation, "
+              f"numpy's plan {row['native_speedup']:.2f}x its time), load {row['load_average']:.1f}", flush=True)
+
     for n in sizes:
         for kind in kinds:
-            result["rows"][f"{kind} @ {n:.0e}"] = row = scale_row(kind, n, runs)
-            print(f"{kind} @ {n:.0e}: plan {row['plan_s']['median']:.2f} s ({row['plan_vs_permutation']['median']:.2f}x a "
-                  f"permutation), load {row['load_average']:.1f}", flush=True)
+            report(f"{kind} @ {n:.0e}", scale_row(kind, n, runs))
         if n <= shapes_max:
             result["ids_from_shapes"][f"{n:.0e}"] = ids_from_shapes_seconds(n, runs)
+    if cache_items:
+        for label, row in cache_rows(cache_items, runs).items():
+            report(f"{label} @ {cache_items:.0e}", row)
     print_scale(result)
     return result
 
@@ -275,11 +330,13 @@ def print_scale(result: dict) -> None:
         return f"{t['median']:.{digits}f} [{t['min']:.{digits}f}-{t['max']:.{digits}f}]"
 
     rows = [[label, round(r["build_s"], 2), span(r["plan_s"]), span(r["plan_vs_permutation"]), span(r["permutation_s"]),
+             round(r["numpy_plan_s"], 2), round(r["native_speedup"], 2), "yes" if r["same_plan"] else "NO",
              round(r["first_batch_s"], 2), r["kept_bytes_per_item"], r["plan_bytes_per_item"], r["peak_bytes_per_item"],
              round(r["load_average"], 1)] for label, r in result["rows"].items()]
-    print(format_table(f"samplers at scale, synthetic bucket ids, batches of {result['batch']}, {result['runs']} epochs each",
-                       ["sampler @ N", "build s", "plan s", "/ perm", "perm s", "first batch s", "kept B/item",
-                        "plan B/item", "peak B/item", "load"], rows))
+    native = "native passes" if sampler_module.NATIVE is not None else "NO native library: numpy's passes both ways"
+    print(format_table(f"samplers at scale, synthetic bucket ids (the rows ', cache': a real cache's), batches of {result['batch']}, {result['runs']} epochs each, {native}",
+                       ["sampler @ N", "build s", "plan s", "/ perm", "perm s", "numpy plan s", "native x", "same",
+                        "first batch s", "kept B/item", "plan B/item", "peak B/item", "load"], rows))
     if result["ids_from_shapes"]:
         print(format_table("bucket ids from a mapped [N, 4] int64 shapes table, 100 shapes", ["N", "ids from shapes s"],
                            [[n, span(t)] for n, t in result["ids_from_shapes"].items()]))
@@ -326,6 +383,6 @@ if __name__ == "__main__":
         kinds = [SCALE_KINDS[int(k)] for k in _option(args, "--kinds", ",".join(map(str, range(len(SCALE_KINDS))))).split(",")]
         scale_report(sizes=[int(float(x)) for x in _option(args, "--sizes", "1e6,1e7,1e8").split(",")],
                      runs=int(_option(args, "--runs", "3")), shapes_max=int(float(_option(args, "--shapes-max", "1e7"))),
-                     kinds=kinds)
+                     kinds=kinds, cache_items=int(float(_option(args, "--cache", "0"))))
     else:
         run_report(quick="--quick" in args)

@@ -10,7 +10,11 @@ its width's rank, each in the smallest unsigned dtype that holds them), never ``
 shapes table (a cache's is mapped) is read :data:`PLAN_BLOCK` rows at a time. An epoch's plan is
 arrays (:class:`Batches`: the items in batch order, int32 below 2^31 items, and each batch's bounds),
 not a list per batch, computed with numpy a block at a time; its order is the one the list-building
-code of before gave for the same seed (the same generator calls, in the same order)."""
+code of before gave for the same seed (the same generator calls, in the same order), so a state saved
+by any earlier version resumes exactly. The passes that touch every item at random (the shuffle, the
+grouping by (bucket, window), the sort of each part by width) run in the native library where it is
+built (``csrc/cpu/plan_epoch.cpp``: numpy's draws and results, its memory reads prefetched; at 10^8
+items numpy's wait for one cache miss per item), else in numpy: the same plan either way."""
 from __future__ import annotations
 
 import collections
@@ -20,8 +24,10 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
+import torch
 from torch.utils.data import Sampler
 
+from ...backends import native
 from ...checks import as_int
 from ...errors import ArgumentTypeError, InvalidArgumentError
 from ..store.format import CHUNK_BYTES
@@ -34,6 +40,9 @@ SAMPLER_CHUNK_BYTES = 64 * CHUNK_BYTES  # 1 MiB: 64 of the local chunk cache's c
 PLAN_BLOCK = 1 << 20  # items (or shape rows) handled at once while planning: temporaries of a few MiB whatever N
 GROUP_RUNS = 4096  # up to this many keys, a block's items of each key are moved as one slice
 TABLE_KEYS = 1 << 24  # shape keys ranked by a lookup table up to this many (~80 MiB), else by a sorted list
+# the native library's planning passes (csrc/cpu/plan_epoch.cpp), or None: numpy's, the reference
+# (the same plan either way; without the library, or with this set to None, as tests do)
+NATIVE = native if native.LIB is not None else None
 
 
 def item_chunks(cache, chunk_bytes: int = SAMPLER_CHUNK_BYTES) -> np.ndarray:
@@ -202,23 +211,32 @@ class ShardedBatchSampler(Sampler[list[int]]):
         in the epoch's random chunk order), in random order within a window; with ``buckets``, grouped
         by bucket first. ``window_of_chunk``: each chunk's window."""
         rank_of_chunk = np.empty(self._n_chunks, dtype=np.int64)
-        rank_of_chunk[rng.permutation(self._n_chunks)] = np.arange(self._n_chunks)
+        rank_of_chunk[_permutation(rng, self._n_chunks)] = np.arange(self._n_chunks)
         window_of_chunk = rank_of_chunk // self.chunk_window
         windows = int(window_of_chunk.max(initial=0)) + 1
-        shuffled = np.arange(self.n_items, dtype=_index_dtype(self.n_items))
-        rng.shuffle(shuffled)  # the draws (and the order) of rng.permutation(n_items), in 4 bytes an item
-        # each item's group, (bucket, window) as one int, made in item order (reads in order, not at random)
         bound = windows * (1 if buckets is None else _id_count(buckets))
+
+        def keys_of(r0: int) -> np.ndarray:  # items r0.. 's groups, (bucket, window) as one int, made in item order
+            key = window_of_chunk[self._chunk_of[r0 : r0 + PLAN_BLOCK]]
+            return key if buckets is None else buckets[r0 : r0 + PLAN_BLOCK] * np.int64(windows) + key
+
+        if NATIVE is not None and self.n_items <= 2**32 and bound <= 2**32:
+            return _shuffled_groups(rng, self.n_items, keys_of, bound), window_of_chunk
+        shuffled = np.arange(self.n_items, dtype=_index_dtype(self.n_items))
+        _shuffle(rng, shuffled)  # the draws (and the order) of rng.permutation(n_items), in 4 bytes an item
         keys = np.empty(self.n_items, dtype=_id_dtype(bound))
         for r0 in range(0, self.n_items, PLAN_BLOCK):
-            key = window_of_chunk[self._chunk_of[r0 : r0 + PLAN_BLOCK]]
-            keys[r0 : r0 + PLAN_BLOCK] = key if buckets is None else buckets[r0 : r0 + PLAN_BLOCK] * np.int64(windows) + key
+            keys[r0 : r0 + PLAN_BLOCK] = keys_of(r0)
         return _group(keys, bound, shuffled), window_of_chunk
 
     @staticmethod
     def _in_window_order(batch_windows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The order of batches: by window, shuffled within each."""
-        return np.lexsort((rng.permutation(len(batch_windows)), batch_windows))
+        """The order of batches: by window, shuffled within each: ``np.lexsort((rng.permutation(len(batch_windows)),
+        batch_windows))``, as the batches in the order of their draw grouped stably by window (a counting sort)."""
+        tie = _permutation(rng, len(batch_windows))
+        by_tie = np.empty_like(tie)
+        by_tie[tie] = np.arange(len(tie))
+        return _group(batch_windows, int(batch_windows.max(initial=0)) + 1, by_tie)
 
     def _plan(self, rng: np.random.Generator) -> Batches:
         raise NotImplementedError
@@ -325,12 +343,12 @@ class WidthBucketBatchSampler(ShardedBatchSampler):
             return self._windowed_plan(rng)
         n, bs = self.n_items, self.batch_size
         items = np.arange(n, dtype=_index_dtype(n))
-        rng.shuffle(items)  # rng.permutation(n)'s draws and order
+        _shuffle(rng, items)  # rng.permutation(n)'s draws and order
         part = bs * self.bucket_batches
         _sort_segments(items, np.append(np.arange(0, n, part), n), self._width_rank, self._widths_count)
         whole = n // bs * bs  # (only the very last batch can be short: the parts are whole batches)
         # shuffle the order of the whole batches, a short one kept last so drop_last-free shards stay full-sized
-        starts = rng.permutation(whole // bs) * bs
+        starts = _permutation(rng, whole // bs) * bs
         if whole < n and not self.drop_last:
             starts = np.append(starts, whole)
         return Batches(items, starts, np.minimum(starts + bs, n))
@@ -424,10 +442,10 @@ class ShapeBucketBatchSampler(_BucketedSampler):
         items = self._grouped()
         first = 0
         for size in self._sizes.tolist():  # (a loop per bucket, not per item)
-            rng.shuffle(items[first : first + size])  # in place: the draws and order of members[rng.permutation(size)]
+            _shuffle(rng, items[first : first + size])  # in place: the draws and order of members[rng.permutation(size)]
             first += size
         starts, ends = self._bucket_bounds()
-        order = rng.permutation(len(starts))
+        order = _permutation(rng, len(starts))
         return Batches(items, starts[order], ends[order])
 
     def _windowed_plan(self, rng: np.random.Generator) -> Batches:
@@ -464,9 +482,49 @@ def _index_dtype(n: int) -> type:
     return np.int32 if n < 2**31 else np.int64
 
 
+def _shuffle(rng: np.random.Generator, items: np.ndarray) -> None:
+    """``rng.shuffle(items)`` (int32/int64, contiguous), in place: the same draws and order from the native
+    kernel, which prefetches the items it will swap (at 10^8 items numpy's waits for one miss per item)."""
+    if NATIVE is None:
+        rng.shuffle(items)
+    else:
+        NATIVE.shuffle_like_numpy(rng, torch.from_numpy(items))
+
+
+def _as_signed(ids: np.ndarray) -> np.ndarray:
+    """Unsigned ids as a tensor-able view (torch has no uint16-64 the kernels take; they read them back as unsigned)."""
+    return ids if ids.dtype == np.uint8 else ids.view(f"i{ids.itemsize}")
+
+
+def _permutation(rng: np.random.Generator, n: int) -> np.ndarray:
+    """``rng.permutation(n)``: its draws and result (numpy's shuffles ``np.arange(n)``)."""
+    items = np.arange(n)
+    _shuffle(rng, items)
+    return items
+
+
+def _shuffled_groups(rng: np.random.Generator, n: int, keys_of, bound: int) -> np.ndarray:
+    """``_group(keys, bound, rng.permutation(n))`` by the native passes (``keys_of(r0)``: the keys, below
+    2^32, of items ``r0 .. r0 + PLAN_BLOCK``; n <= 2^32): each item packed with its key in one uint64,
+    shuffled together (the same draws, so the same order), then placed by key, read in order: no gather
+    of keys at random. 8 bytes an item while planning, as the 4-byte shuffle and 4-byte keys it replaces."""
+    packed, counts = np.empty(n, dtype=np.int64), np.zeros(bound, dtype=np.int64)
+    for r0 in range(0, n, PLAN_BLOCK):
+        NATIVE.pack_keys(torch.from_numpy(keys_of(r0).astype(np.int64, copy=False)), r0,
+                         torch.from_numpy(packed[r0 : r0 + PLAN_BLOCK]), torch.from_numpy(counts))
+    _shuffle(rng, packed)
+    out = np.empty(n, dtype=_index_dtype(n))
+    NATIVE.group_packed(*(torch.from_numpy(a) for a in (packed, np.cumsum(counts) - counts, out)))
+    return out
+
+
 def _counts(values: np.ndarray, length: int) -> np.ndarray:
-    """``np.bincount(values, minlength=length)`` a block at a time (bincount copies its input to int64 first)."""
+    """``np.bincount(values, minlength=length)`` a block at a time (bincount copies its input to int64 first,
+    and makes ``length`` counts per block: the native pass counts in place)."""
     counts = np.zeros(length, dtype=np.int64)
+    if NATIVE is not None:
+        NATIVE.count_keys(torch.from_numpy(_as_signed(values)), torch.from_numpy(counts))
+        return counts
     for r0 in range(0, len(values), PLAN_BLOCK):
         counts += np.bincount(values[r0 : r0 + PLAN_BLOCK], minlength=length)
     return counts
@@ -497,6 +555,9 @@ def _group(keys: np.ndarray, bound: int, seq: np.ndarray | None = None) -> np.nd
     cursor = _counts(keys, bound)
     cursor = np.cumsum(cursor) - cursor  # where each key's next item goes
     out = np.empty(n, dtype=dtype)
+    if seq is not None and NATIVE is not None:  # seq's items at random: one pass, prefetching their keys and slots
+        NATIVE.group_by_key(*(torch.from_numpy(a) for a in (seq, _as_signed(keys), cursor, out)))
+        return out
     for r0 in range(0, n, PLAN_BLOCK):
         part = seq[r0 : r0 + PLAN_BLOCK] if seq is not None else None
         part_keys = keys[part] if seq is not None else keys[r0 : r0 + PLAN_BLOCK]
@@ -522,7 +583,11 @@ def _group(keys: np.ndarray, bound: int, seq: np.ndarray | None = None) -> np.nd
 
 def _sort_segments(items: np.ndarray, bounds: np.ndarray, ranks: np.ndarray, count: int) -> None:
     """Sort each segment ``items[bounds[s]:bounds[s + 1]]`` stably by ``ranks`` of its items (ints in
-    ``[0, count)``), in place, the segments of about :data:`PLAN_BLOCK` items at once."""
+    ``[0, count)``), in place, the segments of about :data:`PLAN_BLOCK` items at once (the native pass: one at a time)."""
+    if NATIVE is not None:
+        NATIVE.sort_segments(torch.from_numpy(items), torch.from_numpy(bounds.astype(np.int64, copy=False)),
+                             torch.from_numpy(_as_signed(ranks)), count)
+        return
     s = 0
     while s < len(bounds) - 1:
         t = max(s + 1, int(np.searchsorted(bounds, bounds[s] + PLAN_BLOCK, side="right")) - 1)
