@@ -225,6 +225,56 @@ def test_workers_fill_a_ring_of_shared_buffers(folders):
     assert len(ptrs) == 20 and len(set(ptrs)) <= 2 * slots < len(ptrs)
 
 
+def count_fds_received(monkeypatch) -> list:
+    """Count the file descriptors this process receives from others (how torch sends a worker's
+    shared-memory tensor: a descriptor per storage, over a socket); the list grows by one each."""
+    from multiprocessing import resource_sharer
+
+    received = []
+    detach = resource_sharer.DupFd.detach
+    monkeypatch.setattr(resource_sharer.DupFd, "detach", lambda self: received.append(1) or detach(self))
+    return received
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_send_each_ring_buffer_once_then_only_its_place(folders, monkeypatch, context):
+    # torch would send a handle (a file descriptor over a socket) per tensor per batch: here a buffer's
+    # storage crosses once, then batches name their place in the ring
+    received = count_fds_received(monkeypatch)
+    cache = LatentCache(folders["records"])
+    options = dict(fields=("latent", "text"), pad={"text": 0.0})
+    loader = LatentLoader(cache, 2, num_workers=2, hold=1, multiprocessing_context=context, **options)
+    slots = loader.prefetch_factor + 1 + 1  # per worker (see test_workers_fill_a_ring_of_shared_buffers)
+    batches = 0
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            index = batch.pop("index")
+            assert_same(batch, read_batch(cache, index, **options))
+            batches += 1
+    assert batches == 60 and 0 < len(received) <= 2 * slots * 2  # workers x slots x fields, not per batch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_workers_buffer_that_grows_is_sent_again(folders, monkeypatch):
+    from latentfast.cache.feed.loader import _RING_STORAGES
+
+    received = count_fds_received(monkeypatch)
+    cache = LatentCache(folders["records"])
+    options = dict(fields=("latent", "text"), pad={"text": 0.0})
+    loader = LatentLoader(cache, 2, num_workers=2, hold=1, **options)
+    loader._reserve = {}  # (no worst-case reserve: a slot's text buffer grows when a longer batch comes round)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            index = batch.pop("index")
+            assert_same(batch, read_batch(cache, index, **options))
+    assert len(received) > len(_RING_STORAGES[loader._workers.dataset.token])  # some buffers were sent twice
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_persistent_workers_draw_each_epochs_samples(folders):

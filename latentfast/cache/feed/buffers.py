@@ -11,7 +11,8 @@ a contiguous view of the batch's shape and dtype.
 Host buffers are page-aligned anonymous maps advised for transparent huge pages (``MADV_HUGEPAGE``:
 one fault per 2 MiB instead of per 4 KiB, where the kernel allows it); ``pin=True`` buffers are
 pinned (a batch going to a GPU: the copy is asynchronous); ``shared=True`` buffers live in shared
-memory (a DataLoader worker's: the batch reaches the main process as a handle, not a copy).
+memory (a DataLoader worker's: the main process maps them once, and a batch reaches it as its place
+in them, not a copy).
 """
 from __future__ import annotations
 
@@ -69,6 +70,14 @@ class BatchBuffers:
             region.madvise(mmap.MADV_HUGEPAGE)
         self._maps[key] = region
         return torch.frombuffer(region, dtype=torch.uint8)
+
+    def viewed_by(self, tensor: torch.Tensor):
+        """The ``(name, device)`` key and buffer of the entry ``tensor`` is a view of, or None."""
+        storage = tensor.untyped_storage().data_ptr()
+        for key, buffer in self._buffers.items():
+            if buffer.untyped_storage().data_ptr() == storage:
+                return key, buffer
+        return None
 
     def data_ptrs(self) -> set[int]:
         """The addresses of the buffers held now (what a test of reuse compares)."""
