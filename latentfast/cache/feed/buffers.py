@@ -11,8 +11,7 @@ a contiguous view of the batch's shape and dtype.
 Host buffers are page-aligned anonymous maps advised for transparent huge pages (``MADV_HUGEPAGE``:
 one fault per 2 MiB instead of per 4 KiB, where the kernel allows it); ``pin=True`` buffers are
 pinned (a batch going to a GPU: the copy is asynchronous); ``shared=True`` buffers live in shared
-memory (a DataLoader worker's: the main process maps them once, and a batch reaches it as its place
-in them, not a copy).
+memory (a DataLoader worker's: the batch reaches the main process as a handle, not a copy).
 """
 from __future__ import annotations
 
