@@ -225,6 +225,56 @@ def test_workers_fill_a_ring_of_shared_buffers(folders):
     assert len(ptrs) == 20 and len(set(ptrs)) <= 2 * slots < len(ptrs)
 
 
+def count_fds_received(monkeypatch) -> list:
+    """Count the file descriptors this process receives from others (how torch sends a worker's
+    shared-memory tensor: a descriptor per storage, over a socket); the list grows by one each."""
+    from multiprocessing import resource_sharer
+
+    received = []
+    detach = resource_sharer.DupFd.detach
+    monkeypatch.setattr(resource_sharer.DupFd, "detach", lambda self: received.append(1) or detach(self))
+    return received
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_send_each_ring_buffer_once_then_only_its_place(folders, monkeypatch, context):
+    # torch would send a handle (a file descriptor over a socket) per tensor per batch: here a buffer's
+    # storage crosses once, then batches name their place in the ring
+    received = count_fds_received(monkeypatch)
+    cache = LatentCache(folders["records"])
+    options = dict(fields=("latent", "text"), pad={"text": 0.0})
+    loader = LatentLoader(cache, 2, num_workers=2, hold=1, multiprocessing_context=context, **options)
+    slots = loader.prefetch_factor + 1 + 1  # per worker (see test_workers_fill_a_ring_of_shared_buffers)
+    batches = 0
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            index = batch.pop("index")
+            assert_same(batch, read_batch(cache, index, **options))
+            batches += 1
+    assert batches == 60 and 0 < len(received) <= 2 * slots * 2  # workers x slots x fields, not per batch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_workers_buffer_that_grows_is_sent_again(folders, monkeypatch):
+    from latentfast.cache.feed.loader import _RING_STORAGES
+
+    received = count_fds_received(monkeypatch)
+    cache = LatentCache(folders["records"])
+    options = dict(fields=("latent", "text"), pad={"text": 0.0})
+    loader = LatentLoader(cache, 2, num_workers=2, hold=1, **options)
+    loader._reserve = {}  # (no worst-case reserve: a slot's text buffer grows when a longer batch comes round)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            index = batch.pop("index")
+            assert_same(batch, read_batch(cache, index, **options))
+    assert len(received) > len(_RING_STORAGES[loader._workers.dataset.token])  # some buffers were sent twice
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_persistent_workers_draw_each_epochs_samples(folders):
@@ -425,6 +475,54 @@ def test_an_s3_cache_through_the_loader_reads_as_the_local_one(folders, tmp_path
     for batch in batches:
         index = batch.pop("index")
         assert_same(batch, read_batch(local, index, fields=("latent", "text"), pad={"text": 0.0}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_forked_workers_share_the_crc_checks_of_an_s3_caches_chunks(folders, tmp_path, monkeypatch):
+    # each process checks a chunk before its first read of it; the loader's forked workers share those
+    # checks with it and with each other, so a warm cache is not checked again by every worker
+    pytest.importorskip("obstore", reason="remote caches need obstore (pip install 'latentfast[s3]')")
+    pytest.importorskip("moto.server", reason="the loopback S3 server is moto[server] (pip install 'latentfast[test]')")
+    import mmap
+    import zlib
+
+    import numpy as np
+
+    from latentfast.cache.remote import chunks, push
+    from latentfast.testing import create_bucket, s3_options, s3_server
+
+    local = LatentCache(folders["records"])
+    options = dict(fields=("latent", "text"), pad={"text": 0.0})
+    with s3_server() as endpoint:
+        create_bucket(endpoint, "lfchecks")
+        push(folders["records"], "s3://lfchecks/records", s3_options(endpoint))
+
+        def opened(folder):
+            return LatentCache("s3://lfchecks/records", storage_options=s3_options(endpoint), local_cache=str(tmp_path / folder),
+                               local_cache_bytes=1 << 30)
+
+        # a cold cache read by the workers only (opening it opened its chunk maps here, before the workers
+        # fork): their checks show in this process's maps
+        cold = opened("cold")
+        batches = [snapshot(b) for b in LatentLoader(cold, 4, num_workers=2, multiprocessing_context="fork", **options)]
+        assert items_of(batches) == list(range(len(local)))
+        checked_here = [bool(obj.checked.any()) for obj in cold.remote.reader.cache._objects.values()]
+        assert sum(checked_here) == 2  # the latents' and the texts' objects (the other fields are fetched, not read)
+
+        # a cache checked here (read in process), then read by forked workers: no chunk checked again
+        warm = opened("warm")
+        list(LatentLoader(warm, 4, **options))
+        checks = np.frombuffer(mmap.mmap(-1, 8), dtype=np.int64)  # (shared with the workers forked below)
+        counting = type("counting_zlib", (), {"crc32": staticmethod(lambda data: checks.__setitem__(0, checks[0] + 1) or zlib.crc32(data))})
+        monkeypatch.setattr(chunks, "zlib", counting)
+        loader = LatentLoader(warm, 4, num_workers=2, multiprocessing_context="fork", **options)
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                index = batch.pop("index")
+                assert_same(batch, read_batch(local, index, **options))
+        assert checks[0] == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -21,7 +21,7 @@ of the ratios.
   file per item loaded with ``safetensors.torch.load_file`` and stacked (what per-item trainers read;
   fresh outputs too);
 - loader: the second epoch (batches of 16; steady state: workers started, buffers made) of
-  :class:`~latentfast.cache.LatentLoader` with 2 workers and in process, against a loop of
+  :class:`~latentfast.cache.LatentLoader` with 2 workers, 1 worker and in process, against a loop of
   ``read_batch`` over the same batches (fresh outputs, as a DataLoader worker's), and
   ``DataLoader(cache.dataset(...), collate_fn=collate_records)`` (items one by one, then padded);
 - ``--s3``: the loader rows again over the cache in object storage (moto on loopback), warm.
@@ -194,7 +194,8 @@ def run_report(quick: bool = False, runs: int = 3, loader: bool = True) -> dict:
         loops = []
         for _ in range(runs if loader else 0):
             every = [b["index"].clone() for b in LatentLoader(cache, LOADER_BATCH, seed=0, drop_last=True, **spec)]
-            loops.append({"loader 2 workers": loader_run(cache, spec, 2), "loader in process": loader_run(cache, spec, 0),
+            loops.append({"loader 2 workers": loader_run(cache, spec, 2), "loader 1 worker": loader_run(cache, spec, 1),
+                          "loader in process": loader_run(cache, spec, 0),
                           "read_batch loop": timed(lambda b: read_batch(cache, b, **spec), every),
                           "cache.dataset + DataLoader": dataset_run(cache, spec)})
         del lat_src, txt_src, lat_mm, txt_mm
@@ -219,7 +220,8 @@ def s3_loops(runs: int) -> list[dict]:
         loops = []
         for _ in range(runs):
             every = [b["index"].clone() for b in LatentLoader(cache, LOADER_BATCH, seed=0, drop_last=True, **spec)]
-            loops.append({"loader 2 workers": loader_run(cache, spec, 2), "loader in process": loader_run(cache, spec, 0),
+            loops.append({"loader 2 workers": loader_run(cache, spec, 2), "loader 1 worker": loader_run(cache, spec, 1),
+                          "loader in process": loader_run(cache, spec, 0),
                           "read_batch loop": timed(lambda b: read_batch(cache, b, **spec), every)})
     return loops
 
@@ -261,7 +263,8 @@ def print_report(report: dict) -> None:
     print(f"| loader (batches of {LOADER_BATCH}) | ms / batch | speed vs read_batch loop | vs loader in process |")
     print("|---|---|---|---|")
     for label, rows in (("", loops), ("s3:// warm, ", report.get("s3") or [])):
-        for name in [k for k in ("loader 2 workers", "loader in process", "read_batch loop", "cache.dataset + DataLoader")
+        for name in [k for k in ("loader 2 workers", "loader 1 worker", "loader in process", "read_batch loop",
+                                 "cache.dataset + DataLoader")
                      if rows and k in rows[0]]:
             print(f"| {label}{name} | {summary([r[name] * 1e3 for r in rows])} | "
                   f"{summary([r['read_batch loop'] / r[name] for r in rows])}x | "

@@ -84,6 +84,14 @@ class BatchBuffers:
         region = self._maps[key] = huge_page_map(size)
         return torch.frombuffer(region, dtype=torch.uint8)
 
+    def viewed_by(self, tensor: torch.Tensor):
+        """The ``(name, device)`` key and buffer of the entry ``tensor`` is a view of, or None."""
+        storage = tensor.untyped_storage().data_ptr()
+        for key, buffer in self._buffers.items():
+            if buffer.untyped_storage().data_ptr() == storage:
+                return key, buffer
+        return None
+
     def data_ptrs(self) -> set[int]:
         """The addresses of the buffers held now (what a test of reuse compares)."""
         return {buffer.data_ptr() for buffer in self._buffers.values()}

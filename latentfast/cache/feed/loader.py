@@ -25,12 +25,14 @@ neither the disk nor the copy waits on the training step.
 """
 from __future__ import annotations
 
-import collections
+import uuid
+import weakref
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ...checks import as_int, as_row_indices
 from ...devices import as_device
@@ -166,7 +168,8 @@ class LatentLoader:
     an epoch resumes to an empty rest of that epoch.
 
     Workers: ``num_workers`` processes read whole batches (each into a ring of its own shared-memory
-    buffers, so a batch reaches this process as a handle, not a copy), started on the first pass and
+    buffers, mapped here once: a batch reaches this process as its place in the ring, not a copy nor
+    a handle per tensor), started on the first pass and
     kept for the next ones (persistent: the rings are made once); ``prefetch_factor`` batches each
     ahead; ``multiprocessing_context`` as the DataLoader's. A batch of a pass left before its end is
     valid until the next pass begins. ``lookahead``: the rows of the next
@@ -244,7 +247,6 @@ class LatentLoader:
         self._next_slot = 0
         self._workers: DataLoader | None = None  # with num_workers: the persistent workers' DataLoader
         self._tasks: _Tasks | None = None
-        self._mapped: collections.deque | None = None  # the workers' latest batches, kept mapped here
         self._taken = 0  # batches yielded since the pass began (at the sampler's start position)
         self._loaded = False  # a state was loaded and no pass has begun since
 
@@ -322,21 +324,19 @@ class LatentLoader:
         slots = self.prefetch_factor + -(-self.hold // self.num_workers) + 1 if self.recycle else 0
         if self._workers is None:  # persistent: each epoch's pass reuses the workers and their rings
             self._tasks = _Tasks(self._prefetch, self.lookahead)
+            token = uuid.uuid4().hex  # names this loader's ring storages in this process (see _RingBatch)
+            weakref.finalize(self, _RING_STORAGES.pop, token, None)
             reader = _BatchReader(self.caches, [spec.replace(device="cpu") for spec in self._specs], self._fills,
-                                  self.mixed, slots, self._reserve)
+                                  self.mixed, slots, self._reserve, token)
             self._workers = DataLoader(reader, batch_size=None, sampler=self._tasks, collate_fn=_as_is,
                                        num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
                                        persistent_workers=True, multiprocessing_context=self.multiprocessing_context)
-            # the received batches of every slot stay referenced: a slot's storage then stays mapped here, and
-            # its next batch arrives as the same storage (torch's shared-memory cache) instead of a fresh map
-            self._mapped = collections.deque(maxlen=max(1, slots * self.num_workers))
         self._tasks.todo = todo
         on_device = self.device.type != "cpu"
         for batch in self._workers:
             for key, value in batch.items():
                 if isinstance(value, np.ndarray):
                     batch[key] = torch.from_numpy(value)
-            self._mapped.append(batch.copy())
             if on_device:
                 slot = self._slot()
                 for name in self.spec.names:
@@ -414,27 +414,92 @@ class _Tasks:
 
 class _BatchReader(Dataset):
     """A worker's reader: ``reader[(source, epoch, indices)]`` is :func:`_read_task`'s batch, in the next
-    slot of its ring of shared-memory buffers (made in the worker, on first use); its small entries
-    travel as numpy arrays (pickled by value) instead of a shared-memory segment each."""
+    slot of its ring of shared-memory buffers (made in the worker, on first use), sent as a
+    :class:`_RingBatch`; its small entries travel as numpy arrays (pickled by value) instead of a
+    shared-memory segment each."""
 
-    def __init__(self, caches: list, specs: list, fills: list, mixed: bool, slots: int, reserve: dict):
+    def __init__(self, caches: list, specs: list, fills: list, mixed: bool, slots: int, reserve: dict, token: str):
         self.caches, self.specs, self.fills, self.mixed = caches, specs, fills, mixed
-        self.slots, self.reserve = slots, reserve
+        self.slots, self.reserve, self.token = slots, reserve, token
         self._ring: list[BatchBuffers] = []
         self._count = 0
+        self._sent: dict = {}  # (slot, buffer key) -> the buffer whose storage the loader's process holds
 
     def __len__(self) -> int:
         return sum(len(cache) for cache in self.caches)
 
-    def __getitem__(self, task) -> dict:
+    def __getitem__(self, task):
         if self.slots and not self._ring:
             self._ring = [BatchBuffers(shared=True, reserve=self.reserve) for _ in range(self.slots)]
-        slot = self._ring[self._count % self.slots] if self.slots else None
+        slot = self._count % self.slots if self.slots else None
         self._count += 1
-        batch = _read_task(self.caches, self.specs, self.fills, self.mixed, task, slot)
+        batch = _read_task(self.caches, self.specs, self.fills, self.mixed, task, None if slot is None else self._ring[slot])
         for key in [k for k in batch if k.endswith(("_shape", "_present")) or k in ("flipped", "index")]:
             batch[key] = batch[key].numpy()
-        return batch
+        return batch if slot is None else self._in_ring(batch, slot)
+
+    def _in_ring(self, batch: dict, slot: int) -> "_RingBatch":
+        """``batch`` with its tensors in ring slot ``slot`` as :class:`_RingView` s, each buffer's storage
+        attached only when the loader's process has not been sent that buffer yet."""
+        entries = {}
+        for key, value in batch.items():
+            found = self._ring[slot].viewed_by(value) if isinstance(value, torch.Tensor) else None
+            if found is None:
+                entries[key] = value
+                continue
+            buffer_key, buffer = found
+            new = self._sent.get((slot, buffer_key)) is not buffer
+            self._sent[(slot, buffer_key)] = buffer
+            entries[key] = _RingView((slot, buffer_key), buffer.untyped_storage() if new else None, value.dtype,
+                                     tuple(value.shape), value.stride(), value.storage_offset())
+        return _RingBatch(self.token, get_worker_info().id, entries)
+
+
+# this process's map of the workers' ring buffers: {loader token: {(worker, slot, buffer key): storage}}
+_RING_STORAGES: dict[str, dict] = {}
+
+
+class _RingView(NamedTuple):
+    """Where a worker's batch tensor lies: ring slot and buffer, its storage (the first time that
+    buffer is sent, else None), and the view's dtype, shape, stride and offset (in elements)."""
+    buffer: tuple
+    storage: torch.UntypedStorage | None
+    dtype: torch.dtype
+    shape: tuple
+    stride: tuple
+    offset: int
+
+
+class _RingBatch:
+    """A worker's batch on its way to the loader's process, which rebuilds it as views of the ring
+    buffers it holds (:func:`_received`). Why not let torch send the tensors: torch sends a
+    shared-memory handle per tensor per batch, a file descriptor passed over a fresh socket
+    connection each time (measured: 0.2-0.5 ms per tensor in the loader's process, which then
+    lags the workers); here each buffer's handle is sent once, then only its place in the ring."""
+
+    def __init__(self, token: str, worker: int, entries: dict):
+        self.token, self.worker, self.entries = token, worker, entries
+
+    def __reduce__(self):
+        return _received, (self.token, self.worker, self.entries)
+
+
+def _received(token: str, worker: int, entries: dict) -> dict:
+    """A :class:`_RingBatch` unpickled in the loader's process: the batch dict, its ring entries views
+    of the storages kept in :data:`_RING_STORAGES` (a storage sent along replaces that buffer's: a
+    worker sends a buffer's storage the first time and after it grew). A worker's batches arrive in
+    the order it sent them, so a buffer's storage always comes before the batches that only name it."""
+    storages = _RING_STORAGES.setdefault(token, {})
+    batch = {}
+    for key, entry in entries.items():
+        if not isinstance(entry, _RingView):
+            batch[key] = entry
+            continue
+        if entry.storage is not None:
+            storages[(worker, *entry.buffer)] = entry.storage
+        storage = storages[(worker, *entry.buffer)]
+        batch[key] = torch.empty(0, dtype=entry.dtype).set_(storage, entry.offset, entry.shape, entry.stride)
+    return batch
 
 
 def _rank_and_world(rank, world_size) -> tuple[int, int]:

@@ -11,8 +11,9 @@ Layout under ``directory``, per remote object version (``key`` = a hash of URL, 
                   reached the disk before the bytes) is emptied when opened;
 - ``key.atime``   int64 per chunk, CLOCK_MONOTONIC ns of its last use (node-wide clock): the LRU order;
 - ``key.crc32``   uint32 per chunk, the CRC-32 of its bytes as downloaded (written before its mark):
-                  each process checks a chunk against it before its first read of it, and a chunk that
-                  fails (the local copy damaged on disk) is dropped and fetched again;
+                  each process checks a chunk against it before its first read of it (a process forked
+                  after it opened the object shares its checks both ways: DataLoader workers), and a
+                  chunk that fails (the local copy damaged on disk) is dropped and fetched again;
 - ``key.claims``  empty; a POSIX byte-range lock on ``[c0, c1)`` is the right to download chunks
                   ``c0..c1-1``: one download per chunk per node. The kernel drops it if the holder dies.
 
@@ -138,7 +139,7 @@ class UsedBytes:
 class ObjectChunks:
     """One object's local copy: the four files above, opened by this process."""
 
-    def __init__(self, base: str, size: int, chunk_bytes: int, used: UsedBytes):
+    def __init__(self, base: str, size: int, chunk_bytes: int, used: UsedBytes, checked: np.ndarray | None = None):
         self.base, self.size, self.chunk_bytes, self.used = base, int(size), int(chunk_bytes), used
         self.n_chunks = max(1, -(-self.size // self.chunk_bytes))
         self.data_fd = os.open(base + ".data", os.O_RDWR)
@@ -148,7 +149,9 @@ class ObjectChunks:
         self.present = np.frombuffer(self._maps[0], dtype=np.uint8, count=self.n_chunks)  # plain views:
         self.atime = np.frombuffer(self._maps[1], dtype=np.int64, count=self.n_chunks)  # np.memmap slices slowly
         self.crc = np.frombuffer(self._maps[2], dtype=np.uint32, count=self.n_chunks)
-        self.checked = np.zeros(self.n_chunks, dtype=bool)  # chunks this process found intact
+        # chunks this process found intact, in memory it shares with the processes it forks (MAP_SHARED): a
+        # DataLoader worker then trusts what its parent and siblings checked instead of checking every chunk again
+        self.checked = np.frombuffer(mmap.mmap(-1, self.n_chunks), dtype=bool) if checked is None else checked
         self._data = None
 
     @property
@@ -262,6 +265,7 @@ class ChunkCache:
         self.directory, self.capacity, self.chunk_bytes = str(directory), int(capacity_bytes), int(chunk_bytes)
         os.makedirs(self.directory, exist_ok=True)
         self._objects: dict[str, ObjectChunks] = {}
+        self._inherited_checks: dict[str, np.ndarray] = {}  # (a forked process's: its parent's, see _fresh_process)
         self._pid = os.getpid()
         self.used = UsedBytes(os.path.join(self.directory, "used_bytes"))
         self._forget_other_boots()
@@ -318,6 +322,8 @@ class ChunkCache:
     def _fresh_process(self) -> None:
         """After a fork the parent's handles are not ours to lock with: open our own."""
         if self._pid != os.getpid():
+            # (the parent's checks hold here too: same boot, same page cache; see ObjectChunks.checked)
+            self._inherited_checks = {key: obj.checked for key, obj in self._objects.items()}
             self._objects, self._pid = {}, os.getpid()
             self.used = UsedBytes(os.path.join(self.directory, "used_bytes"))  # lockf locks are per process
 
@@ -327,9 +333,11 @@ class ChunkCache:
         key = hashlib.sha256(f"{identity}\0{size}\0{self.chunk_bytes}".encode()).hexdigest()[:32]
         if key not in self._objects:
             base = os.path.join(self.directory, key)
+            checked = self._inherited_checks.pop(key, None)
             if not self._whole(base, size):
                 self._create(base, size)
-            self._objects[key] = ObjectChunks(base, size, self.chunk_bytes, self.used)
+                checked = None  # (a set made again: nothing in it was checked)
+            self._objects[key] = ObjectChunks(base, size, self.chunk_bytes, self.used, checked)
         return self._objects[key]
 
     def _sizes(self, size: int) -> dict[str, int]:
@@ -376,7 +384,7 @@ class ChunkCache:
                     continue
                 if not self._whole(base, size):  # damaged: the next reader of that object makes it again
                     continue
-                self._objects[key] = ObjectChunks(base, size, self.chunk_bytes, self.used)
+                self._objects[key] = ObjectChunks(base, size, self.chunk_bytes, self.used, self._inherited_checks.pop(key, None))
             found.append(self._objects[key])
         return found
 
