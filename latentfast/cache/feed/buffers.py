@@ -13,7 +13,7 @@ Host buffers are page-aligned private anonymous maps advised for transparent hug
 anonymous map is shmem, which the kernel's default ``shmem_enabled=never`` keeps on 4 KiB pages, and
 a forked child would write into the parent's); ``pin=True`` buffers are pinned (a batch going to a
 GPU: the copy is asynchronous); ``shared=True`` buffers live in shared memory (a DataLoader worker's:
-the batch reaches the main process as a handle, not a copy).
+each buffer's storage crosses to the main process once, then a batch is only its place in the ring).
 
 A batch read without ``out=`` gets a fresh tensor; :func:`fresh_host` makes the large ones (4 MiB
 and up) from the same maps, and takes back the map of one whose last view is gone, so the next
