@@ -27,7 +27,7 @@ file of the benchmark's JPEG size, in memory.
 With CUDA -- an SDXL-class VAE (random weights, bfloat16): ``build_image_cache`` images/s against the
 encoder alone on batches already on the device (``vae_report``; bench/gpu_check.sh runs it).
 
-Run:  python -m latentfast.bench.bench_build [--quick] [--runs N] [--workers N]
+Run:  python -m latentfast.bench.bench_build [--quick] [--runs N] [--workers N] [--images N]
       pytest latentfast/bench/bench_build.py --benchmark-enable (pytest-benchmark: one build, one ceiling pass)
 ``latentfast bench`` calls ``run_report(quick)``.
 """
@@ -158,11 +158,12 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_report(quick: bool = False, runs: int = 3, workers: int | None = None) -> dict:
+def run_report(quick: bool = False, runs: int = 3, workers: int | None = None, images: int | None = None) -> dict:
     runs = max(3, runs)
     workers = workers or len(os.sched_getaffinity(0))
     size, bucket = ((1280, 960), (448, 576)) if quick else ((2560, 1920), (896, 1152))
     n, batch_size = (16, 4) if quick else (32, 8)
+    n = images or n  # (more images: the build's fixed costs -- its lock, fresh buffers, publish -- weigh less)
     result = {"machine": machine_summary(), "workers": workers, "images": n, "source_size": list(size),
               "bucket": list(bucket), "batch_size": batch_size, "runs": runs, "formats": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -355,5 +356,6 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=None, help="decode threads on both sides (default: the cores available)")
+    parser.add_argument("--images", type=int, default=None, help="images per build (default 32; 16 with --quick)")
     args = parser.parse_args(sys.argv[1:])
-    run_report(quick=args.quick, runs=args.runs, workers=args.workers)
+    run_report(quick=args.quick, runs=args.runs, workers=args.workers, images=args.images)
