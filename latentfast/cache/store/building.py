@@ -177,14 +177,19 @@ class _Run:
 
     def find_one(self, h: int) -> list[int]:
         """The items of the records equal to ``h`` (:meth:`find` of one hash, without numpy's per-call costs)."""
-        block = max(int(np.searchsorted(self.fence, h, side="left")) - 1, 0)
-        lo = block * self.stride
-        keys = self.records[lo: min(lo + self.stride + 1, self.count), 0]
-        at = lo + int(np.searchsorted(keys, h, side="left"))
+        h = np.uint64(h)  # (once: numpy converts a Python int above 2^63 slowly at every call)
+        lo = max(int(self.fence.searchsorted(h)) - 1, 0) * self.stride
+        stretch = self.records[lo: lo + self.stride + 1]
+        at = int(stretch[:, 0].searchsorted(h))
         found = []
-        while at < self.count and int(self.records[at, 0]) == h:
-            found.append(int(self.records[at, 1]) - 1)
+        while at < len(stretch) and stretch[at, 0] == h:
+            found.append(int(stretch[at, 1]) - 1)
             at += 1
+        if at == len(stretch) and found:  # (equal records past the stretch: a true 64-bit collision)
+            at += lo
+            while at < self.count and self.records[at, 0] == h:
+                found.append(int(self.records[at, 1]) - 1)
+                at += 1
         return found
 
 
