@@ -22,7 +22,7 @@ import pytest
 from latentfast.cache import LatentCache, LatentCacheWriter
 from latentfast.cache.store import durable, keytable, tables
 from latentfast.cache.store import format as fmt
-from latentfast.cache.store.building import Column, HashSlots
+from latentfast.cache.store.building import Column, HashRuns
 from latentfast.errors import CacheCorruptError, CacheError, InvalidArgumentError
 from latentfast.sampling import key_hash
 
@@ -141,8 +141,8 @@ def test_bucketed_hash_sort_is_the_stable_argsort(n, chunk):
     assert np.array_equal(out_r, order) and np.array_equal(out_h, hashes[order])
 
 
-def test_hash_slots_find_every_item_through_growth_and_collisions(tmp_path):
-    slots = HashSlots(str(tmp_path / "slots"), slots=8)
+def test_hash_runs_find_every_item_through_growth_and_collisions(tmp_path):
+    slots = HashRuns(str(tmp_path / "slots"), memory_slots=64, chunk=7, stride=4, fence_max=8)
     rng = np.random.default_rng(0)
     hashes = rng.integers(0, 2**64, 3000, dtype=np.uint64)
     hashes[100:200] = hashes[7]  # a run of equal hashes (true 64-bit collisions)
@@ -151,7 +151,7 @@ def test_hash_slots_find_every_item_through_growth_and_collisions(tmp_path):
         slots.add(hashes[s: min(2000, s + 333)], np.arange(s, min(2000, s + 333)))
     for i in range(2000, 3000):
         slots.add_one(int(hashes[i]), i)
-    assert slots.count == 3000 and slots.mask + 1 >= 6000
+    assert slots.count == 3000 and len(slots._runs) > 1  # (entries in the memory table and in merged runs)
     which, found = slots.find(hashes)
     pairs = set(zip(which.tolist(), found.tolist()))
     for i in range(3000):

@@ -23,7 +23,7 @@ from fields_scenarios import SCENARIOS, write_one_by_one
 from latentfast.cache import LatentCache, LatentCacheWriter
 from latentfast.cache.store import durable
 from latentfast.cache.store import format as fmt
-from latentfast.cache.store.building import Column, HashSlots
+from latentfast.cache.store.building import Column, HashRuns
 from latentfast.cache.store.fields import entry_text, field_path
 from latentfast.cache.store.writer import record_lines
 from latentfast.errors import CacheCorruptError, InvalidArgumentError, NonFiniteError
@@ -311,8 +311,8 @@ def test_batches_of_records_are_checked_before_anything_is_written(tmp_path):
     assert cache.record(1)["text"].tolist() == [0, 0] and "text" not in cache.record(0) and cache.record(2)["pooled"].tolist() == [1, 1]
 
 
-def test_hash_slots_retain_keeps_the_items_below_the_cut(tmp_path):
-    slots = HashSlots(str(tmp_path / "slots"), slots=8)
+def test_hash_runs_retain_keeps_the_items_below_the_cut(tmp_path):
+    slots = HashRuns(str(tmp_path / "slots"), memory_slots=64, chunk=7, stride=4, fence_max=8)
     rng = np.random.default_rng(5)
     hashes = rng.integers(0, 2**64, 2000, dtype=np.uint64)
     hashes[500:600] = hashes[3]  # equal hashes across the cut

@@ -41,7 +41,7 @@ import torch
 
 from ...errors import AbsentValueError, CacheCorruptError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
-from .building import Column, HashSlots
+from .building import Column, HashRuns
 from .durable import NpyFile, Written, pwrite_all
 from .layout import holding_items, map_units
 
@@ -120,7 +120,7 @@ class FieldStore:
         self.crcs = Column(base + "crcs", np.uint32)
         self.present = Column(base + "present", np.uint8)
         self.values = Column(base + "values", np.int64, 4)  # offset, byte count, CRC-32, the item that stored it
-        self.slots = HashSlots(base + "slots")  # a value's hash -> its row of ``values``
+        self.slots = HashRuns(base + "slots", memory_slots=1 << 16)  # a value's hash -> its row of ``values`` (1 MiB: one a field)
 
     @property
     def items(self) -> int:

@@ -45,7 +45,7 @@ import torch
 from ...errors import ArgumentTypeError, CacheCorruptError, CacheError, InvalidArgumentError, NonFiniteError
 from . import format as fmt
 from . import keytable, tables
-from .building import Column, HashSlots
+from .building import Column, HashRuns
 from .fields import LATENT, FieldStore, as_stored, check_declared, check_name, entry_text, field_path
 from .durable import (HASH_BYTES, BuildLock, DurableFile, NpyFile, Written, append_lines, file_size, item_lines, iter_log, log_bytes,
                       publish, pwrite_all, rewrite_log, rewrite_log_prefix)
@@ -191,7 +191,7 @@ class LatentCacheWriter:
         self._partial = fmt.partial_path(self._paths["data"])
         self._building = os.path.join(self.out_dir, f".{split}.latents.building")  # the per-item tables (building.py)
         self._tables: dict[str, Column] = {}
-        self._slots: HashSlots | None = None
+        self._slots: HashRuns | None = None
         self._first: dict | None = None  # the first item's key, shape, dtype and whether it is a record of fields
         self._n = 0  # items written (logged ones first)
         self._logged = 0  # items already in the progress log
@@ -302,7 +302,7 @@ class LatentCacheWriter:
         shutil.rmtree(self._building, ignore_errors=True)
         os.makedirs(self._building)
         self._tables = {name: Column(os.path.join(self._building, name), dtype, width) for name, dtype, width in _TABLES}
-        self._slots = HashSlots(os.path.join(self._building, "key_slots"))
+        self._slots = HashRuns(os.path.join(self._building, "key_slots"))
         self._first, self._n, self._end, self._key_end, self._info_end, self._hashed, self._with_info = None, 0, 0, 0, 0, 0, 0
         self._pending = []
 
