@@ -14,7 +14,6 @@ build rebuilds them from the log, and one that finishes reads them back into the
 """
 from __future__ import annotations
 
-import mmap
 import os
 
 import numpy as np
