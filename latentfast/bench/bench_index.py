@@ -206,7 +206,7 @@ def run_report(quick: bool = False, runs: int = 3) -> dict:
 
 # ---- at scale: caches of 10^6 to 10^8 items, what a training job pays in each process --------------------
 SCALE_SIZES = (10**6, 10**7, 10**8)
-SCALE_DIR = "/work/scratch/index1e8"
+SCALE_DIR = os.path.join(tempfile.gettempdir(), "latentfast_index_scale")  # (--dir: the caches are kept there, reused)
 WORKERS = 8
 WORKER_BATCHES = 4  # keyed batches of BATCH random items each worker reads
 PLAN_EPOCHS = 3
@@ -521,7 +521,6 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def _option(name: str, default):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
-
 
 
 def test_open_and_lookups(benchmark):
