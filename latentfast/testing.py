@@ -373,6 +373,26 @@ class FaultProxy:
         return server
 
 
+def peak_gets_in_flight(monkeypatch) -> list[int]:
+    """Patch :meth:`ObjectFolder.get_range` (through ``monkeypatch``) to count the ranged GETs in flight at
+    once; returns ``[peak]``, updated as they run (they all run on the one fetching loop: no lock needed)."""
+    from .cache.remote.storage import ObjectFolder
+
+    in_flight, peak = [0], [0]
+    get_range = ObjectFolder.get_range
+
+    async def counted(self, *args):
+        in_flight[0] += 1
+        peak[0] = max(peak[0], in_flight[0])
+        try:
+            return await get_range(self, *args)
+        finally:
+            in_flight[0] -= 1
+
+    monkeypatch.setattr(ObjectFolder, "get_range", counted)
+    return peak
+
+
 @contextlib.contextmanager
 def s3_with_objects(folder: str, url: str, files: dict):
     """:func:`s3_server` holding ``files`` (name -> bytes) under ``url`` (``s3://bucket/prefix``),

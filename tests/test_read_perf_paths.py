@@ -341,14 +341,19 @@ def test_fresh_line_batches_over_recycled_poisoned_maps_equal_the_rows(tmp_path,
                 del latents  # its map goes back, full of NaN, for the next batch
 
 
+def shaped_cache(folder, items) -> LatentCache:
+    """A shaped cache of ``items`` (latents of any shape), keys ``k000``, ``k001``, ..."""
+    with LatentCacheWriter(folder) as writer:
+        for i, z in enumerate(items):
+            writer.append(f"k{i:03d}", {"latent": z})
+    return LatentCache(folder)
+
+
 def test_fresh_shaped_batches_over_recycled_poisoned_maps_equal_the_items(tmp_path):
     """64 items of [16, 64, 64] bfloat16 (8 MiB: bench_loader's shaped rows), fresh, in each dtype."""
     g = torch.Generator().manual_seed(8)
     items = [torch.randn((16, 64, 64), generator=g).bfloat16() for _ in range(80)]
-    with LatentCacheWriter(tmp_path / "shaped") as writer:
-        for i, z in enumerate(items):
-            writer.append(f"k{i:03d}", {"latent": z})
-    cache = LatentCache(tmp_path / "shaped")
+    cache = shaped_cache(tmp_path / "shaped", items)
     rng = np.random.default_rng(9)
     for dtype in (None, None, torch.float32, torch.float16):
         indices = rng.choice(80, 64, replace=False)
@@ -382,10 +387,7 @@ def test_shaped_bfloat16_batch_into_a_given_misaligned_poisoned_tensor(tmp_path,
     boundary, NaN-filled, guarded: equal to the items, nothing written outside it."""
     g = torch.Generator().manual_seed(10)
     items = [torch.randn((3, 5, 7), generator=g).bfloat16() for _ in range(20)]
-    with LatentCacheWriter(tmp_path / "shaped") as writer:
-        for i, z in enumerate(items):
-            writer.append(f"k{i:03d}", {"latent": z})
-    cache = LatentCache(tmp_path / "shaped")
+    cache = shaped_cache(tmp_path / "shaped", items)
     indices = [4, 19, 0, 4, 11]
     want = torch.stack([items[i] for i in indices])
     out, buffer = guarded_out((5, 3, 5, 7), torch.bfloat16 if dtype is None else dtype, shift=3)

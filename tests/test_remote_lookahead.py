@@ -20,10 +20,9 @@ pytest.importorskip("moto.server", reason="the loopback S3 server is moto[server
 from latentfast.cache import LatentCache, LatentCacheWriter
 from latentfast.cache.remote import push
 from latentfast.cache.remote.files import RemoteShards
-from latentfast.cache.remote.storage import ObjectFolder
 from latentfast.cache.store import shards as shardstore
 from latentfast.cache.store.layout import item_spans
-from latentfast.testing import FaultProxy, create_bucket, s3_options, s3_server
+from latentfast.testing import FaultProxy, create_bucket, peak_gets_in_flight, s3_options, s3_server
 from test_remote_latent_cache import assert_same  # noqa: E402
 
 SHARDS, PER_SHARD = 4, 48
@@ -96,18 +95,7 @@ def test_a_prefetch_opens_the_new_shards_of_its_batch_at_once(server, tmp_path, 
 
 def test_the_shards_share_one_limit_of_gets_in_flight(server, tmp_path, monkeypatch):
     endpoint, folder = server
-    in_flight, peak = [0], [0]
-    get_range = ObjectFolder.get_range
-
-    async def counted(self, *args):  # (on the one fetching loop: no lock needed)
-        in_flight[0] += 1
-        peak[0] = max(peak[0], in_flight[0])
-        try:
-            return await get_range(self, *args)
-        finally:
-            in_flight[0] -= 1
-
-    monkeypatch.setattr(ObjectFolder, "get_range", counted)
+    peak = peak_gets_in_flight(monkeypatch)
     batches = spanning_batches(2, seed=1)
     with FaultProxy(endpoint, fault_all="slow:0.05") as proxy:  # GETs slow enough to pile up behind the limit
         options = s3_options(proxy.endpoint)

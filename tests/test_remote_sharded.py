@@ -26,7 +26,7 @@ from latentfast.cache.remote.storage import ObjectFolder
 from latentfast.cache.store import shards as shardstore
 from latentfast.cache import inspect_cache, verify_cache
 from latentfast.errors import InvalidArgumentError
-from latentfast.testing import FaultProxy, create_bucket, s3_options, s3_server
+from latentfast.testing import FaultProxy, create_bucket, peak_gets_in_flight, s3_options, s3_server
 from test_remote_latent_cache import assert_same  # noqa: E402
 
 SHARDS = 3
@@ -118,18 +118,7 @@ def test_a_batch_over_shards_fetches_every_shard_at_once_and_nothing_when_warm(s
     endpoint, folder, _ = server
     local = LatentCache(folder)
     batch = [int(np.flatnonzero(local.order[:, 0] == k)[0]) for k in range(SHARDS)]  # one item in each shard
-    in_flight, peak = [0], [0]
-    get_range = ObjectFolder.get_range
-
-    async def counted(self, *args):
-        in_flight[0] += 1
-        peak[0] = max(peak[0], in_flight[0])
-        try:
-            return await get_range(self, *args)
-        finally:
-            in_flight[0] -= 1
-
-    monkeypatch.setattr(ObjectFolder, "get_range", counted)
+    peak = peak_gets_in_flight(monkeypatch)
     with FaultProxy(endpoint, fault_all="slow:0.3") as proxy:  # every GET slow: fetched one shard after another, one at a time
         cache = remote(proxy.endpoint, "sharded", tmp_path)
         assert_same(cache.read_batch(batch, **FIELDS), local.read_batch(batch, **FIELDS))
