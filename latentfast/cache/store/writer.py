@@ -23,8 +23,8 @@ completion mark) last, each step durable. An exclusive lock on the split
 
 Bounded memory: the writer's per-item state lives in the progress log and in the tables of its build
 folder ``.{split}.latents.building`` (:mod:`~latentfast.cache.store.building`: shapes, CRCs, source
-hashes, info and keys appended to files, a mapped hash table of key hashes for the duplicate-key
-check; per record field its spans, CRCs and presence, its distinct values and a mapped hash table of
+hashes, info and keys appended to files, a bounded table of key hashes (memory, then sorted runs) for the
+duplicate-key check; per record field its spans, CRCs and presence, its distinct values and such a table of
 their hashes for storing equal values once), never in Python lists or dicts; resuming rebuilds the
 tables from the log, and ``finish`` streams the index files from them.
 """
@@ -167,7 +167,7 @@ class LatentCacheWriter:
     Memory: the writer holds no per-item Python objects. Each item's shape, CRC-32, source hash,
     info and key go to tables in files of its build folder ``.{split}.latents.building`` (see
     :mod:`~latentfast.cache.store.building`), the duplicate-key check looks the key's 64-bit hash up
-    in a mapped hash table and compares the key bytes of a hit, a record field's values go to the
+    in a bounded table of hashes (:class:`~latentfast.cache.store.building.HashRuns`) and compares the key bytes of a hit, a record field's values go to the
     field's tables there (:class:`~latentfast.cache.store.fields.FieldStore`), and the log lines of
     items not yet flushed are held until :meth:`flush` (at most ``flush_every`` items, or one
     ``append_many`` batch). So the writer's own memory is the same at 10^3 and 10^9 items, with
